@@ -1,0 +1,71 @@
+"""Errors of the producer package; each class docstring is its default message."""
+
+from __future__ import annotations
+
+
+class TaskqError(Exception):
+    """A task queue operation failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class UnknownTaskTypeError(TaskqError, LookupError):
+    """No schema is registered for this task type and none was given to the producer."""
+
+
+class InvalidPriorityError(TaskqError, ValueError):
+    """The priority is not one of critical, high, normal, low."""
+
+
+class InvalidTaskError(TaskqError, ValueError):
+    """An enqueue argument (delay, timeout, max_attempts, keys) is invalid."""
+
+
+class PayloadTooLargeError(TaskqError, ValueError):
+    """The encoded payload is larger than the producer's limit."""
+
+
+class QueueFullError(TaskqError):
+    """A priority tier is over its depth limit; the task was not enqueued."""
+
+    def __init__(self, priority: str, depth: int, limit: int) -> None:
+        super().__init__(
+            f"tier {priority!r} holds {depth} unprocessed tasks, over its depth limit of {limit}; "
+            "the task was not enqueued (retry later or raise the limit)"
+        )
+        self.priority = priority
+        self.depth = depth
+        self.limit = limit
+
+
+class RateLimitedError(TaskqError):
+    """A rate limit is exhausted; the task was not enqueued."""
+
+    def __init__(self, bucket: str, retry_after: float) -> None:
+        super().__init__(
+            f"rate limit {bucket!r} is exhausted; the task was not enqueued, retry after {retry_after:.3f}s"
+        )
+        self.bucket = bucket
+        self.retry_after = retry_after
+
+
+class DeliveryError(TaskqError):
+    """The broker did not acknowledge one or more tasks."""
+
+    def __init__(self, message: str | None = None, *, failures: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        #: (task id, error) for each task the broker did not take.
+        self.failures = failures or []
+
+
+class KafkaUnavailableError(TaskqError):
+    """Kafka could not be reached or refused the operation."""
+
+
+class StoreUnavailableError(TaskqError):
+    """Postgres could not be reached or failed the statement."""
+
+
+class ProducerClosedError(TaskqError):
+    """The producer is closed."""

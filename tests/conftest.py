@@ -1,0 +1,168 @@
+"""Fixtures: the real stack (started once per session if nothing answers) and a namespace per test."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from producer.admin import create_topics  # noqa: E402
+from producer.config import Settings  # noqa: E402
+from producer.db import Database  # noqa: E402
+from producer.kafka import Admin  # noqa: E402
+
+_VARS = ("TASKQ_BOOTSTRAP_SERVERS", "TASKQ_SCHEMA_REGISTRY_URL", "TASKQ_DATABASE_URL")
+
+
+def _answers(env: dict[str, str]) -> bool:
+    try:
+        host, port = env["TASKQ_BOOTSTRAP_SERVERS"].split(",")[0].rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=2).close()
+        db = urlparse(env["TASKQ_DATABASE_URL"])
+        socket.create_connection((db.hostname or "127.0.0.1", db.port or 5432), timeout=2).close()
+        with urllib.request.urlopen(env["TASKQ_SCHEMA_REGISTRY_URL"].rstrip("/") + "/subjects", timeout=5) as r:
+            return bool(r.status == 200)
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+def _from_stack_script() -> dict[str, str]:
+    out = subprocess.run(
+        [str(REPO / "compose" / "stack"), "up"], check=False, stdout=subprocess.PIPE, text=True, timeout=900
+    )
+    if out.returncode != 0:
+        pytest.exit(f"compose/stack up failed with exit code {out.returncode} (its stderr says why)", returncode=3)
+    env = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("export ") and "=" in line:
+            name, _, value = line[len("export ") :].partition("=")
+            env[name] = value.strip().strip("'\"")
+    return env
+
+
+def _from_containers() -> dict[str, str]:  # pragma: no cover - needs a Docker engine, which CI here lacks
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.waiting_utils import wait_for_logs
+    from testcontainers.kafka import KafkaContainer
+    from testcontainers.postgres import PostgresContainer
+
+    pg = PostgresContainer("postgres:15", dbname="taskq").start()
+    kafka = KafkaContainer("apache/kafka:4.1.1").with_kraft().start()
+    registry = DockerContainer("apicurio/apicurio-registry:3.3.3").with_exposed_ports(8080).start()
+    wait_for_logs(registry, "Listening on", timeout=120)
+    port = registry.get_exposed_port(8080)
+    return {
+        "TASKQ_BOOTSTRAP_SERVERS": kafka.get_bootstrap_server(),
+        "TASKQ_SCHEMA_REGISTRY_URL": f"http://{registry.get_container_host_ip()}:{port}/apis/ccompat/v7",
+        "TASKQ_DATABASE_URL": pg.get_connection_url(driver=None),
+    }
+
+
+@pytest.fixture(scope="session")
+def stack_env() -> dict[str, str]:
+    """TASKQ_* variables of a running stack: from the environment, else `compose/stack up`."""
+    env = {k: os.environ[k] for k in _VARS if os.environ.get(k)}
+    if len(env) == len(_VARS) and _answers(env):
+        return env
+    if os.environ.get("TASKQ_TEST_STACK") == "containers":
+        return _from_containers()
+    env = _from_stack_script()
+    if not _answers(env):
+        pytest.exit(f"the stack started but does not answer at {env}", returncode=3)
+    os.environ.update(env)
+    return env
+
+
+@pytest.fixture(scope="session")
+def base_settings(stack_env: dict[str, str]) -> Settings:
+    """Settings of the running stack, in the default namespace."""
+    return Settings.from_env(stack_env)
+
+
+@pytest.fixture
+def ns() -> str:
+    """A fresh namespace (topic prefix, group, database schema) for one test."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def settings(base_settings: Settings, ns: str) -> Iterator[Settings]:
+    """Settings in the test's own namespace, with its topics created and its database schema migrated."""
+    s = Settings.from_env(
+        {
+            "TASKQ_BOOTSTRAP_SERVERS": base_settings.bootstrap_servers,
+            "TASKQ_SCHEMA_REGISTRY_URL": base_settings.schema_registry_url,
+            "TASKQ_DATABASE_URL": base_settings.database_url,
+        },
+        namespace=ns,
+        database_schema=ns,
+    )
+    create_topics(s, partitions=3)
+    db = Database(s.database_url, schema=s.database_schema)
+    db.migrate()
+    yield s
+    db.drop_schema()
+    admin = Admin(s)
+    admin.delete_topics([t for t in admin.partitions(_all_topics(s))])
+
+
+def _all_topics(s: Settings) -> list[str]:
+    from producer.envelope import Topics
+
+    t = Topics(s.namespace, s.delay_tiers)
+    return [*t.priority_topics, *t.delay_topics, t.dlq]
+
+
+@pytest.fixture
+def env_of(settings: Settings) -> Callable[..., dict[str, str]]:
+    """Environment for a subprocess (CLI, worker) in the test's namespace."""
+
+    def make(**extra: str) -> dict[str, str]:
+        return {
+            **os.environ,
+            "TASKQ_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
+            "TASKQ_SCHEMA_REGISTRY_URL": settings.schema_registry_url,
+            "TASKQ_DATABASE_URL": settings.database_url,
+            "TASKQ_NAMESPACE": settings.namespace,
+            "TASKQ_DATABASE_SCHEMA": settings.database_schema,
+            "PYTHONPATH": str(REPO),
+            **extra,
+        }
+
+    return make
+
+
+@pytest.fixture
+def task_schema(ns: str, tmp_path: Path) -> Callable[..., dict[str, Any]]:
+    """Make a record schema in the test's own Avro namespace (so subjects never collide between tests)."""
+
+    def make(name: str, fields: list[dict[str, Any]], *, write_to: str | None = None) -> dict[str, Any]:
+        schema = {"type": "record", "name": name, "namespace": ns, "fields": fields}
+        if write_to:
+            (tmp_path / write_to).write_text(json.dumps(schema))
+        return schema
+
+    return make
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark tests by folder, so `-m 'not integration'` runs the unit tests alone."""
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        if "integration" in parts:
+            item.add_marker(pytest.mark.integration)
+        elif "acceptance" in parts:
+            item.add_marker(pytest.mark.acceptance)
