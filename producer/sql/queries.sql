@@ -16,3 +16,89 @@ ON CONFLICT (name) DO UPDATE SET
             b.tokens + GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - b.updated_at)) * b.rate))),
     updated_at = clock_timestamp()
 RETURNING last_granted AS granted, tokens, rate;
+
+-- name: claim
+-- Claim idempotency keys for one attempt each, in one round trip. A key is claimed when it is new, failed,
+-- dead (replayed), or running under an expired lease; claiming counts the attempt before the task runs, so a
+-- task that kills its worker still uses up its attempts. Rows of completed keys and of keys leased by a live
+-- worker come back with their state so the worker can skip or hold them.
+WITH input AS (
+    SELECT * FROM unnest(%(keys)s::text[], %(task_ids)s::text[], %(task_types)s::text[], %(leases)s::float8[])
+        AS i(idempotency_key, task_id, task_type, lease_seconds)
+), claimed AS (
+    INSERT INTO taskq_tasks AS t
+        (idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at, updated_at)
+    SELECT idempotency_key, task_id, task_type, 'running', 1, %(owner)s,
+           clock_timestamp() + lease_seconds * interval '1 second', clock_timestamp()
+    FROM input
+    ON CONFLICT (idempotency_key) DO UPDATE SET
+        state = 'running',
+        attempts = t.attempts + 1,
+        task_id = EXCLUDED.task_id,
+        lease_owner = EXCLUDED.lease_owner,
+        lease_expires_at = EXCLUDED.lease_expires_at,
+        updated_at = EXCLUDED.updated_at
+    WHERE t.state IN ('failed', 'dead') OR (t.state = 'running' AND t.lease_expires_at < clock_timestamp())
+    RETURNING t.idempotency_key, t.attempts
+)
+SELECT i.idempotency_key,
+       CASE WHEN c.idempotency_key IS NOT NULL THEN 'claimed' ELSE t.state END AS outcome,
+       COALESCE(c.attempts, t.attempts) AS attempts,
+       t.lease_owner,
+       EXTRACT(EPOCH FROM t.lease_expires_at - clock_timestamp()) AS lease_left
+FROM input i
+LEFT JOIN claimed c ON c.idempotency_key = i.idempotency_key
+LEFT JOIN taskq_tasks t ON t.idempotency_key = i.idempotency_key;
+
+-- name: complete
+-- Record completions. Only the lease holder's current attempt may complete a key: a late attempt whose
+-- lease was taken over completes nothing (and, in a handler's transaction, rolls its effect back).
+UPDATE taskq_tasks t SET
+    state = 'completed', result = c.result, completed_at = clock_timestamp(), updated_at = clock_timestamp(),
+    lease_owner = NULL, lease_expires_at = NULL, last_error = NULL
+FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(results)s::jsonb[]) AS c(idempotency_key, attempts, result)
+WHERE t.idempotency_key = c.idempotency_key AND t.state = 'running'
+  AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
+RETURNING t.idempotency_key;
+
+-- name: fail
+-- Record failed attempts: 'failed' stays retryable, 'dead' was dead-lettered. Same lease guard as complete.
+UPDATE taskq_tasks t SET
+    state = c.state, last_error = c.error, updated_at = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL
+FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(states)s::text[], %(errors)s::text[])
+    AS c(idempotency_key, attempts, state, error)
+WHERE t.idempotency_key = c.idempotency_key AND t.state = 'running'
+  AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
+RETURNING t.idempotency_key;
+
+-- name: release
+-- Give back claims whose tasks never started (partition revoked, shutdown): the attempt did not happen.
+UPDATE taskq_tasks t SET
+    state = 'failed', attempts = t.attempts - 1, lease_owner = NULL, lease_expires_at = NULL,
+    updated_at = clock_timestamp()
+FROM unnest(%(keys)s::text[], %(attempts)s::int[]) AS c(idempotency_key, attempts)
+WHERE t.idempotency_key = c.idempotency_key AND t.state = 'running'
+  AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
+RETURNING t.idempotency_key;
+
+-- name: reset_for_replay
+-- A DLQ replay starts the key's attempts over; a completed key stays completed (no second effect).
+UPDATE taskq_tasks SET attempts = 0, state = 'failed', updated_at = clock_timestamp()
+WHERE idempotency_key = %(key)s AND state = 'dead'
+RETURNING idempotency_key;
+
+-- name: get
+SELECT idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at, last_error, result,
+       created_at, updated_at, completed_at
+FROM taskq_tasks WHERE idempotency_key = %(key)s;
+
+-- name: purge
+-- Forget finished keys older than the TTL, a bounded batch at a time so the table is never locked for long.
+DELETE FROM taskq_tasks WHERE ctid IN (
+    SELECT ctid FROM taskq_tasks
+    WHERE state IN ('completed', 'dead') AND updated_at < clock_timestamp() - %(ttl_seconds)s * interval '1 second'
+    LIMIT %(batch)s
+);
+
+-- name: counts
+SELECT state, count(*) AS n FROM taskq_tasks GROUP BY state;

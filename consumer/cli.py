@@ -1,0 +1,249 @@
+"""The `taskq` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from producer.config import Settings
+from producer.durations import parse_duration
+from producer.envelope import PRIORITIES
+from producer.errors import TaskqError
+from schemas.errors import SchemaError
+
+
+def _print(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, default=str) if args.json else text, flush=True)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {}
+    if getattr(args, "namespace", None):
+        overrides["namespace"] = args.namespace
+    return Settings.from_env(**overrides)
+
+
+# ------------------------------------------------------------------------------------------------ topics
+def cmd_topics_create(args: argparse.Namespace) -> int:
+    from producer.admin import create_topics
+
+    created = create_topics(_settings(args), partitions=args.partitions, replication=args.replication)
+    lines = [f"{'created' if new else 'exists '}  {name}" for name, new in sorted(created.items())]
+    _print(args, created, "\n".join(lines))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- schemas
+def cmd_schemas_register(args: argparse.Namespace) -> int:
+    from schemas import Registry, load_schema
+
+    registry = Registry(_settings(args).schema_registry_url)
+    out = []
+    for path in args.paths:
+        reg = registry.register(load_schema(path))
+        out.append({"subject": reg.subject, "version": reg.version, "id": reg.schema_id, "path": str(path)})
+    _print(args, out, "\n".join(f"{o['subject']}  version {o['version']}  id {o['id']}  ({o['path']})" for o in out))
+    return 0
+
+
+def cmd_schemas_list(args: argparse.Namespace) -> int:
+    from schemas import Registry
+
+    registry = Registry(_settings(args).schema_registry_url)
+    rows = []
+    for subject in sorted(registry.subjects()):
+        latest = registry.latest(subject)
+        rows.append({"subject": subject, "latest_version": latest.version, "id": latest.schema_id})
+    _print(args, rows, "\n".join(f"{r['subject']}  v{r['latest_version']}  id {r['id']}" for r in rows))
+    return 0
+
+
+def cmd_schemas_check(args: argparse.Namespace) -> int:
+    from schemas import Registry, load_schema
+
+    registry = Registry(_settings(args).schema_registry_url)
+    results = []
+    for path in args.paths:
+        schema = load_schema(path)
+        results.append({"path": str(path), "subject": _full_name(schema), "compatible": registry.check(schema)})
+    _print(
+        args,
+        results,
+        "\n".join(f"{'compatible  ' if r['compatible'] else 'INCOMPATIBLE'}  {r['subject']}  ({r['path']})" for r in results),
+    )
+    return 0 if all(r["compatible"] for r in results) else 1
+
+
+def _full_name(schema: dict[str, Any]) -> str:
+    from schemas import full_name
+
+    return full_name(schema)
+
+
+# ----------------------------------------------------------------------------------------------- enqueue
+def cmd_enqueue(args: argparse.Namespace) -> int:
+    from producer.producer import TaskProducer
+
+    try:
+        payload = json.loads(args.json_payload)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"taskq enqueue: --json is not valid JSON: {exc}") from None
+    with TaskProducer(_settings(args)) as producer:
+        receipt = producer.enqueue(
+            args.task_type,
+            payload,
+            priority=args.priority,
+            key=args.key,
+            idempotency_key=args.idempotency_key,
+            delay=parse_duration(args.delay) if args.delay else None,
+            max_attempts=args.max_attempts,
+            timeout=args.timeout,
+            wait=True,
+        )
+    data = {
+        "task_id": receipt.task_id,
+        "topic": receipt.topic,
+        "partition": receipt.partition,
+        "offset": receipt.offset,
+        "idempotency_key": receipt.idempotency_key,
+        "not_before": receipt.not_before.isoformat() if receipt.not_before else None,
+    }
+    _print(args, data, f"{receipt.task_id}  {receipt.topic}")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- bench
+def cmd_bench_produce(args: argparse.Namespace) -> int:
+    from producer.producer import TaskProducer
+    from schemas import Registry, load_schema
+
+    settings = _settings(args)
+    schema_path = Path(__file__).resolve().parent.parent / "schemas" / "demo" / "send_email.avsc"
+    schema = load_schema(schema_path)
+    Registry(settings.schema_registry_url).register(schema)
+    from producer.admin import create_topics
+
+    create_topics(settings)
+    n = args.count
+    latencies: list[float] = []
+    with TaskProducer(settings) as producer:
+        producer.enqueue("demo.SendEmail", {"to": "warm@example.com", "subject": "warm-up"}, wait=True)
+        started = time.perf_counter()
+        for i in range(n):
+            t0 = time.perf_counter()
+            producer.enqueue(
+                "demo.SendEmail",
+                {"to": f"user{i}@example.com", "subject": "bench", "body": "x" * args.body_bytes},
+                priority=PRIORITIES[i % 4],
+                idempotency_key=f"bench:{started}:{i}",
+            )
+            latencies.append(time.perf_counter() - t0)
+        accepted = time.perf_counter() - started
+        producer.flush()
+        acked = time.perf_counter() - started
+    latencies.sort()
+
+    def pct(p: float) -> float:
+        return latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1e6
+
+    data = {
+        "tasks": n,
+        "accept_rate_per_s": n / accepted,
+        "acked_rate_per_s": n / acked,
+        "enqueue_us": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": latencies[-1] * 1e6},
+        "mean_us": statistics.fmean(latencies) * 1e6,
+    }
+    _print(
+        args,
+        data,
+        f"{n} tasks: {data['acked_rate_per_s']:.0f} tasks/s acknowledged ({data['accept_rate_per_s']:.0f}/s accepted); "
+        f"enqueue latency p50 {data['enqueue_us']['p50']:.0f} us, p90 {data['enqueue_us']['p90']:.0f} us, "
+        f"p99 {data['enqueue_us']['p99']:.0f} us",
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- db
+def cmd_db_migrate(args: argparse.Namespace) -> int:
+    from producer.db import Database
+
+    s = _settings(args)
+    applied = Database(s.database_url, schema=s.database_schema).migrate()
+    _print(args, applied, "\n".join(f"applied {m}" for m in applied) or "up to date")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every taskq command."""
+    p = argparse.ArgumentParser(prog="taskq", description="A distributed task queue on Kafka.")
+    p.add_argument("--namespace", help="topic prefix (default: TASKQ_NAMESPACE or 'taskq')")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def leaf(parent: Any, name: str, fn: Any, help: str, *, json_flag: bool = True) -> argparse.ArgumentParser:
+        sp: argparse.ArgumentParser = parent.add_parser(name, help=help, description=help)
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="print JSON")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    topics = sub.add_parser("topics", help="provision topics").add_subparsers(dest="sub", required=True)
+    sp = leaf(topics, "create", cmd_topics_create, "create the priority, delay-tier and DLQ topics (idempotent)")
+    sp.add_argument("--partitions", type=int, default=6)
+    sp.add_argument("--replication", type=int, default=1)
+
+    schemas = sub.add_parser("schemas", help="task type schemas").add_subparsers(dest="sub", required=True)
+    sp = leaf(schemas, "register", cmd_schemas_register, "register .avsc files under their record names")
+    sp.add_argument("paths", nargs="+", type=Path)
+    leaf(schemas, "list", cmd_schemas_list, "list registered task types")
+    sp = leaf(schemas, "check", cmd_schemas_check, "check .avsc files against the registry (exit 1 if incompatible)")
+    sp.add_argument("paths", nargs="+", type=Path)
+
+    sp = leaf(sub, "enqueue", cmd_enqueue, "enqueue one task and wait for the broker's acknowledgement", json_flag=False)
+    sp.add_argument("task_type")
+    sp.add_argument("--json", dest="json_payload", required=True, metavar="PAYLOAD", help="the payload as JSON")
+    sp.add_argument("--output-json", dest="json", action="store_true", help="print the receipt as JSON")
+    sp.add_argument("--priority", default="normal", choices=PRIORITIES)
+    sp.add_argument("--key")
+    sp.add_argument("--idempotency-key")
+    sp.add_argument("--delay", help="e.g. 30s, 5m")
+    sp.add_argument("--max-attempts", type=int)
+    sp.add_argument("--timeout", type=float)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="sub", required=True)
+    sp = leaf(bench, "produce", cmd_bench_produce, "enqueue N tasks as fast as the API allows")
+    sp.add_argument("-n", "--count", type=int, default=50_000)
+    sp.add_argument("--body-bytes", type=int, default=100)
+
+    db = sub.add_parser("db", help="the Postgres store").add_subparsers(dest="sub", required=True)
+    leaf(db, "migrate", cmd_db_migrate, "apply pending migrations")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `taskq` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.fn(args))
+    except (TaskqError, SchemaError, ValueError) as exc:
+        print(f"taskq: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
