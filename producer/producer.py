@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -83,6 +84,10 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, Decimal | UUID):
         return str(value)
     raise TypeError(f"cannot derive an idempotency key from a {type(value).__name__}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def derive_idempotency_key(task_type: str, payload: Mapping[str, Any]) -> str:
@@ -201,11 +206,13 @@ class TaskProducer:
         priority = self._check_priority(spec.priority)
         if not isinstance(spec.task_type, str) or not spec.task_type:
             raise InvalidTaskError(f"task_type must be a non-empty string, got {spec.task_type!r}")
-        if spec.max_attempts is not None and (not isinstance(spec.max_attempts, int) or spec.max_attempts < 1):
-            raise InvalidTaskError(f"max_attempts must be an integer >= 1, got {spec.max_attempts!r}")
+        attempts = spec.max_attempts
+        # bool is an int to Python, but max_attempts=True is a mistake, not "one attempt".
+        if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1):
+            raise InvalidTaskError(f"max_attempts must be an integer >= 1, got {attempts!r}")
         timeout = spec.timeout.total_seconds() if isinstance(spec.timeout, timedelta) else spec.timeout
-        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
-            raise InvalidTaskError(f"timeout must be a positive number of seconds, got {spec.timeout!r}")
+        if timeout is not None and not (_is_number(timeout) and 0 < timeout < math.inf):
+            raise InvalidTaskError(f"timeout must be a positive, finite number of seconds, got {spec.timeout!r}")
         not_before = self._not_before(spec.delay, now)
         tt = self._task_type(spec.task_type)
         avro.validate(tt.parsed, spec.payload, task_type=spec.task_type)
@@ -248,10 +255,12 @@ class TaskProducer:
             if delay.tzinfo is None:
                 raise InvalidTaskError("an absolute delay must be a timezone-aware datetime")
             at = delay
-        elif isinstance(delay, timedelta):
-            at = now + delay
-        elif isinstance(delay, int | float) and not isinstance(delay, bool):
-            at = now + timedelta(seconds=delay)
+        elif isinstance(delay, timedelta | int | float) and not isinstance(delay, bool):
+            # NaN and out-of-range delays would escape as ValueError/OverflowError, not as a bad argument.
+            try:
+                at = now + (delay if isinstance(delay, timedelta) else timedelta(seconds=delay))
+            except (ValueError, OverflowError):
+                raise InvalidTaskError(f"delay {delay!r} is not a representable duration") from None
         else:
             raise InvalidTaskError(f"delay must be a timedelta, seconds or an aware datetime, got {delay!r}")
         return at if at > now else None
