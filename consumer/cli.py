@@ -181,6 +181,50 @@ def cmd_db_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------- worker
+def cmd_worker(args: argparse.Namespace) -> int:
+    from consumer.handlers import load
+    from consumer.worker import Worker, WorkerConfig
+    from producer.envelope import DEFAULT_WEIGHTS
+
+    sys.path.insert(0, os.getcwd())
+    handlers = load(args.handlers)
+    weights = DEFAULT_WEIGHTS
+    if args.weights:
+        parts = args.weights.split(",")
+        if len(parts) != len(PRIORITIES):
+            raise ValueError(f"--weights needs {len(PRIORITIES)} comma-separated integers (critical,high,normal,low)")
+        weights = dict(zip(PRIORITIES, (int(x) for x in parts), strict=True))
+    config = WorkerConfig(
+        concurrency=args.concurrency,
+        group=args.group,
+        weights=weights,
+        shutdown_timeout=args.shutdown_timeout,
+        metrics_port=args.metrics_port,
+        buffer_capacity=args.buffer,
+    )
+    worker = Worker(handlers, _settings(args), config)
+    worker.install_signal_handlers()
+    log = logging.getLogger("taskq.worker")
+    log.info("worker %s: %d handler(s), group %s", worker.worker_id, len(handlers), worker.group)
+    worker.run()
+    return 0
+
+
+def cmd_db_purge(args: argparse.Namespace) -> int:
+    from consumer.store import IdempotencyStore
+    from producer.db import Database
+
+    s = _settings(args)
+    store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
+    try:
+        n = store.purge(parse_duration(args.older_than).total_seconds())
+    finally:
+        store.close()
+    _print(args, {"purged": n}, f"purged {n} record(s) older than {args.older_than}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every taskq command."""
     p = argparse.ArgumentParser(prog="taskq", description="A distributed task queue on Kafka.")
@@ -225,6 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     db = sub.add_parser("db", help="the Postgres store").add_subparsers(dest="sub", required=True)
     leaf(db, "migrate", cmd_db_migrate, "apply pending migrations")
+    sp = leaf(db, "purge", cmd_db_purge, "delete completed and dead idempotency records older than the TTL")
+    sp.add_argument("--older-than", default="7d", help="TTL, e.g. 7d (default), 12h")
+
+    sp = leaf(sub, "worker", cmd_worker, "run tasks with the handlers at MODULE:ATTR", json_flag=False)
+    sp.add_argument("handlers", metavar="MODULE:ATTR")
+    sp.add_argument("--concurrency", type=int, default=4)
+    sp.add_argument("--group", help="consumer group (default: <namespace>.workers)")
+    sp.add_argument("--weights", help="critical,high,normal,low weights (default 8,4,2,1)")
+    sp.add_argument("--metrics-port", type=int, help="serve /metrics and /healthz on this port")
+    sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
+    sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
     return p
 
 
@@ -232,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `taskq` console script."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if args.verbose or args.command == "worker" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
