@@ -74,44 +74,71 @@ def canonical_json(schema: Mapping[str, Any] | str) -> str:
 def validate(parsed: ParsedSchema, payload: Any, *, task_type: str = "") -> None:
     """Check a payload against a parsed schema; PayloadValidationError names the field and the problem."""
     label = task_type or "task"
-    if isinstance(parsed, dict) and parsed.get("type") == "record":
-        if not isinstance(payload, Mapping):
-            raise PayloadValidationError(
-                f"invalid payload for {label}: expected an object (mapping), got {type(payload).__name__}",
-                task_type=task_type,
-            )
-        fields = {f["name"]: f for f in parsed["fields"]}
-        # Unknown keys would be dropped silently by the Avro writer: losing data the caller meant to send.
-        for name in payload:
-            if name not in fields:
-                raise PayloadValidationError(
-                    f"invalid payload for {label}: field {name!r} is not in the schema "
-                    f"(fields: {', '.join(fields)})",
-                    task_type=task_type,
-                    field=str(name),
-                )
-        for name, f in fields.items():
-            if name not in payload and "default" not in f:
-                raise PayloadValidationError(
-                    f"invalid payload for {label}: required field {name!r} is missing",
-                    task_type=task_type,
-                    field=name,
-                )
+    if isinstance(parsed, dict) and parsed.get("type") == "record" and not isinstance(payload, Mapping):
+        raise PayloadValidationError(
+            f"invalid payload for {label}: expected an object (mapping), got {type(payload).__name__}",
+            task_type=task_type,
+        )
+    named = parsed.get("__named_schemas", {}) if isinstance(parsed, dict) else {}
+    problem = _record_problem(parsed, payload, "", named)
+    if problem is not None:
+        field, text = problem
+        raise PayloadValidationError(f"invalid payload for {label}: {text}", task_type=task_type, field=field)
     try:
         fastavro.validation.validate(payload, parsed, raise_errors=True, strict=True)
     except fastavro.validation.ValidationError as exc:
         problems = list(exc.errors) if getattr(exc, "errors", None) else []
         first = problems[0] if problems else None
         field = str(getattr(first, "field", "") or "")
-        if task_type and field.startswith(task_type + "."):
-            field = field[len(task_type) + 1 :]
+        root = parsed.get("name", "") if isinstance(parsed, dict) else ""
+        if root and field.startswith(root + "."):
+            field = field[len(root) + 1 :]
         if first is not None and hasattr(first, "datum"):
-            problem = f"field {field!r} is {first.datum!r}, expected {_type_label(first.schema)}"
+            # A union reports one problem per branch: the value is expected to be any of them.
+            expected = [_type_label(p.schema) for p in problems if getattr(p, "field", None) == first.field]
+            alternatives = " or ".join(dict.fromkeys(expected))
+            problem_text = f"field {field!r} is {first.datum!r}, expected {alternatives}"
         else:
-            problem = str(exc).strip()
+            problem_text = str(exc).strip()
         raise PayloadValidationError(
-            f"invalid payload for {label}: {problem}", task_type=task_type, field=field
+            f"invalid payload for {label}: {problem_text}", task_type=task_type, field=field
         ) from None
+
+
+def _record_problem(schema: Any, value: Any, path: str, named: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(field path, problem) for the first unknown or missing field of a record, at any depth; else None."""
+    if isinstance(schema, str):
+        schema = named.get(schema, schema)
+    if isinstance(schema, list):  # a union: look into the one record branch a mapping can be
+        branches = [named.get(b, b) if isinstance(b, str) else b for b in schema]
+        records = [s for s in branches if isinstance(s, dict) and s.get("type") == "record"]
+        return _record_problem(records[0], value, path, named) if len(records) == 1 else None
+    if not isinstance(schema, dict):
+        return None
+    kind = schema.get("type")
+    if kind == "array" and isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := _record_problem(schema["items"], item, f"{path}[{i}]", named)) is not None:
+                return found
+    elif kind == "map" and isinstance(value, Mapping):
+        for k, item in value.items():
+            if (found := _record_problem(schema["values"], item, f"{path}[{k!r}]", named)) is not None:
+                return found
+    elif kind == "record" and isinstance(value, Mapping):
+        fields = {f["name"]: f for f in schema["fields"]}
+        # Unknown keys would be dropped silently by the Avro writer: losing data the caller meant to send.
+        for name in value:
+            if name not in fields:
+                where = f"{path}.{name}" if path else str(name)
+                return where, f"field {where!r} is not in the schema (fields: {', '.join(fields)})"
+        for name, f in fields.items():
+            where = f"{path}.{name}" if path else name
+            if name not in value:
+                if "default" not in f:
+                    return where, f"required field {where!r} is missing"
+            elif (found := _record_problem(f["type"], value[name], where, named)) is not None:
+                return found
+    return None
 
 
 def _type_label(schema: Any) -> str:
