@@ -1,0 +1,329 @@
+"""Pure producer logic: the envelope headers, derived idempotency keys, Settings, Avro validation and framing."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import uuid
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from producer import PayloadValidationError, Settings, derive_idempotency_key
+from producer.envelope import Envelope, EnvelopeError, Topics
+from producer.kafka import base_config
+from schemas import DecodeError, avro
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------------------ envelope
+def _full_envelope() -> Envelope:
+    return Envelope(
+        task_id="t-1",
+        task_type="demo.SendEmail",
+        idempotency_key="email:42",
+        priority="high",
+        attempt=3,
+        max_attempts=5,
+        enqueued_at=datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC),
+        not_before=datetime(2026, 1, 2, 3, 5, 0, tzinfo=UTC),
+        timeout=2.5,
+        origin_topic="ns.high",
+        traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    )
+
+
+def test_envelope_round_trips_through_headers():
+    env = _full_envelope()
+    headers = env.to_headers()
+    assert all(isinstance(k, str) and isinstance(v, bytes) for k, v in headers)
+    assert dict(headers)["taskq-not-before"] == b"1767323100000"
+    assert Envelope.from_headers(headers) == env
+
+
+def test_minimal_envelope_round_trips_and_leaves_optional_headers_out():
+    env = Envelope(
+        task_id="t-2",
+        task_type="demo.SendEmail",
+        idempotency_key="k",
+        priority="low",
+        enqueued_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+    names = {k for k, _ in env.to_headers()}
+    assert not names & {"taskq-max-attempts", "taskq-not-before", "taskq-timeout", "traceparent"}
+    assert Envelope.from_headers(env.to_headers()) == env
+
+
+def test_enqueued_at_keeps_millisecond_precision():
+    at = datetime(2026, 1, 1, 0, 0, 0, 123456, tzinfo=UTC)
+    env = dataclasses.replace(_full_envelope(), enqueued_at=at)
+    assert Envelope.from_headers(env.to_headers()).enqueued_at == at.replace(microsecond=123000)
+
+
+def test_unknown_headers_are_ignored_and_the_last_value_wins():
+    headers = [("other", b"x"), ("taskq-attempt", b"1"), *_full_envelope().to_headers()]
+    assert Envelope.from_headers(headers).attempt == 3
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda h: h.pop("taskq-task-id"), "'taskq-task-id' is missing"),
+        (lambda h: h.pop("taskq-attempt"), "'taskq-attempt' is missing"),
+        (lambda h: h.update({"taskq-priority": b"urgent"}), "'urgent'"),
+        (lambda h: h.update({"taskq-attempt": b"two"}), "malformed"),
+        (lambda h: h.update({"taskq-enqueued-at": b"yesterday"}), "malformed"),
+        (lambda h: h.update({"taskq-task-type": b"\xff"}), "malformed"),
+    ],
+)
+def test_a_broken_envelope_names_the_header(change, message):
+    headers = dict(_full_envelope().to_headers())
+    change(headers)
+    with pytest.raises(EnvelopeError, match=message):
+        Envelope.from_headers(list(headers.items()))
+
+
+def test_topic_names():
+    topics = Topics("ns", (timedelta(seconds=1), timedelta(seconds=30), timedelta(minutes=2)))
+    assert topics.priority_topics == ["ns.critical", "ns.high", "ns.normal", "ns.low"]
+    assert topics.delay_topics == ["ns.delay.1s", "ns.delay.30s", "ns.delay.2m"]
+    assert topics.dlq == "ns.dlq"
+    assert topics.priority_of("ns.low") == "low"
+    assert topics.priority_of("ns.delay.1s") is None
+    assert topics.priority_of("other.low") is None
+
+
+# ------------------------------------------------------------------------------------- idempotency keys
+def test_derived_key_is_deterministic_and_ignores_key_order():
+    a = derive_idempotency_key("demo.SendEmail", {"to": "a@example.com", "subject": "hi", "n": 1})
+    b = derive_idempotency_key("demo.SendEmail", {"n": 1, "subject": "hi", "to": "a@example.com"})
+    assert a == b
+    assert a.startswith("demo.SendEmail:")
+    assert len(a.split(":", 1)[1]) == 32
+
+
+def test_derived_key_differs_by_payload_and_by_task_type():
+    base = derive_idempotency_key("demo.SendEmail", {"to": "a@example.com"})
+    assert derive_idempotency_key("demo.SendEmail", {"to": "b@example.com"}) != base
+    assert derive_idempotency_key("demo.Other", {"to": "a@example.com"}) != base
+    nested_a = derive_idempotency_key("t", {"x": {"a": 1, "b": [1, 2]}})
+    assert nested_a == derive_idempotency_key("t", {"x": {"b": [1, 2], "a": 1}})
+    assert nested_a != derive_idempotency_key("t", {"x": {"a": 1, "b": [2, 1]}})
+
+
+def test_derived_key_encodes_avro_values_canonically():
+    payload = {
+        "raw": b"\x00\xff",
+        "at": datetime(2026, 1, 1, tzinfo=UTC),
+        "day": date(2026, 1, 1),
+        "amount": Decimal("10.50"),
+        "id": uuid.UUID(int=7),
+        "text": "grüße",
+    }
+    assert derive_idempotency_key("t", payload) == derive_idempotency_key("t", dict(payload))
+    assert derive_idempotency_key("t", {"raw": b"\x00\xff"}) != derive_idempotency_key("t", {"raw": b"\x00\xfe"})
+    with pytest.raises(TypeError, match="object"):
+        derive_idempotency_key("t", {"x": object()})
+
+
+def test_derived_key_is_the_same_in_another_process():
+    payload = {"to": "a@example.com", "tags": {"b": 2, "a": 1}}
+    code = (
+        "from producer import derive_idempotency_key as d;"
+        "print(d('demo.SendEmail', {'tags': {'a': 1, 'b': 2}, 'to': 'a@example.com'}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == derive_idempotency_key("demo.SendEmail", payload)
+
+
+# ------------------------------------------------------------------------------------------------ settings
+def test_settings_defaults_point_at_the_local_stack():
+    s = Settings()
+    assert s.bootstrap_servers == "127.0.0.1:19092"
+    assert s.namespace == "taskq"
+    assert s.worker_group == "taskq.workers"
+    assert s.delay_tiers[0] == timedelta(seconds=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.namespace = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"namespace": "has space"}, "namespace 'has space'"),
+        ({"namespace": ""}, "namespace ''"),
+        ({"namespace": "x" * 201}, "at most 200"),
+        ({"database_schema": "Bad-Schema"}, "database_schema 'Bad-Schema'"),
+        ({"bootstrap_servers": ""}, "bootstrap_servers"),
+        ({"delay_tiers": ()}, "delay_tiers"),
+        ({"delay_tiers": (timedelta(seconds=-1),)}, "delay_tiers"),
+        ({"kafka": {"acks": "1"}}, r"\['acks'\]"),
+        ({"kafka": {"enable.idempotence": "false"}}, "enable.idempotence"),
+    ],
+)
+def test_settings_are_validated_when_created(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Settings(**kwargs)
+
+
+def test_settings_sort_delay_tiers_and_freeze_kafka_properties():
+    props = {"security.protocol": "SASL_SSL"}
+    s = Settings(delay_tiers=(timedelta(seconds=30), timedelta(seconds=1), timedelta(seconds=30)), kafka=props)
+    assert s.delay_tiers == (timedelta(seconds=1), timedelta(seconds=30))
+    props["security.protocol"] = "PLAINTEXT"
+    assert s.kafka["security.protocol"] == "SASL_SSL"
+    with pytest.raises(TypeError):
+        s.kafka["sasl.mechanism"] = "PLAIN"  # type: ignore[index]
+
+
+def test_settings_from_env_reads_taskq_variables_and_overrides_win():
+    env = {
+        "TASKQ_BOOTSTRAP_SERVERS": "k1:9092,k2:9092",
+        "TASKQ_SCHEMA_REGISTRY_URL": "http://registry:8081",
+        "TASKQ_DATABASE_URL": "postgresql://u@db/taskq",
+        "TASKQ_NAMESPACE": "orders",
+        "TASKQ_DATABASE_SCHEMA": "orders_q",
+        "TASKQ_DELAY_TIERS": "5s,1m",
+        "KAFKA_BOOTSTRAP_SERVERS": "ignored:1",
+        "TASKQ_WORKER_GROUP": "",
+    }
+    s = Settings.from_env(env)
+    assert (s.bootstrap_servers, s.schema_registry_url, s.database_url) == (
+        "k1:9092,k2:9092",
+        "http://registry:8081",
+        "postgresql://u@db/taskq",
+    )
+    assert (s.namespace, s.database_schema, s.worker_group) == ("orders", "orders_q", "orders.workers")
+    assert s.delay_tiers == (timedelta(seconds=5), timedelta(minutes=1))
+    assert Settings.from_env(env, namespace="billing").namespace == "billing"
+    assert Settings.from_env({"TASKQ_WORKER_GROUP": "g"}).worker_group == "g"
+
+
+def test_settings_from_env_passes_taskq_kafka_variables_through_to_librdkafka():
+    env = {
+        "TASKQ_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "TASKQ_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "TASKQ_KAFKA_SASL_USERNAME": "svc",
+        "TASKQ_KAFKA_SSL_CA_LOCATION": "/etc/ca.pem",
+    }
+    s = Settings.from_env(env)
+    assert dict(s.kafka) == {
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.username": "svc",
+        "ssl.ca.location": "/etc/ca.pem",
+    }
+    assert base_config(s) == {"bootstrap.servers": s.bootstrap_servers, **s.kafka}
+
+
+def test_settings_from_env_refuses_kafka_variables_that_would_break_a_guarantee():
+    with pytest.raises(ValueError, match="acks"):
+        Settings.from_env({"TASKQ_KAFKA_ACKS": "0"})
+    with pytest.raises(ValueError, match="enable.auto.commit"):
+        Settings.from_env({"TASKQ_KAFKA_ENABLE_AUTO_COMMIT": "true"})
+
+
+def test_settings_from_env_reports_a_bad_delay_tier():
+    with pytest.raises(ValueError, match="'soon'"):
+        Settings.from_env({"TASKQ_DELAY_TIERS": "5s,soon"})
+
+
+def test_with_namespace_gets_its_own_worker_group():
+    s = Settings(namespace="a", worker_group="custom").with_namespace("b")
+    assert (s.namespace, s.worker_group) == ("b", "b.workers")
+
+
+# ------------------------------------------------------------------------------------------------ avro
+SCHEMA = avro.parse(
+    {
+        "type": "record",
+        "name": "Order",
+        "namespace": "shop",
+        "fields": [
+            {"name": "id", "type": "string"},
+            {"name": "qty", "type": "int"},
+            {"name": "note", "type": ["null", "string"], "default": None},
+            {
+                "name": "address",
+                "type": {"type": "record", "name": "Address", "fields": [{"name": "city", "type": "string"}]},
+            },
+            {"name": "lines", "type": {"type": "array", "items": "shop.Address"}, "default": []},
+        ],
+    }
+)
+VALID = {"id": "o-1", "qty": 2, "address": {"city": "Oslo"}}
+
+
+def _invalid(payload):
+    with pytest.raises(PayloadValidationError) as info:
+        avro.validate(SCHEMA, payload, task_type="shop.Order")
+    return info.value
+
+
+def test_valid_payloads_pass():
+    avro.validate(SCHEMA, VALID, task_type="shop.Order")
+    avro.validate(SCHEMA, {**VALID, "note": "x", "lines": [{"city": "Bergen"}]}, task_type="shop.Order")
+
+
+@pytest.mark.parametrize(
+    ("payload", "field", "message"),
+    [
+        ({**VALID, "qty": "two"}, "qty", "field 'qty' is 'two', expected int"),
+        ({**VALID, "qty": 2**40}, "qty", "expected int"),
+        ({**VALID, "id": None}, "id", "field 'id' is None, expected string"),
+        ({"qty": 2, "address": {"city": "Oslo"}}, "id", "required field 'id' is missing"),
+        ({**VALID, "colour": "red"}, "colour", "field 'colour' is not in the schema (fields: id, qty, note"),
+        ({**VALID, "note": 3}, "note", "expected null or string"),
+        ({**VALID, "address": {}}, "address.city", "required field 'address.city' is missing"),
+        ({**VALID, "address": {"city": "Oslo", "zip": "1"}}, "address.zip", "'address.zip' is not in the schema"),
+        ({**VALID, "lines": [{"city": "A"}, {}]}, "lines[1].city", "'lines[1].city' is missing"),
+    ],
+)
+def test_invalid_payloads_name_the_field_and_the_problem(payload, field, message):
+    err = _invalid(payload)
+    assert err.field == field
+    assert err.task_type == "shop.Order"
+    assert message in str(err)
+    assert str(err).startswith("invalid payload for shop.Order: ")
+
+
+def test_a_payload_that_is_not_a_mapping_is_refused():
+    err = _invalid(["o-1", 2])
+    assert "expected an object (mapping), got list" in str(err)
+
+
+def test_frame_and_split_frame_round_trip():
+    body = avro.encode(SCHEMA, VALID)
+    value = avro.frame(258, body)
+    assert value[:5] == b"\x00\x00\x00\x01\x02"
+    assert avro.split_frame(value) == (258, body)
+    assert avro.decode(body, SCHEMA) == {**VALID, "note": None, "lines": []}
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (None, "tombstone"),
+        (b"", "0 bytes is too short"),
+        (b"\x00\x00\x01", "3 bytes is too short"),
+        (b"\x01\x00\x00\x00\x01abc", "byte 0x01, not the Confluent magic byte"),
+        (b'{"id": 1}', "byte 0x7b"),
+    ],
+)
+def test_split_frame_refuses_what_is_not_confluent_framed(value, message):
+    with pytest.raises(DecodeError, match=message):
+        avro.split_frame(value)
+
+
+def test_decode_refuses_trailing_bytes_and_truncated_bodies():
+    body = avro.encode(SCHEMA, VALID)
+    with pytest.raises(DecodeError, match="trailing"):
+        avro.decode(body + b"\x00", SCHEMA)
+    with pytest.raises(DecodeError):
+        avro.decode(body[:3], SCHEMA)
