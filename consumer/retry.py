@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 from datetime import timedelta
 
-__all__ = ["Retry", "RetryPolicy"]
+__all__ = ["Reject", "Retry", "RetryPolicy"]
 
 _RNG = random.Random()
 
@@ -26,6 +26,10 @@ class Retry(Exception):
         super().__init__(reason or "retry requested")
         self.delay = delay
         self.reason = reason
+
+
+class Reject(Exception):
+    """Raised by a handler for a payload it can never process: the task goes straight to the DLQ."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -127,6 +127,7 @@ class TaskProducer:
     ) -> None:
         self.settings = settings or Settings.from_env()
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
+        self._owns_registry = registry is None
         self.registry = registry or Registry(self.settings.schema_registry_url)
         self._sink = Sink(self.settings, **dict(kafka_config or {}))
         self._max_payload = max_payload_bytes
@@ -403,6 +404,8 @@ class TaskProducer:
             if self._depth is not None:
                 self._depth.close()
             self._limiter.close()
+            if self._owns_registry:
+                self.registry.close()
 
     def depth(self) -> dict[str, int]:
         """The last measured depth per tier (empty without depth limits)."""

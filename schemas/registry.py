@@ -47,6 +47,16 @@ class Registry:
         self._by_id: dict[int, avro.ParsedSchema] = {}
         self._latest: dict[str, tuple[float, RegisteredSchema]] = {}
 
+    def close(self) -> None:
+        """Close the HTTP connections."""
+        self._client.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         try:
             return fn()

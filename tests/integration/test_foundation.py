@@ -31,10 +31,11 @@ def _consume_one(settings: Settings, topic: str) -> Any:
 
 
 def test_avro_round_trip_through_registry_kafka_and_postgres(
-    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+    settings: Settings, task_schema: Callable[..., dict[str, Any]], request: pytest.FixtureRequest
 ) -> None:
     schema = task_schema("SendEmail", [{"name": "to", "type": "string"}, {"name": "n", "type": "int"}])
     registry = Registry(settings.schema_registry_url)
+    request.addfinalizer(registry.close)
     reg = registry.register(schema)
     assert reg.subject == f"{settings.namespace}.SendEmail"
     assert reg.subject in registry.subjects()
@@ -49,8 +50,8 @@ def test_avro_round_trip_through_registry_kafka_and_postgres(
     record = _consume_one(settings, topics.tier("normal"))
     assert record.value[0] == 0  # Confluent magic byte
     schema_id, body = avro.split_frame(record.value)
-    fresh = Registry(settings.schema_registry_url)  # no cache: the writer schema comes from the registry
-    payload = avro.decode(body, fresh.by_id(schema_id))
+    with Registry(settings.schema_registry_url) as fresh:  # no cache: the writer schema comes from the registry
+        payload = avro.decode(body, fresh.by_id(schema_id))
     assert payload == {"to": "a@example.com", "n": 7}
     got = Envelope.from_headers(record.headers)
     assert (got.task_id, got.task_type, got.idempotency_key, got.priority) == (
@@ -69,9 +70,10 @@ def test_avro_round_trip_through_registry_kafka_and_postgres(
 
 
 def test_schema_evolution_is_backward_compatible(
-    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+    settings: Settings, task_schema: Callable[..., dict[str, Any]], request: pytest.FixtureRequest
 ) -> None:
     registry = Registry(settings.schema_registry_url)
+    request.addfinalizer(registry.close)
     v1 = task_schema("ChargePayment", [{"name": "payment_id", "type": "string"}])
     v2 = task_schema(
         "ChargePayment",

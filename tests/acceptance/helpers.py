@@ -1,0 +1,64 @@
+"""Helpers for tests that run `taskq` workers as real processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], *, timeout: float, what: str, every: float = 0.2) -> T:
+    """Poll `check` until it returns something truthy; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
+        time.sleep(every)
+
+
+class WorkerProcess:
+    """`taskq worker` in a subprocess, its output in a log file."""
+
+    def __init__(self, env: dict[str, str], log: Path, *args: str) -> None:
+        self.log = log
+        self._out = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "consumer.cli", "worker", "tests.apps.app:handlers", *args],
+            env=env,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def kill(self) -> None:
+        """kill -9."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def terminate(self) -> None:
+        """SIGTERM: graceful shutdown."""
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the exit code."""
+        return self.proc.wait(timeout)
+
+    def output(self) -> str:
+        """What the worker logged."""
+        return self.log.read_text(errors="replace")
+
+    def close(self) -> None:
+        """Make sure the process is gone."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self._out.close()

@@ -1,0 +1,161 @@
+"""Workers as real processes: one effect per key through crashes and rebalances, priorities, timeouts, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+from producer.envelope import PRIORITIES
+from producer.kafka import Admin
+from producer.producer import TaskSpec
+from tests.acceptance.conftest import App
+from tests.acceptance.helpers import wait_until
+
+
+def _enqueue_ledger(app: App, keys: list[str], *, copies: int = 2, sleep: float = 0.0) -> None:
+    specs = [
+        TaskSpec(
+            task_type=app.type("Ledger"),
+            payload={"key": k, "amount": i, "sleep": sleep},
+            idempotency_key=f"ledger:{k}",
+            priority=PRIORITIES[i % 4],
+        )
+        for _ in range(copies)
+        for i, k in enumerate(keys)
+    ]
+    for start in range(0, len(specs), 500):
+        app.producer.enqueue_many(specs[start : start + 500])
+    app.producer.flush(60)
+
+
+def _all_committed(app: App) -> bool:
+    admin = Admin(app.settings)
+    topics = [app.settings.namespace + "." + p for p in PRIORITIES]
+    end = admin.end_offsets(topics)
+    committed = admin.committed(app.settings.worker_group, topics)
+    return all(committed.get(tp, -1) >= hw for tp, hw in end.items() if hw > 0)
+
+
+def _assert_once_each(app: App, keys: list[str]) -> None:
+    rows = app.query("SELECT key, count(*) AS n FROM ledger GROUP BY key")
+    counts = {r["key"]: r["n"] for r in rows}
+    doubled = {k: n for k, n in counts.items() if n != 1}
+    missing = set(keys) - set(counts)
+    assert not doubled, f"{len(doubled)} keys ran more than once, e.g. {list(doubled.items())[:5]}\n{app.logs()}"
+    assert not missing, f"{len(missing)} keys never ran, e.g. {sorted(missing)[:5]}\n{app.logs()}"
+
+
+def test_each_key_takes_effect_once_across_three_workers(app: App) -> None:
+    keys = [f"k{i:05d}" for i in range(2000)]
+    _enqueue_ledger(app, keys, copies=2)
+    for _ in range(3):
+        app.spawn("--concurrency", "4")
+    wait_until(lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys), timeout=240,
+               what="2000 ledger keys")
+    wait_until(lambda: _all_committed(app), timeout=60, what="the group to commit every offset")
+    _assert_once_each(app, keys)
+    assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
+
+
+def test_kill_9_and_rebalances_keep_one_effect_per_key(app: App) -> None:
+    keys = [f"c{i:05d}" for i in range(1500)]
+    _enqueue_ledger(app, keys, copies=2, sleep=0.002)
+    done = lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger")  # noqa: E731
+    first = app.spawn("--concurrency", "4")
+    wait_until(lambda: done() >= 150, timeout=120, what="the first worker to make progress")
+    second = app.spawn("--concurrency", "4")  # joins: a rebalance
+    wait_until(lambda: done() >= 500, timeout=120, what="progress with two workers")
+    first.kill()  # kill -9 mid-run: its claims stay leased until they expire
+    third = app.spawn("--concurrency", "4")
+    wait_until(lambda: done() >= 900, timeout=120, what="progress after the kill")
+    second.terminate()  # leaves gracefully: another rebalance
+    assert second.wait(60) == 0, second.output()[-3000:]
+    app.spawn("--concurrency", "4")  # the restart
+    wait_until(lambda: done() == len(keys), timeout=240, what="every key after kill -9 and restarts")
+    wait_until(lambda: _all_committed(app), timeout=90, what="the group to commit every offset")
+    _assert_once_each(app, keys)
+    assert third.proc.poll() is None, "a surviving worker died"
+
+
+def test_tiers_share_one_slot_by_weight_without_starving_low(app: App) -> None:
+    per_tier = 120
+    specs = [
+        TaskSpec(
+            task_type=app.type("Ledger"),
+            payload={"key": f"{p}-{i}", "amount": i, "sleep": 0.01},
+            priority=p,
+        )
+        for p in PRIORITIES
+        for i in range(per_tier)
+    ]
+    app.producer.enqueue_many(specs)
+    app.producer.flush(60)
+    app.spawn("--concurrency", "1", "--weights", "8,4,2,1")
+    wait_until(lambda: app.scalar("SELECT count(*) FROM ledger") >= 150, timeout=120, what="150 completions")
+    order = [r["priority"] for r in app.query("SELECT priority FROM ledger ORDER BY seq LIMIT 150")]
+    # The first few picks may come before every tier's partitions were fetched; judge the steady state.
+    window = order[15:150]
+    shares = Counter(window)
+    expected = {"critical": 8 / 15, "high": 4 / 15, "normal": 2 / 15, "low": 1 / 15}
+    for tier, share in expected.items():
+        got = shares[tier] / len(window)
+        assert abs(got - share) <= 0.05, f"{tier}: {got:.3f} of completions, expected {share:.3f} ± 0.05: {shares}"
+    # Low keeps moving: at least one low completion in every 30 consecutive completions of the window.
+    for start in range(0, len(window) - 30, 15):
+        assert "low" in window[start : start + 30], f"low starved in completions {start + 15}..{start + 45}"
+
+
+def test_timeouts_fail_the_attempt_and_crashes_spare_the_worker(app: App) -> None:
+    pid_file = str(app.tmp_path / "child.pid")
+    app.producer.enqueue(app.type("Sleep"), {"seconds": 4.0}, idempotency_key="sleep-thread")
+    app.producer.enqueue(app.type("SleepProc"), {"seconds": 60.0, "pid_file": pid_file}, idempotency_key="sleep-proc")
+    app.producer.enqueue(app.type("Exit"), {"code": 3}, idempotency_key="exit")
+    app.producer.enqueue(app.type("Ledger"), {"key": "after", "amount": 1}, idempotency_key="after")
+    app.producer.flush(30)
+    worker = app.spawn("--concurrency", "4")
+
+    def state(key: str) -> str | None:
+        return app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = %s", key)
+
+    for key in ("sleep-thread", "sleep-proc", "exit"):
+        wait_until(lambda key=key: state(key) == "dead", timeout=90, what=f"{key} to fail its only attempt")
+    errors = {r["idempotency_key"]: r["last_error"] for r in app.query("SELECT * FROM taskq_tasks")}
+    assert "timed out" in errors["sleep-thread"].lower(), errors
+    assert "timed out" in errors["sleep-proc"].lower(), errors
+    assert "exit code 3" in errors["exit"], errors
+    child = int(wait_until(lambda: os.path.exists(pid_file) and Path(pid_file).read_text(), timeout=10, what="pid"))
+
+    def child_gone() -> bool:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_until(child_gone, timeout=30, what="the timed-out child process to be killed")
+    wait_until(lambda: state("after") == "completed", timeout=60, what="the task behind the crash")
+    assert worker.proc.poll() is None, worker.output()[-3000:]
+
+
+def test_sigterm_finishes_in_flight_tasks_and_the_rest_run_once_elsewhere(app: App) -> None:
+    keys = [f"s{i}" for i in range(8)]
+    _enqueue_ledger(app, keys, copies=1, sleep=1.5)
+    shutdown_timeout = 10
+    first = app.spawn("--concurrency", "2", "--shutdown-timeout", str(shutdown_timeout))
+    wait_until(
+        lambda: app.scalar("SELECT count(*) FROM taskq_tasks WHERE state = 'running'") >= 1,
+        timeout=60,
+        what="tasks in flight",
+    )
+    started = time.monotonic()
+    first.terminate()
+    assert first.wait(shutdown_timeout + 20) == 0, first.output()[-3000:]
+    assert time.monotonic() - started < shutdown_timeout + 15
+    finished_by_first = app.scalar("SELECT count(*) FROM ledger")
+    assert finished_by_first >= 1, first.output()[-3000:]
+    app.spawn("--concurrency", "4")
+    wait_until(lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys), timeout=120,
+               what="the rest on another worker")
+    _assert_once_each(app, keys)

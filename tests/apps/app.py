@@ -1,0 +1,67 @@
+"""Handlers run by worker processes in the acceptance tests; task types live in the test's namespace."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from consumer import Handlers, TaskContext
+
+NS = os.environ.get("TASKQ_NAMESPACE", "taskq")
+handlers = Handlers()
+
+
+def schemas(ns: str) -> dict[str, dict[str, Any]]:
+    """The app's record schemas in a namespace, by record name."""
+    sleep = [{"name": "seconds", "type": "double"}, {"name": "pid_file", "type": "string", "default": ""}]
+    fields: dict[str, list[dict[str, Any]]] = {
+        "Ledger": [
+            {"name": "key", "type": "string"},
+            {"name": "amount", "type": "long"},
+            {"name": "sleep", "type": "double", "default": 0.0},
+        ],
+        "Sleep": sleep,
+        "SleepProc": sleep,
+        "Exit": [{"name": "code", "type": "int"}],
+    }
+    return {name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()}
+
+
+S = schemas(NS)
+
+CREATE_LEDGER = """
+CREATE TABLE IF NOT EXISTS ledger (
+    seq bigserial PRIMARY KEY, key text NOT NULL, amount bigint NOT NULL, task_id text NOT NULL,
+    priority text NOT NULL, worker int NOT NULL
+)"""  # no unique constraint on key: a duplicate effect must be visible, not refused
+
+
+@handlers.task(f"{NS}.Ledger", schema=S["Ledger"], transactional=True, timeout=4)
+def ledger(payload: dict[str, Any], ctx: TaskContext) -> None:
+    if payload["sleep"]:
+        time.sleep(payload["sleep"])
+    ctx.db.execute(
+        "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, %s, %s, %s, %s)",
+        (payload["key"], payload["amount"], ctx.task_id, ctx.priority, os.getpid()),
+    )
+
+
+@handlers.task(f"{NS}.Sleep", schema=S["Sleep"], timeout=1, max_attempts=1)
+def sleep_in_thread(payload: dict[str, Any], ctx: TaskContext) -> None:
+    time.sleep(payload["seconds"])
+
+
+@handlers.task(f"{NS}.SleepProc", schema=S["SleepProc"], timeout=1, max_attempts=1,
+               isolation="process")
+def sleep_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
+    if payload["pid_file"]:
+        Path(payload["pid_file"]).write_text(str(os.getpid()))
+    time.sleep(payload["seconds"])
+
+
+@handlers.task(f"{NS}.Exit", schema=S["Exit"], max_attempts=1, isolation="process")
+def exit_process(payload: dict[str, Any], ctx: TaskContext) -> None:
+    os._exit(payload["code"])
+
