@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,11 @@ from producer.config import Settings
 from producer.errors import KafkaUnavailableError
 
 log = logging.getLogger("taskq.kafka")
+
+#: Errors meaning a partition's leader is not (yet) known where asked: retried until the admin timeout.
+_LEADER_MOVING = frozenset(
+    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+)
 
 TP = tuple[str, int]
 Headers = list[tuple[str, bytes]]
@@ -350,11 +356,21 @@ class Admin:
         req = {TopicPartition(t, p): spec for t, n in counts.items() for p in range(n)}
         if not req:
             return {}
-        try:
-            futures = self._a.list_offsets(req, request_timeout=self._timeout)
-            return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
-        except KafkaException as exc:
-            raise _wrap("listing offsets", exc) from exc
+        deadline = time.monotonic() + self._timeout
+        backoff = 0.05
+        while True:
+            try:
+                futures = self._a.list_offsets(req, request_timeout=self._timeout)
+                return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+            except KafkaException as exc:
+                # Right after a topic is created (or a leader moves) the broker answers "not leader"
+                # for a moment; that is a state to wait out, not a failure to report.
+                err = exc.args[0] if exc.args else None
+                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_MOVING)
+                if not transient or time.monotonic() + backoff > deadline:
+                    raise _wrap("listing offsets", exc) from exc
+            time.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
 
     def committed(self, group: str, topics: Sequence[str]) -> dict[TP, int]:
         """A group's committed offsets on these topics (-1 where it committed nothing)."""
