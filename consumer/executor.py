@@ -61,6 +61,9 @@ class TaskFailed(TaskqError):
         self.message = message
         self.traceback = traceback
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.error_type, self.message, self.traceback))
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -156,14 +159,15 @@ def _exit_message(exitcode: int | None) -> str:
 
 
 class _Attempt:
-    """A submitted job and its reporting state; `reported` is guarded by the executor's lock."""
+    """A submitted job and its state; `reported` and `released` are guarded by the executor's lock."""
 
-    __slots__ = ("job", "on_done", "reported", "started")
+    __slots__ = ("job", "on_done", "released", "reported", "started")
 
     def __init__(self, job: Job, on_done: Callable[[Outcome], None]) -> None:
         self.job = job
         self.on_done = on_done
         self.reported = False
+        self.released = False
         self.started = time.monotonic()
 
     def elapsed(self) -> float:
@@ -303,6 +307,8 @@ class Executor:
 
     def submit(self, job: Job, on_done: Callable[[Outcome], None]) -> None:
         """Start an attempt; on_done(outcome) is called exactly once, from an executor thread."""
+        # on_done should be brief (hand the outcome to the worker's loop): timeouts and async outcomes are
+        # delivered from one watchdog thread, and a slow on_done there delays the reports after it.
         spec = job.spec
         in_process = spec.isolation == "process" and job.call is None and not spec.is_async
         if in_process and self._handlers_path is None:
@@ -337,6 +343,7 @@ class Executor:
 
     def shutdown(self, timeout: float) -> None:
         """Wait up to `timeout` for running attempts to report; then cut them short and kill the children."""
+        # Attempts still unreported then get a timed-out outcome, from this thread, before shutdown returns.
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
             self._closed = True
@@ -384,8 +391,12 @@ class Executor:
                 self._unreported.discard(attempt)
                 self._cond.notify_all()
 
-    def _release(self) -> None:
+    def _release(self, attempt: _Attempt) -> None:
+        # Idempotent, so the pool thread's safety net can release without knowing how far a run got.
         with self._cond:
+            if attempt.released:
+                return
+            attempt.released = True
             self._busy -= 1
             self._cond.notify_all()
 
@@ -397,7 +408,7 @@ class Executor:
             if attempt is None:
                 return
             if self._stopping:  # queued past the worker's concurrency and never started
-                self._release()
+                self._release(attempt)
                 self._report(attempt, _cut_short(attempt.elapsed()))
                 continue
             try:
@@ -407,6 +418,7 @@ class Executor:
                     self._run_in_thread(attempt)
             except BaseException as exc:  # a bug here must not kill the pool thread or lose the outcome
                 _log.exception("executor failed to run task %s", attempt.job.ctx.task_id)
+                self._release(attempt)
                 self._report(attempt, _failure(exc, attempt.elapsed()))
 
     def _run_in_thread(self, attempt: _Attempt) -> None:
@@ -431,7 +443,9 @@ class Executor:
             outcome = _failure(exc, time.monotonic() - start)
         finally:
             self._watchdog.cancel(timer)
-            self._release()  # before on_done, so the worker sees the free slot when it hears the outcome
+            self._release(
+                attempt
+            )  # before on_done, so the worker sees the free slot when it hears the outcome
         self._report(attempt, outcome)
 
     # -- async mode -----------------------------------------------------------------------------------------
@@ -458,7 +472,7 @@ class Executor:
         try:
             task: asyncio.Task[Any] = loop.create_task(job.spec.fn(job.payload, job.ctx))
         except BaseException as exc:
-            self._release()
+            self._release(attempt)
             self._report_soon(attempt, _failure(exc, time.monotonic() - start))
             return
         self._tasks.add(task)
@@ -484,7 +498,7 @@ class Executor:
                 outcome = _failure(exc, seconds)
             else:
                 outcome = Outcome(ok=True, result=task.result(), seconds=seconds)
-            self._release()
+            self._release(attempt)
             self._report_soon(attempt, outcome)
 
         task.add_done_callback(finished)
@@ -517,7 +531,7 @@ class Executor:
         try:
             child = self._checkout_child()
         except _StartFailed as failed:
-            self._release()
+            self._release(attempt)
             self._report(attempt, failed.outcome)
             return
         start = time.monotonic()
@@ -538,7 +552,7 @@ class Executor:
             message = pickle.dumps((job.spec.task_type, job.payload, fields, job.timeout))
         except Exception as exc:
             self._checkin(child)
-            self._release()
+            self._release(attempt)
             error = TaskFailed(
                 qualified_name(type(exc)),
                 f"the payload of {job.spec.task_type} cannot be pickled for its process: {_describe(exc)}",
@@ -554,7 +568,7 @@ class Executor:
                 # SIGKILL, then reap: the handler is gone by the time its timeout is reported.
                 _reap(child, kill=True)
                 self._forget(child)
-                self._release()
+                self._release(attempt)
                 self._report(attempt, _timed_out(job.timeout or 0.0, time.monotonic() - start))
                 return
             if child.conn.poll(0):
@@ -564,13 +578,13 @@ class Executor:
                     outcome = None
         if outcome is not None:
             self._checkin(child)
-            self._release()
+            self._release(attempt)
             self._report(attempt, outcome)
             return
         # EOF on the pipe or the sentinel fired: the child is dead (os._exit, a signal, the OOM killer).
         exitcode = _reap(child)
         self._forget(child)
-        self._release()
+        self._release(attempt)
         seconds = time.monotonic() - start
         if self._stopping:
             self._report(attempt, _cut_short(seconds))
@@ -610,9 +624,13 @@ class Executor:
         )
         try:
             process.start()
-        except BaseException:
+        except (
+            Exception
+        ) as exc:  # out of processes, memory or file descriptors: this attempt fails, not the pool
             parent_conn.close()
-            raise
+            crash = TaskCrashed(f"cannot start a worker process: {_describe(exc)}")
+            crash.__cause__ = exc
+            raise _StartFailed(_failure(crash, time.monotonic() - started, crashed=True)) from exc
         finally:
             # Only the child may hold its end: otherwise its death would never show as EOF here.
             child_conn.close()

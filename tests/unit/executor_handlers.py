@@ -25,7 +25,12 @@ def _write_pid(payload: Any) -> None:
 @handlers.task("x.Ok", isolation="process")
 def ok(payload: Any, ctx: TaskContext) -> dict[str, Any]:
     _write_pid(payload)
-    return {"pid": os.getpid(), "echo": payload, "task_id": ctx.task_id, "has_deadline": ctx.deadline is not None}
+    return {
+        "pid": os.getpid(),
+        "echo": payload,
+        "task_id": ctx.task_id,
+        "has_deadline": ctx.deadline is not None,
+    }
 
 
 @handlers.task("x.Raises", isolation="process")

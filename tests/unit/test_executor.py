@@ -481,3 +481,15 @@ def test_traceback_keeps_the_last_8_kib() -> None:
 def test_invalid_concurrency_is_rejected() -> None:
     with pytest.raises(ValueError, match="concurrency"):
         Executor(concurrency=0)
+
+
+def test_task_failed_survives_pickling() -> None:
+    import pickle
+
+    error = pickle.loads(pickle.dumps(TaskFailed("builtins.ValueError", "bad", "Traceback ...")))
+    assert (error.error_type, error.message, error.traceback) == (
+        "builtins.ValueError",
+        "bad",
+        "Traceback ...",
+    )
+    assert str(error) == "builtins.ValueError: bad"
