@@ -102,3 +102,21 @@ DELETE FROM taskq_tasks WHERE ctid IN (
 
 -- name: counts
 SELECT state, count(*) AS n FROM taskq_tasks GROUP BY state;
+
+-- name: dlq_replayed
+-- The replayed records of one DLQ topic, so listings can hide them.
+SELECT dlq_offset, replayed_at, replays FROM taskq_dlq_replays WHERE dlq_topic = %(topic)s;
+
+-- name: dlq_replayed_between
+-- How many records of a DLQ offset range were replayed (depth = records in the log minus these).
+SELECT count(*) AS n FROM taskq_dlq_replays
+WHERE dlq_topic = %(topic)s AND dlq_offset >= %(start)s AND dlq_offset < %(end)s;
+
+-- name: dlq_record_replay
+-- Mark a DLQ record replayed; an earlier replay blocks it (no row returned) unless forced. Run in the
+-- transaction that spans the re-enqueue, so concurrent replays of one record wait here and then see it.
+INSERT INTO taskq_dlq_replays AS r (dlq_topic, dlq_offset, task_id, idempotency_key, replayed_at, replays)
+VALUES (%(topic)s, %(offset)s, %(task_id)s, %(key)s, clock_timestamp(), 1)
+ON CONFLICT (dlq_topic, dlq_offset) DO UPDATE SET replayed_at = EXCLUDED.replayed_at, replays = r.replays + 1
+WHERE %(force)s
+RETURNING replayed_at, replays;
