@@ -39,6 +39,7 @@ __all__ = [
     "TaskProducer",
     "TaskSpec",
     "TaskqError",
+    "Topics",
     "UnknownTaskTypeError",
     "derive_idempotency_key",
 ]

@@ -25,4 +25,6 @@ def topic_specs(settings: Settings, *, partitions: int = 6, replication: int = 1
 
 def create_topics(settings: Settings, *, partitions: int = 6, replication: int = 1) -> dict[str, bool]:
     """Create the namespace's topics that are missing (idempotent); returns topic -> created now."""
-    return Admin(settings).create_topics(topic_specs(settings, partitions=partitions, replication=replication))
+    return Admin(settings).create_topics(
+        topic_specs(settings, partitions=partitions, replication=replication)
+    )

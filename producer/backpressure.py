@@ -1,4 +1,4 @@
-"""Depth limits: how many tasks of a tier the worker group has not committed yet, refreshed in the background."""
+"""Depth limits: how many tasks of a tier the worker group has not committed yet, refreshed in background."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ log = logging.getLogger("taskq.backpressure")
 
 
 def tier_depths(admin: Admin, topics: Topics, group: str) -> dict[Priority, int]:
-    """Per tier: end offsets minus the group's committed offsets (or the log start where it committed none)."""
+    """Per tier: end offsets minus the group's committed offsets (or the log start if none)."""
     names = topics.priority_topics
     end = admin.end_offsets(names)
     committed = admin.committed(group, names)

@@ -41,7 +41,8 @@ class Settings:
             )
         if not re.match(r"^[a-z_][a-z0-9_]{0,62}$", self.database_schema):
             raise ValueError(
-                f"database_schema {self.database_schema!r} must be a lower-case SQL identifier of at most 63 chars"
+                f"database_schema {self.database_schema!r} must be a lower-case SQL identifier "
+                "of at most 63 chars"
             )
         if not self.bootstrap_servers:
             raise ValueError("bootstrap_servers must name at least one broker (host:port)")
@@ -49,7 +50,9 @@ class Settings:
             raise ValueError(f"delay_tiers must be positive durations, got {self.delay_tiers!r}")
         reserved = _RESERVED_KAFKA & set(self.kafka)
         if reserved:
-            raise ValueError(f"kafka settings {sorted(reserved)} are set by taskq itself and cannot be overridden")
+            raise ValueError(
+                f"kafka settings {sorted(reserved)} are set by taskq itself and cannot be overridden"
+            )
         object.__setattr__(self, "kafka", MappingProxyType(dict(self.kafka)))
         object.__setattr__(self, "delay_tiers", tuple(sorted(set(self.delay_tiers))))
         if not self.worker_group:
@@ -57,7 +60,7 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Settings from TASKQ_* variables; keyword overrides win. TASKQ_KAFKA_SASL_MECHANISM -> sasl.mechanism."""
+        """Settings from TASKQ_* variables (overrides win); TASKQ_KAFKA_SASL_MECHANISM -> sasl.mechanism."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for name, var in (

@@ -48,7 +48,7 @@ class Database:
         self.schema = schema
 
     def connect(self, *, autocommit: bool = True) -> psycopg.Connection[dict[str, Any]]:
-        """A new connection whose search_path is the project's schema; StoreUnavailableError if unreachable."""
+        """A connection whose search_path is the project's schema; StoreUnavailableError if unreachable."""
         try:
             return psycopg.connect(
                 self.url,
@@ -70,7 +70,7 @@ class Database:
             conn.close()
 
     def migrate(self) -> list[str]:
-        """Apply the migrations this database lacks, in one transaction under an advisory lock; returns their names."""
+        """Apply the missing migrations in one transaction under an advisory lock; returns their names."""
         applied: list[str] = []
         with self.connection() as conn:
             conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
@@ -78,14 +78,17 @@ class Database:
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
                 conn.execute(
                     "CREATE TABLE IF NOT EXISTS taskq_migrations "
-                    "(version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+                    "(version integer PRIMARY KEY, name text NOT NULL, "
+                    "applied_at timestamptz NOT NULL DEFAULT now())"
                 )
                 done = {r["version"] for r in conn.execute("SELECT version FROM taskq_migrations")}
                 for version, name, sql in migrations():
                     if version in done:
                         continue
                     conn.execute(sql.encode())
-                    conn.execute("INSERT INTO taskq_migrations (version, name) VALUES (%s, %s)", (version, name))
+                    conn.execute(
+                        "INSERT INTO taskq_migrations (version, name) VALUES (%s, %s)", (version, name)
+                    )
                     applied.append(f"{version:04d}_{name}")
         return applied
 

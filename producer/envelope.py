@@ -119,6 +119,7 @@ class Envelope:
         """Parse an envelope; EnvelopeError names the missing or malformed header."""
         h = {k: v for k, v in headers or () if v is not None}
         try:
+
             def text(name: str) -> str:
                 raw = h.get(H + name)
                 if raw is None:

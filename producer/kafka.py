@@ -256,7 +256,9 @@ class Source:
         if not offsets:
             return
         try:
-            self._c.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False)
+            self._c.commit(
+                offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False
+            )
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
             if isinstance(err, KafkaError) and err.code() == KafkaError._NO_OFFSET:
@@ -304,7 +306,12 @@ class Admin:
             return {}
         futures = self._a.create_topics(
             [
-                NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication, config=dict(s.config or {}))
+                NewTopic(
+                    s.name,
+                    num_partitions=s.partitions,
+                    replication_factor=s.replication,
+                    config=dict(s.config or {}),
+                )
                 for s in specs
             ],
             operation_timeout=self._timeout,
@@ -341,7 +348,9 @@ class Admin:
             md = self._a.list_topics(timeout=self._timeout)
         except KafkaException as exc:
             raise _wrap("listing topics", exc) from exc
-        return {t: len(md.topics[t].partitions) for t in topics if t in md.topics and md.topics[t].error is None}
+        return {
+            t: len(md.topics[t].partitions) for t in topics if t in md.topics and md.topics[t].error is None
+        }
 
     def end_offsets(self, topics: Sequence[str]) -> dict[TP, int]:
         """The log end offset (high watermark) of every partition of these topics."""

@@ -96,7 +96,9 @@ def derive_idempotency_key(task_type: str, payload: Mapping[str, Any]) -> str:
     The same payload always gives the same key, so enqueueing it twice has one effect. Pass an explicit
     key (``charge:<payment-id>``) when the meaning of the task, not its bytes, decides what is a duplicate.
     """
-    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_jsonable)
+    canonical = json.dumps(
+        payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_jsonable
+    )
     return f"{task_type}:{hashlib.sha256(canonical.encode()).hexdigest()[:32]}"
 
 
@@ -150,7 +152,9 @@ class TaskProducer:
         self._limiter = RateLimiter(
             rate_limits,
             namespace=self.settings.namespace,
-            database=Database(self.settings.database_url, schema=self.settings.database_schema) if needs_db else None,
+            database=Database(self.settings.database_url, schema=self.settings.database_schema)
+            if needs_db
+            else None,
         )
         self._depth: DepthMonitor | None = None
         if depth_limits:
@@ -209,18 +213,23 @@ class TaskProducer:
             raise InvalidTaskError(f"task_type must be a non-empty string, got {spec.task_type!r}")
         attempts = spec.max_attempts
         # bool is an int to Python, but max_attempts=True is a mistake, not "one attempt".
-        if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1):
+        if attempts is not None and (
+            not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1
+        ):
             raise InvalidTaskError(f"max_attempts must be an integer >= 1, got {attempts!r}")
         timeout = spec.timeout.total_seconds() if isinstance(spec.timeout, timedelta) else spec.timeout
         if timeout is not None and not (_is_number(timeout) and 0 < timeout < math.inf):
-            raise InvalidTaskError(f"timeout must be a positive, finite number of seconds, got {spec.timeout!r}")
+            raise InvalidTaskError(
+                f"timeout must be a positive, finite number of seconds, got {spec.timeout!r}"
+            )
         not_before = self._not_before(spec.delay, now)
         tt = self._task_type(spec.task_type)
         avro.validate(tt.parsed, spec.payload, task_type=spec.task_type)
         body = avro.encode(tt.parsed, spec.payload)
         if len(body) > self._max_payload:
             raise PayloadTooLargeError(
-                f"payload of {spec.task_type} encodes to {len(body)} bytes, over the limit of {self._max_payload}"
+                f"payload of {spec.task_type} encodes to {len(body)} bytes, "
+                f"over the limit of {self._max_payload}"
             )
         idem = spec.idempotency_key
         if idem is None:
@@ -279,7 +288,7 @@ class TaskProducer:
         timeout: float | timedelta | None = None,
         wait: bool = False,
     ) -> Receipt:
-        """Enqueue one task; raises (sending nothing) on invalid input, a full tier or an exhausted rate limit."""
+        """Enqueue one task; raises, sending nothing, on invalid input, a full tier or an exhausted limit."""
         spec = TaskSpec(
             task_type=task_type,
             payload=payload,
@@ -328,11 +337,17 @@ class TaskProducer:
         confirmed: dict[str, Receipt] = {}
         pending = threading.Semaphore(0)
         for (topic, value, key, env), spec in zip(prepared, specs, strict=True):
-            receipt = Receipt(env.task_id, env.task_type, topic, env.priority, env.idempotency_key, env.not_before)
+            receipt = Receipt(
+                env.task_id, env.task_type, topic, env.priority, env.idempotency_key, env.not_before
+            )
             receipts.append(receipt)
             headers = env.to_headers() + list(spec.extra_headers)
             self._sink.send(
-                topic, value, key=key, headers=headers, on_delivery=self._delivered(receipt, confirmed, pending)
+                topic,
+                value,
+                key=key,
+                headers=headers,
+                on_delivery=self._delivered(receipt, confirmed, pending),
             )
             metrics.ENQUEUED.labels(env.task_type, env.priority).inc()
         self._sink.poll(0)
@@ -388,7 +403,8 @@ class TaskProducer:
             failures, self._failures = self._failures, []
         if failures:
             raise DeliveryError(
-                f"{len(failures)} task(s) were not acknowledged by Kafka, first: {failures[0][1]}", failures=failures
+                f"{len(failures)} task(s) were not acknowledged by Kafka, first: {failures[0][1]}",
+                failures=failures,
             )
         if left:
             raise DeliveryError(f"{left} task(s) still unacknowledged after {timeout}s")

@@ -1,4 +1,4 @@
-"""Rate limiting of enqueues: a local token bucket, and a bucket shared by every producer, kept in Postgres."""
+"""Rate limiting of enqueues: a local token bucket, and a bucket in Postgres shared by every producer."""
 
 from __future__ import annotations
 
@@ -115,7 +115,9 @@ class SharedBucket:
     atomic statement, so all processes together get at most rate * t + capacity over t seconds.
     """
 
-    def __init__(self, database: Database, name: str, *, rate: float, capacity: float, lease: int | None = None):
+    def __init__(
+        self, database: Database, name: str, *, rate: float, capacity: float, lease: int | None = None
+    ):
         self.name = name
         self.rate = rate
         self.capacity = capacity
@@ -179,7 +181,9 @@ class RateLimiter:
             if limit.shared:
                 if database is None:
                     raise ValueError("a shared rate limit needs a database")
-                bucket = SharedBucket(database, limit.name(namespace), rate=limit.rate, capacity=limit.capacity)
+                bucket = SharedBucket(
+                    database, limit.name(namespace), rate=limit.rate, capacity=limit.capacity
+                )
             else:
                 bucket = TokenBucket(rate=limit.rate, capacity=limit.capacity)
             self._buckets.append((limit, bucket))
@@ -205,7 +209,7 @@ class RateLimiter:
 
     @staticmethod
     def _give_back(taken: list[tuple[TokenBucket | SharedBucket, int]]) -> None:
-        # Tokens of buckets that granted before a later one refused: the task was not sent, so they are unused.
+        # Tokens of buckets that granted before a later one refused: nothing was sent, so they are unused.
         for bucket, n in taken:
             bucket.add(n)
 

@@ -53,7 +53,13 @@ def parse(schema: Mapping[str, Any] | str, *, source: str = "schema") -> ParsedS
     try:
         raw = json.loads(schema) if isinstance(schema, str) else dict(schema)
         return fastavro.parse_schema(raw)
-    except (json.JSONDecodeError, fastavro.schema.SchemaParseException, ValueError, KeyError, TypeError) as exc:
+    except (
+        json.JSONDecodeError,
+        fastavro.schema.SchemaParseException,
+        ValueError,
+        KeyError,
+        TypeError,
+    ) as exc:
         raise SchemaFileError(f"{source} is not a valid Avro schema: {exc}") from exc
 
 

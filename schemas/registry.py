@@ -1,4 +1,4 @@
-"""The one module that talks to the schema registry (any Confluent-compatible REST API, e.g. Apicurio ccompat)."""
+"""The one module that talks to the schema registry (Confluent REST API, e.g. Apicurio ccompat)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ class RegisteredSchema:
 class Registry:
     """A small client for the registry: register, look up by subject or id, check compatibility; cached."""
 
-    def __init__(self, url: str, *, config: Mapping[str, Any] | None = None, latest_ttl: float = 30.0) -> None:
+    def __init__(
+        self, url: str, *, config: Mapping[str, Any] | None = None, latest_ttl: float = 30.0
+    ) -> None:
         self.url = url
         self._client = SchemaRegistryClient({"url": url, **(config or {})})
         self._latest_ttl = latest_ttl
@@ -66,7 +68,9 @@ class Registry:
             if exc.http_status_code == 409 or exc.error_code == 409:
                 raise IncompatibleSchemaError(f"{what}: {exc.error_message}") from exc
             if exc.http_status_code >= 500 or exc.http_status_code < 0:
-                raise RegistryUnavailableError(f"{what}: registry at {self.url} failed: {exc.error_message}") from exc
+                raise RegistryUnavailableError(
+                    f"{what}: registry at {self.url} failed: {exc.error_message}"
+                ) from exc
             raise SchemaError(f"{what}: {exc.error_message} (HTTP {exc.http_status_code})") from exc
         except (OSError, ConnectionError, TimeoutError) as exc:
             raise RegistryUnavailableError(f"{what}: registry at {self.url} unreachable: {exc}") from exc
@@ -75,15 +79,18 @@ class Registry:
                 raise RegistryUnavailableError(f"{what}: registry at {self.url} unreachable: {exc}") from exc
             raise
 
-    def register(self, schema: Mapping[str, Any], *, compatibility: str | None = "BACKWARD") -> RegisteredSchema:
-        """Register a record schema under its full name; IncompatibleSchemaError if the registry refuses it."""
+    def register(
+        self, schema: Mapping[str, Any], *, compatibility: str | None = "BACKWARD"
+    ) -> RegisteredSchema:
+        """Register a record schema under its full name; IncompatibleSchemaError if the registry refuses."""
         subject = avro.full_name(schema)
         avro.parse(schema, source=f"schema of {subject}")
         if compatibility:
             self._ensure_compatibility(subject, compatibility)
         text = avro.canonical_json(schema)
         rs = self._call(
-            f"registering {subject}", lambda: self._client.register_schema_full_response(subject, Schema(text, "AVRO"))
+            f"registering {subject}",
+            lambda: self._client.register_schema_full_response(subject, Schema(text, "AVRO")),
         )
         looked = self._call(
             f"looking up {subject}", lambda: self._client.lookup_schema(subject, Schema(text, "AVRO"))
@@ -94,7 +101,9 @@ class Registry:
 
     def _ensure_compatibility(self, subject: str, level: str) -> None:
         try:
-            current = self._call(f"reading compatibility of {subject}", lambda: self._client.get_compatibility(subject))
+            current = self._call(
+                f"reading compatibility of {subject}", lambda: self._client.get_compatibility(subject)
+            )
         except SchemaNotFoundError:
             current = None
         if current != level:
@@ -104,13 +113,14 @@ class Registry:
             )
 
     def check(self, schema: Mapping[str, Any]) -> bool:
-        """Whether the schema may be registered as the next version of its subject (True for a new subject)."""
+        """Whether the schema may become the next version of its subject (True for a new subject)."""
         subject = avro.full_name(schema)
         text = avro.canonical_json(schema)
         try:
             return bool(
                 self._call(
-                    f"checking {subject}", lambda: self._client.test_compatibility(subject, Schema(text, "AVRO"))
+                    f"checking {subject}",
+                    lambda: self._client.test_compatibility(subject, Schema(text, "AVRO")),
                 )
             )
         except SchemaNotFoundError:
@@ -133,7 +143,9 @@ class Registry:
         """The registered version identical to this schema; SchemaNotFoundError if it was never registered."""
         subject = avro.full_name(schema)
         text = avro.canonical_json(schema)
-        rs = self._call(f"looking up {subject}", lambda: self._client.lookup_schema(subject, Schema(text, "AVRO")))
+        rs = self._call(
+            f"looking up {subject}", lambda: self._client.lookup_schema(subject, Schema(text, "AVRO"))
+        )
         return self._registered(subject, rs.schema_id, rs.version, text)
 
     def by_id(self, schema_id: int) -> avro.ParsedSchema:
