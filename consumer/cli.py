@@ -225,6 +225,117 @@ def cmd_db_purge(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------- dlq
+def cmd_dlq_list(args: argparse.Namespace) -> int:
+    from consumer.dlq import DeadLetters
+
+    since = parse_duration(args.since) if args.since else None
+    with DeadLetters(_settings(args)) as dlq:
+        records = dlq.list(task_type=args.type, since=since, limit=args.limit, include_replayed=args.all)
+    if args.json:
+        for r in records:  # one JSON object per record per line
+            print(json.dumps(r.to_dict(), default=str), flush=True)
+        return 0
+    rows = [("OFFSET", "FAILED AT", "TASK TYPE", "IDEMPOTENCY KEY", "ATTEMPTS", "REASON")]
+    for r in records:
+        reason = r.reason if len(r.reason) <= 60 else r.reason[:59] + "…"
+        if r.replayed_at is not None:
+            reason = f"[replayed] {reason}"
+        rows.append(
+            (
+                str(r.offset),
+                r.failed_at.isoformat(timespec="seconds"),
+                r.task_type or "-",
+                r.idempotency_key or "-",
+                str(r.attempts),
+                reason,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    print(f"{len(records)} DLQ record(s)" + ("" if args.all else " not yet replayed"))
+    return 0
+
+
+def cmd_dlq_show(args: argparse.Namespace) -> int:
+    from consumer.dlq import DeadLetters
+
+    with DeadLetters(_settings(args)) as dlq:
+        data = dlq.show(args.offset).to_dict(full=True)
+    lines = [f"DLQ record {data['offset']}"]
+    fields = "task_type task_id idempotency_key priority attempts failed_at worker reason error_type original"
+    for name in [*fields.split(), "replayed_at", "envelope_error"]:
+        lines.append(f"  {name}: {data[name]}")
+    if data["payload_error"] is None:
+        lines.append("payload:\n" + json.dumps(data["payload"], indent=2, default=str))
+    else:
+        lines.append(f"payload: cannot decode: {data['payload_error']}")
+        lines.append(f"  value (hex prefix): {data['value_hex']}")
+    lines.append("headers:")
+    lines += [f"  {k}: {v}" for k, v in data["headers"].items()]
+    if data["traceback"]:
+        lines.append("traceback:\n" + data["traceback"])
+    _print(args, data, "\n".join(lines))
+    return 0
+
+
+def cmd_dlq_replay(args: argparse.Namespace) -> int:
+    from consumer.dlq import DeadLetters
+
+    if args.all == bool(args.offsets):
+        raise ValueError("taskq dlq replay: give DLQ offsets or --all, not both")
+    with DeadLetters(_settings(args)) as dlq:
+        results = dlq.replay(args.offsets, all=args.all, task_type=args.type, force=args.force)
+    lines = []
+    for r in results:
+        if r.refused:
+            lines.append(f"refused   {r.offset}  {r.idempotency_key or '-'}: {r.refused}")
+        else:
+            note = "  (already completed: the worker will skip it)" if r.already_completed else ""
+            lines.append(f"replayed  {r.offset}  {r.idempotency_key}  -> {r.topic}{note}")
+    if args.json:
+        for r in results:
+            print(json.dumps(r.to_dict()), flush=True)
+    else:
+        print("\n".join(lines) or "nothing to replay", flush=True)
+    return 1 if any(r.refused for r in results) else 0
+
+
+# -------------------------------------------------------------------------------------------------- stats
+def cmd_stats(args: argparse.Namespace) -> int:
+    from consumer.dlq import DeadLetters
+    from consumer.store import IdempotencyStore
+    from producer.backpressure import tier_depths
+    from producer.db import Database
+    from producer.envelope import Topics
+    from producer.kafka import Admin
+
+    s = _settings(args)
+    tiers = tier_depths(Admin(s), Topics(s.namespace, s.delay_tiers), s.worker_group)
+    with DeadLetters(s) as dlq:
+        dlq_depth = dlq.depth()
+    store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
+    try:
+        counts = store.counts()
+    finally:
+        store.close()
+    note = (
+        "retries and dead-letters are counted per worker process: scrape taskq_tasks_retried_total and "
+        "taskq_tasks_dead_lettered_total from each worker's /metrics"
+    )
+    data = {"tiers": tiers, "group": s.worker_group, "dlq_depth": dlq_depth, "idempotency": counts}
+    data["counters"] = note
+    lines = [f"tier depth (not yet committed by {s.worker_group}):"]
+    lines += [f"  {p:<9} {n}" for p, n in tiers.items()]
+    lines.append(f"DLQ depth (not replayed): {dlq_depth}")
+    by_state = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    lines.append(f"idempotency records: {by_state or 'none'}")
+    lines.append(f"note: {note}")
+    _print(args, data, "\n".join(lines))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every taskq command."""
     p = argparse.ArgumentParser(prog="taskq", description="A distributed task queue on Kafka.")
@@ -280,6 +391,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--metrics-port", type=int, help="serve /metrics and /healthz on this port")
     sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
     sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
+
+    dlq = sub.add_parser("dlq", help="inspect and replay the DLQ").add_subparsers(dest="sub", required=True)
+    sp = leaf(dlq, "list", cmd_dlq_list, "list DLQ records not yet replayed, oldest first")
+    sp.add_argument("--type", help="only this task type")
+    sp.add_argument("--since", help="only records that failed within this duration, e.g. 1h")
+    sp.add_argument("--limit", type=int, help="at most N records")
+    sp.add_argument("--all", action="store_true", help="include replayed records")
+    sp = leaf(dlq, "show", cmd_dlq_show, "one DLQ record: decoded payload, every header, traceback")
+    sp.add_argument("offset", type=int)
+    replay_help = "re-enqueue DLQ records with their original task id and key (exit 1 if any is refused)"
+    sp = leaf(dlq, "replay", cmd_dlq_replay, replay_help)
+    sp.add_argument("offsets", nargs="*", type=int, metavar="OFFSET")
+    sp.add_argument("--all", action="store_true", help="every record not yet replayed")
+    sp.add_argument("--type", help="with --all: only this task type")
+    sp.add_argument("--force", action="store_true", help="replay records that were replayed before")
+
+    leaf(sub, "stats", cmd_stats, "tier depths, DLQ depth and idempotency records by state")
     return p
 
 
