@@ -202,12 +202,26 @@ def cmd_worker(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         metrics_port=args.metrics_port,
         buffer_capacity=args.buffer,
+        forwarder=not args.no_forwarder,
     )
     worker = Worker(handlers, _settings(args), config)
     worker.install_signal_handlers()
     log = logging.getLogger("taskq.worker")
     log.info("worker %s: %d handler(s), group %s", worker.worker_id, len(handlers), worker.group)
     worker.run()
+    return 0
+
+
+def cmd_forwarder(args: argparse.Namespace) -> int:
+    import signal
+
+    from consumer.forwarder import Forwarder
+
+    forwarder = Forwarder(_settings(args))
+    signal.signal(signal.SIGTERM, lambda signum, frame: forwarder.stop())
+    signal.signal(signal.SIGINT, lambda signum, frame: forwarder.stop())
+    logging.getLogger("taskq.forwarder").info("forwarder %s: delay tiers of %s", forwarder.instance_id, forwarder.topics.namespace)
+    forwarder.run()
     return 0
 
 
@@ -391,7 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--metrics-port", type=int, help="serve /metrics and /healthz on this port")
     sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
     sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
+    sp.add_argument("--no-forwarder", action="store_true", help="do not run the delay forwarder in this process")
 
+    leaf(sub, "forwarder", cmd_forwarder, "release due tasks from the delay tiers (also runs inside workers)",
+         json_flag=False)
     dlq = sub.add_parser("dlq", help="inspect and replay the DLQ").add_subparsers(dest="sub", required=True)
     sp = leaf(dlq, "list", cmd_dlq_list, "list DLQ records not yet replayed, oldest first")
     sp.add_argument("--type", help="only this task type")
@@ -415,10 +432,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `taskq` console script."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose or args.command == "worker" else logging.WARNING,
+        level=logging.INFO if args.verbose or args.command in ("worker", "forwarder") else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for noisy in ("httpx", "httpx2", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return int(args.fn(args))
     except (TaskqError, SchemaError, ValueError) as exc:

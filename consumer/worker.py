@@ -21,6 +21,7 @@ from typing import Any
 
 from consumer import metrics
 from consumer.executor import Executor, Job, Outcome
+from consumer.forwarder import Forwarder, run_in_thread
 from consumer.handlers import Handlers, HandlerSpec, TaskContext
 from consumer.offsets import OffsetTracker
 from consumer.retry import Reject
@@ -54,6 +55,8 @@ class WorkerConfig:
     #: Lease of a claimed key when its task type has no timeout.
     default_lease: float = 300.0
     metrics_port: int | None = None
+    #: Run the delay forwarder in this process too (a thread); `taskq forwarder` runs it alone.
+    forwarder: bool = True
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -152,12 +155,19 @@ class Worker:
             metrics.serve(self.config.metrics_port, self.heartbeat.healthy)
         self._source = Source(self.settings, group=self.group, on_assign=self._assigned_cb, on_revoke=self._revoked_cb)
         self._source.subscribe(self.topics.priority_topics)
+        forwarder = None
+        if self.config.forwarder:
+            forwarder = Forwarder(self.settings, instance_id=self.worker_id)
+            forwarder_thread = run_in_thread(forwarder)
         self._emit("started", {"worker_id": self.worker_id, "group": self.group})
         try:
             while not self._stop.is_set():
                 self._tick()
             self._shutdown()
         finally:
+            if forwarder is not None:
+                forwarder.stop()
+                forwarder_thread.join(timeout=15)
             self._source.close()
             self._source = None
             self.executor.shutdown(timeout=1.0)

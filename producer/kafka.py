@@ -99,6 +99,8 @@ class Sink:
         }
         if transactional_id:
             conf["transactional.id"] = transactional_id
+            conf["transaction.timeout.ms"] = 60000
+            conf["message.timeout.ms"] = 60000  # librdkafka requires it <= transaction.timeout.ms
         conf.update(overrides)
         self._p = Producer(conf)
 

@@ -28,16 +28,22 @@ def wait_until(check: Callable[[], T], *, timeout: float, what: str, every: floa
 class WorkerProcess:
     """`taskq worker` in a subprocess, its output in a log file."""
 
-    def __init__(self, env: dict[str, str], log: Path, *args: str) -> None:
+    def __init__(self, env: dict[str, str], log: Path, *args: str, command: tuple[str, ...] | None = None) -> None:
         self.log = log
         self._out = log.open("wb")
+        argv = command if command is not None else ("worker", "tests.apps.app:handlers", *args)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "consumer.cli", "worker", "tests.apps.app:handlers", *args],
+            [sys.executable, "-m", "consumer.cli", *argv],
             env=env,
             stdout=self._out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
+
+    @classmethod
+    def command(cls, env: dict[str, str], log: Path, *argv: str) -> WorkerProcess:
+        """Any `taskq` command as a process (e.g. the forwarder)."""
+        return cls(env, log, command=argv)
 
     def kill(self) -> None:
         """kill -9."""

@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
+
 from consumer import Handlers, TaskContext
 
 NS = os.environ.get("TASKQ_NAMESPACE", "taskq")
@@ -25,6 +27,7 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Sleep": sleep,
         "SleepProc": sleep,
         "Exit": [{"name": "code", "type": "int"}],
+        "Flaky": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
     }
     return {name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()}
 
@@ -35,6 +38,9 @@ CREATE_LEDGER = """
 CREATE TABLE IF NOT EXISTS ledger (
     seq bigserial PRIMARY KEY, key text NOT NULL, amount bigint NOT NULL, task_id text NOT NULL,
     priority text NOT NULL, worker int NOT NULL
+);
+CREATE TABLE IF NOT EXISTS attempt_log (
+    key text NOT NULL, attempt int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""  # no unique constraint on key: a duplicate effect must be visible, not refused
 
 
@@ -65,3 +71,17 @@ def sleep_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
 def exit_process(payload: dict[str, Any], ctx: TaskContext) -> None:
     os._exit(payload["code"])
 
+
+
+@handlers.task(f"{NS}.Flaky", schema=S["Flaky"], transactional=True, timeout=10, max_attempts=5)
+def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:
+    # The attempt log is written outside the task's transaction, so failed attempts leave a trace.
+    with psycopg.connect(os.environ["TASKQ_DATABASE_URL"], autocommit=True,
+                         options=f"-c search_path={os.environ.get('TASKQ_DATABASE_SCHEMA', 'public')}") as log:
+        log.execute("INSERT INTO attempt_log (key, attempt) VALUES (%s, %s)", (payload["key"], ctx.attempt))
+    if ctx.attempt <= payload["fail_times"]:
+        raise RuntimeError(f"flaky failure on attempt {ctx.attempt}")
+    ctx.db.execute(
+        "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
+        (payload["key"], ctx.task_id, ctx.priority, os.getpid()),
+    )

@@ -1,0 +1,83 @@
+"""Retries through delay topics, delayed tasks, and the forwarder's exactly-once release (processes)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+
+from consumer.retry import RetryPolicy
+from producer.envelope import Envelope
+from producer.kafka import Admin, Source
+from tests.acceptance.conftest import App
+from tests.acceptance.helpers import WorkerProcess, wait_until
+
+
+def test_a_task_failing_twice_then_succeeding_runs_three_times_with_backoff(app: App) -> None:
+    app.producer.enqueue(app.type("Flaky"), {"key": "f1", "fail_times": 2}, idempotency_key="flaky-1")
+    app.producer.flush(30)
+    app.spawn("--concurrency", "2")
+    wait_until(lambda: app.scalar("SELECT count(*) FROM ledger WHERE key = 'f1'") == 1, timeout=120,
+               what="the flaky task to succeed")
+    attempts = app.query("SELECT attempt, at FROM attempt_log WHERE key = 'f1' ORDER BY at")
+    assert [a["attempt"] for a in attempts] == [1, 2, 3], attempts
+    policy = RetryPolicy()  # the handler's policy: defaults with max_attempts=5
+    for i in (1, 2):
+        gap = (attempts[i]["at"] - attempts[i - 1]["at"]).total_seconds()
+        shortest = policy.base.total_seconds() * 2 ** (i - 1) * (1 - policy.jitter)
+        assert gap >= shortest, f"retry {i} came after {gap:.3f}s, policy allows no less than {shortest:.3f}s"
+    assert app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = 'flaky-1'") == "completed"
+
+
+def test_a_delayed_task_starts_after_its_delay_and_soon_after(app: App) -> None:
+    app.spawn("--concurrency", "2")
+    enqueued = datetime.now(UTC)
+    app.producer.enqueue(app.type("Flaky"), {"key": "d1"}, idempotency_key="delayed-1", delay=timedelta(seconds=5))
+    app.producer.flush(30)
+    wait_until(lambda: app.scalar("SELECT count(*) FROM ledger WHERE key = 'd1'") == 1, timeout=60,
+               what="the delayed task")
+    started = app.scalar("SELECT at FROM attempt_log WHERE key = 'd1'")
+    waited = (started - enqueued).total_seconds()
+    assert waited >= 5.0, f"started {waited:.3f}s after enqueue, before its 5 s delay"
+    assert waited <= 7.5, f"started {waited:.3f}s after enqueue, long after its 5 s delay"
+
+
+def _released(app: App) -> list[tuple[Envelope, int]]:
+    """Every committed record on the priority topics: its envelope and broker timestamp (ms)."""
+    admin = Admin(app.settings)
+    topics = [app.producer.topics.tier(p) for p in ("critical", "high", "normal", "low")]
+    end = admin.end_offsets(topics)
+    source = Source(app.settings, group=f"{app.ns}.reader")
+    source.assign([(t, p, 0) for (t, p) in end])
+    out: list[tuple[Envelope, int]] = []
+    try:
+        idle = 0
+        while idle < 3:
+            records = source.poll(1000, 0.5)
+            idle = 0 if records else idle + 1
+            out += [(Envelope.from_headers(r.headers), r.timestamp_ms) for r in records]
+    finally:
+        source.close()
+    return out
+
+
+def test_kill_9_of_the_forwarder_neither_loses_nor_doubles_delayed_tasks(app: App) -> None:
+    n = 1000
+    receipts = [
+        app.producer.enqueue(app.type("Flaky"), {"key": f"x{i}"}, delay=timedelta(seconds=2 + (i % 3)))
+        for i in range(n)
+    ]
+    app.producer.flush(60)
+    env = app.env_of()
+    forwarder = WorkerProcess.command(env, app.tmp_path / "forwarder-1.log", "forwarder")
+    app.workers.append(forwarder)
+    wait_until(lambda: len(_released(app)) >= 100, timeout=60, what="the forwarder to release some tasks")
+    forwarder.kill()
+    again = WorkerProcess.command(env, app.tmp_path / "forwarder-2.log", "forwarder")
+    app.workers.append(again)
+    wait_until(lambda: len(_released(app)) >= n, timeout=120, what="every delayed task released")
+    released = _released(app)
+    counts = Counter(e.task_id for e, _ in released)
+    assert set(counts) == {r.task_id for r in receipts}
+    assert max(counts.values()) == 1, [t for t, c in counts.items() if c > 1][:5]
+    early = [(e.task_id, ts, e.not_before) for e, ts in released if e.not_before and ts < e.not_before.timestamp() * 1000]
+    assert not early, f"{len(early)} tasks released before their time, e.g. {early[:3]}"
