@@ -1,0 +1,187 @@
+"""`make demo`: the whole system in one run, narrated. Also the handlers the demo's workers run.
+
+Registers the demo task types, creates a fresh namespace's topics, enqueues a mix across the four tiers
+(duplicate payment keys, a flaky report, a webhook whose partner is down, a delayed email), runs two workers
+and the delay forwarder as real processes, prints what happened, then fixes the partner and replays the
+dead-lettered webhook.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from consumer.handlers import Handlers, TaskContext
+from consumer.retry import RetryPolicy
+
+SCHEMAS = Path(__file__).resolve().parent.parent / "schemas" / "demo"
+FAST_RETRIES = RetryPolicy(max_attempts=3, base=timedelta(milliseconds=500), cap=timedelta(seconds=5))
+
+handlers = Handlers()
+
+DEMO_TABLES = """
+CREATE TABLE IF NOT EXISTS demo_effects (
+    seq bigserial PRIMARY KEY, task_type text NOT NULL, key text NOT NULL, priority text NOT NULL,
+    attempt int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS demo_outages (url text PRIMARY KEY);
+"""
+
+
+def _effect(ctx: TaskContext, key: str) -> None:
+    # In the task's own transaction: the effect and the completion record commit together (exactly once).
+    ctx.db.execute(
+        "INSERT INTO demo_effects (task_type, key, priority, attempt) VALUES (%s, %s, %s, %s)",
+        (ctx.task_type, key, ctx.priority, ctx.attempt),
+    )
+
+
+@handlers.task("demo.SendEmail", schema=SCHEMAS / "send_email.avsc", transactional=True, timeout=10)
+def send_email(payload: dict[str, Any], ctx: TaskContext) -> None:
+    _effect(ctx, payload["to"])
+
+
+@handlers.task("demo.ChargePayment", schema=SCHEMAS / "charge_payment.avsc", transactional=True, timeout=10)
+def charge_payment(payload: dict[str, Any], ctx: TaskContext) -> None:
+    _effect(ctx, payload["payment_id"])
+
+
+@handlers.task("demo.GenerateReport", schema=SCHEMAS / "generate_report.avsc", transactional=True, timeout=10,
+               retry=FAST_RETRIES)
+def generate_report(payload: dict[str, Any], ctx: TaskContext) -> None:
+    if ctx.attempt <= payload["fail_times"]:
+        raise TimeoutError(f"report database busy (attempt {ctx.attempt})")
+    _effect(ctx, payload["report_id"])
+
+
+@handlers.task("demo.CallWebhook", schema=SCHEMAS / "call_webhook.avsc", transactional=True, timeout=10,
+               retry=FAST_RETRIES)
+def call_webhook(payload: dict[str, Any], ctx: TaskContext) -> None:
+    down = ctx.db.execute("SELECT 1 FROM demo_outages WHERE url = %s", (payload["url"],)).fetchone()
+    if down:
+        raise ConnectionError(f"{payload['url']} answered 503 Service Unavailable")
+    _effect(ctx, payload["url"])
+
+
+# ------------------------------------------------------------------------------------------------ the run
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _wait(check: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"demo: gave up waiting for {what} after {timeout:.0f}s")
+        time.sleep(0.25)
+
+
+def main() -> int:
+    """Run the demo against the stack named by TASKQ_* variables."""
+    from consumer.dlq import DeadLetters
+    from consumer.store import IdempotencyStore
+    from producer.admin import create_topics
+    from producer.config import Settings
+    from producer.db import Database
+    from producer.producer import TaskProducer, TaskSpec
+    from schemas import Registry, load_schema
+
+    ns = f"demo{int(time.time())}"
+    settings = Settings.from_env(namespace=ns, database_schema=ns)
+    db = Database(settings.database_url, schema=ns)
+    _say(f"== kafka-taskq demo, namespace {ns}")
+    with Registry(settings.schema_registry_url) as registry:
+        for path in sorted(SCHEMAS.glob("*.avsc")):
+            reg = registry.register(load_schema(path))
+            _say(f"   task type {reg.subject:<22} schema v{reg.version} (registry id {reg.schema_id})")
+    created = create_topics(settings, partitions=3)
+    _say(f"   {len(created)} topics: {ns}.critical|high|normal|low, {len(settings.delay_tiers)} delay tiers, {ns}.dlq")
+    db.migrate()
+    with db.connection() as conn:
+        conn.execute(DEMO_TABLES)
+        conn.execute("INSERT INTO demo_outages VALUES ('https://partner.example/hook')")
+
+    tasks = [TaskSpec(task_type="demo.ChargePayment", payload={"payment_id": f"pay-{i}", "amount_cents": 1000 + i},
+                      idempotency_key=f"charge:pay-{i}", priority="critical") for i in range(10)]
+    tasks += tasks  # every payment enqueued twice, as a retrying client would: one charge each
+    tasks += [TaskSpec(task_type="demo.CallWebhook", payload={"url": "https://partner.example/hook",
+                                                              "event": "order.paid"}, priority="high")]
+    tasks += [TaskSpec(task_type="demo.SendEmail", payload={"to": f"user{i}@example.com", "subject": "Receipt"},
+                       priority="normal") for i in range(30)]
+    tasks += [TaskSpec(task_type="demo.GenerateReport", payload={"report_id": f"r-{i}", "fail_times": 2 if i == 0 else 0},
+                       priority="low") for i in range(8)]
+    with TaskProducer(settings) as producer:
+        producer.enqueue_many(tasks)
+        delayed = producer.enqueue("demo.SendEmail", {"to": "later@example.com", "subject": "Reminder"}, delay=3.0)
+        producer.flush()
+    _say(f"== enqueued {len(tasks) + 1} tasks: 20 charges (10 payments, each twice), 1 webhook to a partner that is")
+    _say("   down, 30 emails, 8 reports (one fails twice before it works), 1 email delayed by 3 s")
+
+    env = {**os.environ, "TASKQ_NAMESPACE": ns, "TASKQ_DATABASE_SCHEMA": ns}
+    cmd = [sys.executable, "-m", "consumer.cli"]
+    procs = [
+        subprocess.Popen([*cmd, "worker", "consumer.demo:handlers", "--concurrency", "4", "--no-forwarder"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(2)
+    ]
+    procs.append(subprocess.Popen([*cmd, "forwarder"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    _say("== started 2 workers (concurrency 4 each) and the delay forwarder")
+    store = IdempotencyStore(db, owner="demo")
+    try:
+        def counts() -> dict[str, int]:
+            return store.counts()
+
+        _wait(lambda: counts().get("completed", 0) >= 10 + 30 + 8 + 1 and counts().get("dead", 0) >= 1,
+              "the tasks to finish")
+        with db.connection() as conn:
+            per_tier = conn.execute(
+                "SELECT priority, count(*) AS n FROM demo_effects GROUP BY priority ORDER BY min(seq)"
+            ).fetchall()
+            charges = conn.execute("SELECT count(*) AS n FROM demo_effects WHERE task_type = 'demo.ChargePayment'").fetchone()
+            retried = conn.execute("SELECT key, attempt FROM demo_effects WHERE attempt > 1").fetchall()
+            late = conn.execute("SELECT attempt FROM demo_effects WHERE key = 'later@example.com'").fetchone()
+        _say("== what happened")
+        for row in per_tier:
+            _say(f"   {row['priority']:<9} {row['n']:>3} task(s) completed")
+        _say(f"   charges: 20 enqueued, {charges['n']} charged - the 10 duplicates were skipped by idempotency key")
+        for row in retried:
+            _say(f"   retried: {row['key']} succeeded on attempt {row['attempt']} (backoff through the delay tiers)")
+        _say(f"   delayed: the reminder email ran {'after' if late else 'before?!'} its 3 s delay (task {delayed.task_id[:8]})")
+        with DeadLetters(settings) as dlq:
+            records = dlq.list()
+            _say(f"== the DLQ holds {len(records)} record(s)")
+            for rec in records:
+                _say(f"   offset {rec.offset}: {rec.task_type} after {rec.attempts} attempts - {rec.reason[:90]}")
+            _say("== the partner is back up; replaying the DLQ")
+            with db.connection() as conn:
+                conn.execute("DELETE FROM demo_outages")
+            for res in dlq.replay(all=True):
+                _say(f"   offset {res.offset}: {'replayed to ' + str(res.topic) if res.replayed else 'refused: ' + str(res.refused)}"
+                     f" with its original task id {str(res.task_id)[:8]} and key {res.idempotency_key}")
+            _wait(lambda: counts().get("dead", 0) == 0, "the replayed webhook")
+            again = dlq.replay(all=False, offsets=[records[0].offset]) if records else []
+            for res in again:
+                _say(f"   replaying offset {res.offset} again: {'refused - ' + str(res.refused) if res.refused else 'replayed'}")
+        _say(f"== done: {counts()}")
+    finally:
+        store.close()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(40)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    _say("== workers stopped gracefully (SIGTERM: finish in-flight tasks, commit, leave the group)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
