@@ -1,0 +1,158 @@
+"""`taskq dlq list/show/replay` and `taskq stats` as real processes: output and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from consumer.store import IdempotencyStore
+from producer.config import Settings
+from producer.db import Database
+from producer.envelope import Envelope
+from producer.kafka import Record
+from schemas import Registry
+from tests.integration.test_dlq import FIELDS, dead_letter, publish_garbage
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def taskq(env_of: Callable[..., dict[str, str]], settings: Settings) -> Run:
+    """Run `python -m consumer.cli --namespace NS ...` in the test's namespace."""
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "consumer.cli", "--namespace", settings.namespace, *args],
+            env=env_of(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    return run
+
+
+@pytest.fixture
+def dlq_records(settings: Settings, task_schema: Callable[..., dict[str, Any]]) -> Iterator[list[Record]]:
+    """DLQ offsets 0 (SendEmail, failed 2 h ago), 1 (SendEmail, high), 2 (Report), 3 (garbage)."""
+    with Registry(settings.schema_registry_url) as registry:
+        email = registry.register(task_schema("SendEmail", FIELDS)).subject
+        report = registry.register(task_schema("Report", FIELDS)).subject
+    store = IdempotencyStore(Database(settings.database_url, schema=settings.database_schema), owner="w")
+    try:
+        tasks = [
+            dead_letter(settings, store, email, 1, failed_at=datetime.now(UTC) - timedelta(hours=2)),
+            dead_letter(settings, store, email, 2, priority="high"),
+            dead_letter(settings, store, report, 3),
+        ]
+        publish_garbage(settings)
+        yield tasks
+    finally:
+        store.close()
+
+
+def lines_of(out: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def listed(taskq: Run, *args: str) -> list[int]:
+    """Offsets printed by `taskq dlq list --json ARGS`."""
+    done = taskq("dlq", "list", "--json", *args)
+    assert done.returncode == 0, done.stderr
+    return [r["offset"] for r in lines_of(done.stdout)]
+
+
+def test_list(taskq: Run, dlq_records: list[Record], settings: Settings) -> None:
+    done = taskq("dlq", "list", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = lines_of(done.stdout)
+    assert [r["offset"] for r in rows] == [0, 1, 2, 3]
+    for key in ("offset", "task_type", "idempotency_key", "attempts", "reason", "failed_at"):
+        assert key in rows[1]
+    env = Envelope.from_headers(dlq_records[1].headers)
+    assert rows[1]["task_type"] == f"{settings.namespace}.SendEmail"
+    assert rows[1]["idempotency_key"] == env.idempotency_key
+    assert rows[1]["attempts"] == 3
+    assert rows[1]["reason"] == "failed 3 attempt(s): ValueError: smtp down"
+    assert datetime.fromisoformat(rows[1]["failed_at"]) > datetime.now(UTC) - timedelta(minutes=5)
+    assert rows[3]["task_type"] is None and rows[3]["idempotency_key"] is None
+
+    report = f"{settings.namespace}.Report"
+    assert listed(taskq, "--type", report) == [2]
+    assert listed(taskq, "--since", "1h") == [1, 2, 3]
+    assert listed(taskq, "--limit", "1") == [0]
+
+    table = taskq("dlq", "list")
+    assert table.returncode == 0, table.stderr
+    assert "IDEMPOTENCY KEY" in table.stdout and env.idempotency_key in table.stdout
+    assert "4 DLQ record(s) not yet replayed" in table.stdout
+
+    bad = taskq("dlq", "list", "--since", "yesterday")
+    assert bad.returncode == 2 and "invalid duration" in bad.stderr
+
+
+def test_show(taskq: Run, dlq_records: list[Record], settings: Settings) -> None:
+    done = taskq("dlq", "show", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["payload"] == {"to": "u2@example.com", "n": 2}
+    assert data["headers"]["taskq-priority"] == "high"
+    assert data["headers"]["taskq-dlq-attempts"] == "3"
+
+    text = taskq("dlq", "show", "1")
+    assert text.returncode == 0, text.stderr
+    assert '"to": "u2@example.com"' in text.stdout
+    assert "taskq-dlq-reason: failed 3 attempt(s)" in text.stdout
+    assert "ValueError: smtp down" in text.stdout  # the traceback
+
+    garbage = taskq("dlq", "show", "3")
+    assert garbage.returncode == 0, garbage.stderr
+    assert "cannot decode" in garbage.stdout and b"\x01garbage".hex() in garbage.stdout
+
+    missing = taskq("dlq", "show", "42")
+    assert missing.returncode == 2 and "no DLQ record at offset 42" in missing.stderr
+
+
+def test_replay(taskq: Run, dlq_records: list[Record], settings: Settings) -> None:
+    key = Envelope.from_headers(dlq_records[1].headers).idempotency_key
+    done = taskq("dlq", "replay", "1")
+    assert done.returncode == 0, done.stderr
+    assert f"replayed  1  {key}  -> {settings.namespace}.high" in done.stdout
+    assert listed(taskq) == [0, 2, 3]
+
+    again = taskq("dlq", "replay", "1", "--json")
+    assert again.returncode == 1
+    [result] = lines_of(again.stdout)
+    assert result["replayed"] is False and "already replayed" in result["refused"]
+
+    forced = taskq("dlq", "replay", "1", "--force", "--json")
+    assert forced.returncode == 0, forced.stderr
+    assert lines_of(forced.stdout)[0]["replays"] == 2
+
+    everything = taskq("dlq", "replay", "--all")
+    assert everything.returncode == 1  # the garbage record is refused
+    assert "replayed  0" in everything.stdout and "replayed  2" in everything.stdout
+    assert "refused   3  -: not a task:" in everything.stdout
+    assert listed(taskq) == [3]
+
+    usage = taskq("dlq", "replay")
+    assert usage.returncode == 2 and "give DLQ offsets or --all" in usage.stderr
+
+
+def test_stats(taskq: Run, dlq_records: list[Record]) -> None:
+    done = taskq("stats", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["dlq_depth"] == 4
+    assert data["idempotency"] == {"dead": 3}
+    assert sum(data["tiers"].values()) == 3  # nothing consumed the enqueued tasks
+    assert "per worker process" in data["counters"]
+
+    text = taskq("stats")
+    assert "DLQ depth (not replayed): 4" in text.stdout and "dead 3" in text.stdout
