@@ -1,0 +1,354 @@
+"""The programmatic Worker against the real stack: bad input, schema evolution, duplicates, transactions,
+contiguous commits and bounded buffering."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from consumer import Handlers
+from consumer.routing import DLQ_OFFSET, DLQ_REASON
+from consumer.worker import Worker, WorkerConfig
+from producer.config import Settings
+from producer.db import Database
+from producer.envelope import Envelope, Topics
+from producer.kafka import TP, Admin, Record, Sink, Source
+from producer.producer import TaskProducer, TaskSpec
+from schemas import Registry, avro
+from tests.acceptance.helpers import wait_until
+
+ID_FIELDS = [{"name": "id", "type": "string"}]
+
+
+class Events:
+    """The worker's on_event callbacks, recorded so a test can wait on them."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, dict[str, Any]]] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, name: str, data: dict[str, Any]) -> None:
+        with self._cond:
+            self.log.append((name, data))
+            self._cond.notify_all()
+
+    def of(self, name: str) -> list[dict[str, Any]]:
+        """Data of every event of this name so far."""
+        with self._cond:
+            return [d for n, d in self.log if n == name]
+
+    def wait(self, check: Callable[[], bool], *, timeout: float, what: str) -> None:
+        """Block until `check()` holds (re-checked on every event); fail naming `what` after `timeout`."""
+        with self._cond:
+            if not self._cond.wait_for(check, timeout):
+                recent = self.log[-20:]
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}; last events: {recent}")
+
+    def count(self, name: str, n: int, *, timeout: float = 60) -> None:
+        """Wait for at least n events of this name."""
+        self.wait(lambda: len(self.of(name)) >= n, timeout=timeout, what=f"{n} {name!r} events")
+
+
+@contextmanager
+def running(handlers: Handlers, settings: Settings, **config: Any) -> Iterator[tuple[Worker, Events]]:
+    """A Worker in a background thread; stopped gracefully (and joined) at the end."""
+    events = Events()
+    config = {"concurrency": 2, "commit_interval": 0.2, **config}
+    w = Worker(handlers, settings, WorkerConfig(**config), on_event=events)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            w.run()
+        except BaseException as exc:
+            failure.append(exc)
+            raise
+
+    thread = threading.Thread(target=run, name="test-worker", daemon=True)
+    thread.start()
+    try:
+        yield w, events
+    finally:
+        w.stop()
+        thread.join(60)
+        assert not thread.is_alive(), "the worker did not shut down"
+    assert not failure, f"the worker loop raised: {failure[0]!r}"
+
+
+def _register(settings: Settings, schema: dict[str, Any]) -> int:
+    with Registry(settings.schema_registry_url) as registry:
+        return registry.register(schema).schema_id
+
+
+def _committed(settings: Settings, tp: TP) -> int:
+    return Admin(settings).committed(settings.worker_group, [tp[0]]).get(tp, -1)
+
+
+def _read_all(
+    settings: Settings, topic: str, partitions: int, want: int, timeout: float = 30.0
+) -> list[Record]:
+    """Every record of a topic from the start, waiting until at least `want` arrived."""
+    source = Source(settings, group=f"{settings.namespace}.reader")
+    try:
+        source.assign([(topic, p, 0) for p in range(partitions)])
+        out: list[Record] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < want and time.monotonic() < deadline:
+            out += source.poll(100, 0.5)
+        # Anything beyond `want` that is already there must show up too (exactly, not at least).
+        out += source.poll(100, 1.0)
+        return out
+    finally:
+        source.close()
+
+
+def _query(settings: Settings, sql: str, *params: Any) -> list[dict[str, Any]]:
+    with Database(settings.database_url, schema=settings.database_schema).connection() as conn:
+        return list(conn.execute(sql, params).fetchall())
+
+
+# -------------------------------------------------------------------------------------------------- bad input
+def test_bad_input_goes_to_the_dlq_with_its_reason_and_the_worker_moves_on(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    ns = settings.namespace
+    schema = task_schema("Job", ID_FIELDS)
+    schema_id = _register(settings, schema)
+    topics = Topics(ns, settings.delay_tiers)
+    good_body = avro.frame(schema_id, avro.encode(avro.parse(schema), {"id": "x"}))
+
+    def envelope(task_type: str, key: str) -> list[tuple[str, bytes]]:
+        return Envelope(task_id=key, task_type=task_type, idempotency_key=key, priority="normal").to_headers()
+
+    bad = {
+        # value, headers, what the DLQ reason must name
+        "garbage": (b"\x01not avro", envelope(f"{ns}.Job", "bad-garbage"), "undecodable"),
+        "schema-id": (avro.frame(987654, b"\x02x"), envelope(f"{ns}.Job", "bad-id"), "unknown schema id"),
+        "task-type": (good_body, envelope(f"{ns}.Nobody", "bad-task-type"), "unknown task type"),
+        "envelope": (good_body, [], "bad envelope"),
+    }
+    sink = Sink(settings)
+    placed: dict[int, str] = {}  # offset -> which bad record
+    partitions: set[int] = set()
+
+    def delivered(name: str) -> Callable[[str | None, Record | None], None]:
+        def cb(err: str | None, record: Record | None) -> None:
+            assert err is None and record is not None, err
+            placed[record.offset] = name
+            partitions.add(record.partition)
+
+        return cb
+
+    for name, (value, headers, _) in bad.items():
+        sink.send(topics.tier("normal"), value, key=b"one", headers=headers, on_delivery=delivered(name))
+    assert sink.flush(30) == 0
+    # Valid tasks behind the bad ones, on the same partition (same message key).
+    with TaskProducer(settings) as producer:
+        receipts = producer.enqueue_many(
+            [TaskSpec(task_type=f"{ns}.Job", payload={"id": f"ok{i}"}, key="one") for i in range(3)],
+            wait=True,
+        )
+    partitions |= {r.partition for r in receipts if r.partition is not None}
+    assert len(partitions) == 1, f"records spread over partitions {partitions}"
+    tp = (topics.tier("normal"), partitions.pop())
+    last = max(r.offset for r in receipts if r.offset is not None)
+
+    seen: list[str] = []
+    h = Handlers()
+
+    @h.task(f"{ns}.Job", schema=schema)
+    def job(payload: dict[str, Any], ctx: Any) -> None:
+        seen.append(payload["id"])
+
+    with running(h, settings) as (_, events):
+        events.count("completed", 3)
+        events.count("dead_lettered", 4)
+        wait_until(lambda: _committed(settings, tp) == last + 1, timeout=30, what="a commit past them all")
+    assert sorted(seen) == ["ok0", "ok1", "ok2"]
+
+    dlq = _read_all(settings, topics.dlq, 1, want=len(bad))
+    by_name = {placed[int(r.header(DLQ_OFFSET) or b"-1")]: r for r in dlq}
+    assert len(dlq) == len(bad), [r.header(DLQ_REASON) for r in dlq]
+    assert set(by_name) == set(bad)
+    for name, (value, _, reason) in bad.items():
+        record = by_name[name]
+        assert reason in (record.header(DLQ_REASON) or b"").decode(), (name, record.header(DLQ_REASON))
+        assert record.value == value, name  # the original bytes, untouched
+
+
+# ------------------------------------------------------------------------------------------- schema evolution
+def test_old_payloads_are_read_into_the_handlers_newer_schema_and_upcast(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    ns = settings.namespace
+    v1, up_v1 = task_schema("Evolving", ID_FIELDS), task_schema("Upcast", ID_FIELDS)
+    _register(settings, v1)
+    up_v1_id = _register(settings, up_v1)
+    with TaskProducer(settings) as producer:  # writes with the latest registered version: v1
+        producer.enqueue(f"{ns}.Evolving", {"id": "e1"})
+        producer.enqueue(f"{ns}.Upcast", {"id": "u1"})
+    note = {"name": "note", "type": "string", "default": "none"}
+    v2, up_v2 = task_schema("Evolving", [*ID_FIELDS, note]), task_schema("Upcast", [*ID_FIELDS, note])
+    _register(settings, v2)
+    _register(settings, up_v2)
+
+    got: dict[str, dict[str, Any]] = {}
+    h = Handlers()
+
+    @h.task(f"{ns}.Evolving", schema=v2)
+    def evolving(payload: dict[str, Any], ctx: Any) -> None:
+        got["evolving"] = payload
+
+    @h.task(f"{ns}.Upcast", schema=up_v2,
+            upcaster=lambda payload, schema_id: {"id": payload["id"].upper(), "note": f"from {schema_id}"})
+    def upcast(payload: dict[str, Any], ctx: Any) -> None:
+        got["upcast"] = payload
+
+    with running(h, settings) as (_, events):
+        events.count("completed", 2)
+    assert got["evolving"] == {"id": "e1", "note": "none"}
+    assert got["upcast"] == {"id": "U1", "note": f"from {up_v1_id}"}
+
+
+# ------------------------------------------------------------------------------------------------- duplicates
+def test_one_idempotency_key_enqueued_three_times_runs_once(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    ns = settings.namespace
+    schema = task_schema("Charge", ID_FIELDS)
+    _register(settings, schema)
+    with TaskProducer(settings) as producer:
+        for _ in range(3):
+            producer.enqueue(f"{ns}.Charge", {"id": "p1"}, idempotency_key="charge:p1")
+    runs: list[str] = []
+    h = Handlers()
+
+    @h.task(f"{ns}.Charge", schema=schema)
+    def charge(payload: dict[str, Any], ctx: Any) -> None:
+        runs.append(ctx.task_id)
+
+    with running(h, settings) as (_, events):
+        # Every delivery ends as a completion or a skipped duplicate; a second run would show as a completion.
+        events.wait(lambda: len(events.of("completed")) + len(events.of("duplicate")) >= 3, timeout=60,
+                    what="all three deliveries")
+    assert len(events.of("completed")) == 1 and len(events.of("duplicate")) == 2, events.log
+    assert len(runs) == 1
+    rows = _query(settings, "SELECT state, attempts FROM taskq_tasks WHERE idempotency_key = %s", "charge:p1")
+    assert rows == [{"state": "completed", "attempts": 1}]
+
+
+# ----------------------------------------------------------------------------------------------- transactions
+def test_a_transactional_handler_that_raises_leaves_no_write_and_no_completion(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    ns = settings.namespace
+    schema = task_schema("Write", ID_FIELDS)
+    _register(settings, schema)
+    with Database(settings.database_url, schema=settings.database_schema).connection() as conn:
+        conn.execute("CREATE TABLE effects (id text NOT NULL)")
+    with TaskProducer(settings) as producer:
+        producer.enqueue(f"{ns}.Write", {"id": "raises"}, idempotency_key="w:raises", max_attempts=1)
+        producer.enqueue(f"{ns}.Write", {"id": "commits"}, idempotency_key="w:commits")
+    h = Handlers()
+
+    @h.task(f"{ns}.Write", schema=schema, transactional=True)
+    def write(payload: dict[str, Any], ctx: Any) -> None:
+        ctx.db.execute("INSERT INTO effects (id) VALUES (%s)", (payload["id"],))
+        if payload["id"] == "raises":
+            raise RuntimeError("after the write")
+
+    with running(h, settings) as (_, events):
+        events.count("completed", 1)
+        events.count("dead_lettered", 1)
+    assert [r["id"] for r in _query(settings, "SELECT id FROM effects")] == ["commits"]
+    states = {r["idempotency_key"]: r["state"] for r in _query(settings, "SELECT * FROM taskq_tasks")}
+    assert states == {"w:raises": "dead", "w:commits": "completed"}
+
+
+# ----------------------------------------------------------------------------------------- contiguous commits
+def test_the_committed_offset_waits_for_a_blocked_task_then_passes_all(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    ns = settings.namespace
+    schema = task_schema("Step", ID_FIELDS)
+    _register(settings, schema)
+    with TaskProducer(settings) as producer:
+        receipts = producer.enqueue_many(
+            [TaskSpec(task_type=f"{ns}.Step", payload={"id": f"s{i}"}, key="one") for i in range(6)],
+            wait=True,
+        )
+    assert len({r.partition for r in receipts}) == 1
+    tp = (receipts[0].topic, receipts[0].partition or 0)
+    offsets = {r.task_id: r.offset for r in receipts}
+    blocked = receipts[1]  # s0 completes before it, s2..s5 after it
+    gate = threading.Event()
+    h = Handlers()
+
+    @h.task(f"{ns}.Step", schema=schema)
+    def step(payload: dict[str, Any], ctx: Any) -> None:
+        if payload["id"] == "s1":
+            gate.wait(120)
+
+    def later_done(events: Events) -> bool:
+        done = {d["task_id"] for d in events.of("completed")}
+        return {r.task_id for r in receipts} - done == {blocked.task_id}
+
+    def commits_of(events: Events, of: TP) -> list[int]:
+        return [d["offsets"][of] for d in events.of("committed") if of in d["offsets"]]
+
+    with TaskProducer(settings) as producer, running(h, settings) as (_, events):
+        try:
+            events.wait(lambda: later_done(events), timeout=60, what="every task but the blocked one")
+            # A task on another partition completes after them: the commit following its completion has
+            # seen everything done so far, so a watermark that skipped the blocked task would show by then.
+            probe = producer.enqueue(f"{ns}.Step", {"id": "probe"}, priority="high", wait=True)
+            probe_tp = (probe.topic, probe.partition or 0)
+            events.wait(lambda: bool(commits_of(events, probe_tp)), timeout=60, what="the probe's commit")
+            assert _committed(settings, tp) == offsets[blocked.task_id]
+            assert max(commits_of(events, tp)) == offsets[blocked.task_id]
+        finally:
+            gate.set()
+        wait_until(lambda: _committed(settings, tp) == max(offsets.values()) + 1, timeout=30,
+                   what="the commit past every task once the blocked one finished")
+
+
+# --------------------------------------------------------------------------------------------- bounded memory
+def test_a_blocked_worker_buffers_at_most_its_capacity_and_pauses(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    ns = settings.namespace
+    schema = task_schema("Slow", ID_FIELDS)
+    _register(settings, schema)
+    with TaskProducer(settings) as producer:
+        for start in range(0, 200, 50):
+            producer.enqueue_many(
+                [
+                    TaskSpec(task_type=f"{ns}.Slow", payload={"id": f"b{i}"}, key="one")
+                    for i in range(start, start + 50)
+                ]
+            )
+    gate = threading.Event()
+    h = Handlers()
+
+    @h.task(f"{ns}.Slow", schema=schema)
+    def slow(payload: dict[str, Any], ctx: Any) -> None:
+        gate.wait(120)
+
+    capacity = 8
+    with running(h, settings, concurrency=1, buffer_capacity=capacity) as (w, events):
+        try:
+            events.count("started_task", 1)
+            wait_until(lambda: w._paused, timeout=30, what="the busy partition to be paused")
+            samples = []
+            for _ in range(10):
+                samples.append(len(w._scheduler))
+                time.sleep(0.1)  # sampling a steady state: there is no event to wait for
+            assert max(samples) <= capacity + 10, samples
+            assert w._paused, "the busy partition was resumed while its buffer stayed full"
+            assert {tp[0] for tp in w._paused} == {f"{ns}.normal"}
+        finally:
+            gate.set()
+        events.count("completed", 200, timeout=120)
