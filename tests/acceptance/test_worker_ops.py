@@ -1,0 +1,98 @@
+"""Operating workers as real processes: the metrics endpoint and `taskq db purge`."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+from tests.acceptance.conftest import App
+from tests.acceptance.helpers import wait_until
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str) -> tuple[int, str]:
+    """Status and body of a GET; (0, error) while nothing answers yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def _sample(metrics: str, name: str, labels: str) -> float | None:
+    """The value of one sample of the Prometheus text format, or None if absent."""
+    m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", metrics, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_metrics_endpoint_counts_tasks_and_healthz_answers(app: App) -> None:
+    n = 5
+    for i in range(n):
+        app.producer.enqueue(app.type("Ledger"), {"key": f"m{i}", "amount": i}, idempotency_key=f"m{i}")
+    app.producer.flush(30)
+    port = _free_port()
+    worker = app.spawn("--concurrency", "2", "--metrics-port", str(port))
+    base = f"http://127.0.0.1:{port}"
+    labels = f'task_type="{app.type("Ledger")}"'
+
+    def succeeded() -> float | None:
+        status, body = _get(base + "/metrics")
+        value = _sample(body, "taskq_tasks_succeeded_total", labels) if status == 200 else None
+        return value if value is not None and value >= n else None
+
+    wait_until(succeeded, timeout=90, what=f"taskq_tasks_succeeded_total >= {n} on /metrics")
+    status, body = _get(base + "/metrics")
+    assert status == 200
+    started = _sample(body, "taskq_tasks_started_total", labels)
+    assert started is not None and started >= n, body
+    assert app.scalar("SELECT count(*) FROM ledger") == n
+    assert _get(base + "/healthz")[0] == 200
+    assert worker.proc.poll() is None, worker.output()[-3000:]
+
+
+def test_db_purge_deletes_finished_records_older_than_the_ttl(app: App) -> None:
+    keys = [f"p{i}" for i in range(6)]
+    for i, k in enumerate(keys):
+        app.producer.enqueue(app.type("Ledger"), {"key": k, "amount": i}, idempotency_key=k)
+    app.producer.flush(30)
+    worker = app.spawn("--concurrency", "2")
+    completed = "SELECT count(*) FROM taskq_tasks WHERE state = 'completed'"
+    wait_until(lambda: app.scalar(completed) == len(keys), timeout=90, what=f"{len(keys)} completions")
+    worker.terminate()
+    assert worker.wait(60) == 0, worker.output()[-3000:]
+    # A retryable key is not finished: purge must keep it whatever its age.
+    app.query(
+        "INSERT INTO taskq_tasks (idempotency_key, task_id, task_type, state, attempts, updated_at)"
+        " VALUES ('retrying', 't', %s, 'failed', 1, now() - interval '1 day') RETURNING idempotency_key",
+        app.type("Ledger"),
+    )
+
+    def purge(older_than: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-m", "consumer.cli", "db", "purge", "--older-than", older_than, "--json"],
+            env=app.env_of(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        return int(json.loads(out.stdout)["purged"])
+
+    assert purge("1h") == 0  # younger than the TTL: kept
+    assert app.scalar(completed) == len(keys)
+    assert purge("0s") == len(keys)
+    assert app.scalar(completed) == 0
+    rows = app.query("SELECT idempotency_key, state FROM taskq_tasks")
+    assert rows == [{"idempotency_key": "retrying", "state": "failed"}]
