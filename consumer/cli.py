@@ -50,7 +50,11 @@ def cmd_schemas_register(args: argparse.Namespace) -> int:
     for path in args.paths:
         reg = registry.register(load_schema(path))
         out.append({"subject": reg.subject, "version": reg.version, "id": reg.schema_id, "path": str(path)})
-    _print(args, out, "\n".join(f"{o['subject']}  version {o['version']}  id {o['id']}  ({o['path']})" for o in out))
+    _print(
+        args,
+        out,
+        "\n".join(f"{o['subject']}  version {o['version']}  id {o['id']}  ({o['path']})" for o in out),
+    )
     return 0
 
 
@@ -73,11 +77,16 @@ def cmd_schemas_check(args: argparse.Namespace) -> int:
     results = []
     for path in args.paths:
         schema = load_schema(path)
-        results.append({"path": str(path), "subject": _full_name(schema), "compatible": registry.check(schema)})
+        results.append(
+            {"path": str(path), "subject": _full_name(schema), "compatible": registry.check(schema)}
+        )
     _print(
         args,
         results,
-        "\n".join(f"{'compatible  ' if r['compatible'] else 'INCOMPATIBLE'}  {r['subject']}  ({r['path']})" for r in results),
+        "\n".join(
+            f"{'compatible  ' if r['compatible'] else 'INCOMPATIBLE'}  {r['subject']}  ({r['path']})"
+            for r in results
+        ),
     )
     return 0 if all(r["compatible"] for r in results) else 1
 
@@ -193,7 +202,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.weights:
         parts = args.weights.split(",")
         if len(parts) != len(PRIORITIES):
-            raise ValueError(f"--weights needs {len(PRIORITIES)} comma-separated integers (critical,high,normal,low)")
+            raise ValueError(
+                f"--weights needs {len(PRIORITIES)} comma-separated integers (critical,high,normal,low)"
+            )
         weights = dict(zip(PRIORITIES, (int(x) for x in parts), strict=True))
     config = WorkerConfig(
         concurrency=args.concurrency,
@@ -220,7 +231,9 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     forwarder = Forwarder(_settings(args))
     signal.signal(signal.SIGTERM, lambda signum, frame: forwarder.stop())
     signal.signal(signal.SIGINT, lambda signum, frame: forwarder.stop())
-    logging.getLogger("taskq.forwarder").info("forwarder %s: delay tiers of %s", forwarder.instance_id, forwarder.topics.namespace)
+    logging.getLogger("taskq.forwarder").info(
+        "forwarder %s: delay tiers of %s", forwarder.instance_id, forwarder.topics.namespace
+    )
     forwarder.run()
     return 0
 
@@ -357,7 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def leaf(parent: Any, name: str, fn: Any, help: str, *, json_flag: bool = True) -> argparse.ArgumentParser:
+    def leaf(
+        parent: Any, name: str, fn: Any, help: str, *, json_flag: bool = True
+    ) -> argparse.ArgumentParser:
         sp: argparse.ArgumentParser = parent.add_parser(name, help=help, description=help)
         if json_flag:
             sp.add_argument("--json", action="store_true", help="print JSON")
@@ -365,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     topics = sub.add_parser("topics", help="provision topics").add_subparsers(dest="sub", required=True)
-    sp = leaf(topics, "create", cmd_topics_create, "create the priority, delay-tier and DLQ topics (idempotent)")
+    sp = leaf(
+        topics, "create", cmd_topics_create, "create the priority, delay-tier and DLQ topics (idempotent)"
+    )
     sp.add_argument("--partitions", type=int, default=6)
     sp.add_argument("--replication", type=int, default=1)
 
@@ -373,12 +390,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp = leaf(schemas, "register", cmd_schemas_register, "register .avsc files under their record names")
     sp.add_argument("paths", nargs="+", type=Path)
     leaf(schemas, "list", cmd_schemas_list, "list registered task types")
-    sp = leaf(schemas, "check", cmd_schemas_check, "check .avsc files against the registry (exit 1 if incompatible)")
+    sp = leaf(
+        schemas, "check", cmd_schemas_check, "check .avsc files against the registry (exit 1 if incompatible)"
+    )
     sp.add_argument("paths", nargs="+", type=Path)
 
-    sp = leaf(sub, "enqueue", cmd_enqueue, "enqueue one task and wait for the broker's acknowledgement", json_flag=False)
+    sp = leaf(
+        sub,
+        "enqueue",
+        cmd_enqueue,
+        "enqueue one task and wait for the broker's acknowledgement",
+        json_flag=False,
+    )
     sp.add_argument("task_type")
-    sp.add_argument("--json", dest="json_payload", required=True, metavar="PAYLOAD", help="the payload as JSON")
+    sp.add_argument(
+        "--json", dest="json_payload", required=True, metavar="PAYLOAD", help="the payload as JSON"
+    )
     sp.add_argument("--output-json", dest="json", action="store_true", help="print the receipt as JSON")
     sp.add_argument("--priority", default="normal", choices=PRIORITIES)
     sp.add_argument("--key")
@@ -405,10 +432,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--metrics-port", type=int, help="serve /metrics and /healthz on this port")
     sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
     sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
-    sp.add_argument("--no-forwarder", action="store_true", help="do not run the delay forwarder in this process")
+    sp.add_argument(
+        "--no-forwarder", action="store_true", help="do not run the delay forwarder in this process"
+    )
 
-    leaf(sub, "forwarder", cmd_forwarder, "release due tasks from the delay tiers (also runs inside workers)",
-         json_flag=False)
+    leaf(
+        sub,
+        "forwarder",
+        cmd_forwarder,
+        "release due tasks from the delay tiers (also runs inside workers)",
+        json_flag=False,
+    )
     dlq = sub.add_parser("dlq", help="inspect and replay the DLQ").add_subparsers(dest="sub", required=True)
     sp = leaf(dlq, "list", cmd_dlq_list, "list DLQ records not yet replayed, oldest first")
     sp.add_argument("--type", help="only this task type")

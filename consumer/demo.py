@@ -53,16 +53,26 @@ def charge_payment(payload: dict[str, Any], ctx: TaskContext) -> None:
     _effect(ctx, payload["payment_id"])
 
 
-@handlers.task("demo.GenerateReport", schema=SCHEMAS / "generate_report.avsc", transactional=True, timeout=10,
-               retry=FAST_RETRIES)
+@handlers.task(
+    "demo.GenerateReport",
+    schema=SCHEMAS / "generate_report.avsc",
+    transactional=True,
+    timeout=10,
+    retry=FAST_RETRIES,
+)
 def generate_report(payload: dict[str, Any], ctx: TaskContext) -> None:
     if ctx.attempt <= payload["fail_times"]:
         raise TimeoutError(f"report database busy (attempt {ctx.attempt})")
     _effect(ctx, payload["report_id"])
 
 
-@handlers.task("demo.CallWebhook", schema=SCHEMAS / "call_webhook.avsc", transactional=True, timeout=10,
-               retry=FAST_RETRIES)
+@handlers.task(
+    "demo.CallWebhook",
+    schema=SCHEMAS / "call_webhook.avsc",
+    transactional=True,
+    timeout=10,
+    retry=FAST_RETRIES,
+)
 def call_webhook(payload: dict[str, Any], ctx: TaskContext) -> None:
     down = ctx.db.execute("SELECT 1 FROM demo_outages WHERE url = %s", (payload["url"],)).fetchone()
     if down:
@@ -102,73 +112,126 @@ def main() -> int:
             reg = registry.register(load_schema(path))
             _say(f"   task type {reg.subject:<22} schema v{reg.version} (registry id {reg.schema_id})")
     created = create_topics(settings, partitions=3)
-    _say(f"   {len(created)} topics: {ns}.critical|high|normal|low, {len(settings.delay_tiers)} delay tiers, {ns}.dlq")
+    _say(
+        f"   {len(created)} topics: {ns}.critical|high|normal|low, {len(settings.delay_tiers)} delay tiers, {ns}.dlq"
+    )
     db.migrate()
     with db.connection() as conn:
         conn.execute(DEMO_TABLES)
         conn.execute("INSERT INTO demo_outages VALUES ('https://partner.example/hook')")
 
-    tasks = [TaskSpec(task_type="demo.ChargePayment", payload={"payment_id": f"pay-{i}", "amount_cents": 1000 + i},
-                      idempotency_key=f"charge:pay-{i}", priority="critical") for i in range(10)]
+    tasks = [
+        TaskSpec(
+            task_type="demo.ChargePayment",
+            payload={"payment_id": f"pay-{i}", "amount_cents": 1000 + i},
+            idempotency_key=f"charge:pay-{i}",
+            priority="critical",
+        )
+        for i in range(10)
+    ]
     tasks += tasks  # every payment enqueued twice, as a retrying client would: one charge each
-    tasks += [TaskSpec(task_type="demo.CallWebhook", payload={"url": "https://partner.example/hook",
-                                                              "event": "order.paid"}, priority="high")]
-    tasks += [TaskSpec(task_type="demo.SendEmail", payload={"to": f"user{i}@example.com", "subject": "Receipt"},
-                       priority="normal") for i in range(30)]
-    tasks += [TaskSpec(task_type="demo.GenerateReport", payload={"report_id": f"r-{i}", "fail_times": 2 if i == 0 else 0},
-                       priority="low") for i in range(8)]
+    tasks += [
+        TaskSpec(
+            task_type="demo.CallWebhook",
+            payload={"url": "https://partner.example/hook", "event": "order.paid"},
+            priority="high",
+        )
+    ]
+    tasks += [
+        TaskSpec(
+            task_type="demo.SendEmail",
+            payload={"to": f"user{i}@example.com", "subject": "Receipt"},
+            priority="normal",
+        )
+        for i in range(30)
+    ]
+    tasks += [
+        TaskSpec(
+            task_type="demo.GenerateReport",
+            payload={"report_id": f"r-{i}", "fail_times": 2 if i == 0 else 0},
+            priority="low",
+        )
+        for i in range(8)
+    ]
     with TaskProducer(settings) as producer:
         producer.enqueue_many(tasks)
-        delayed = producer.enqueue("demo.SendEmail", {"to": "later@example.com", "subject": "Reminder"}, delay=3.0)
+        delayed = producer.enqueue(
+            "demo.SendEmail", {"to": "later@example.com", "subject": "Reminder"}, delay=3.0
+        )
         producer.flush()
-    _say(f"== enqueued {len(tasks) + 1} tasks: 20 charges (10 payments, each twice), 1 webhook to a partner that is")
+    _say(
+        f"== enqueued {len(tasks) + 1} tasks: 20 charges (10 payments, each twice), 1 webhook to a partner that is"
+    )
     _say("   down, 30 emails, 8 reports (one fails twice before it works), 1 email delayed by 3 s")
 
     env = {**os.environ, "TASKQ_NAMESPACE": ns, "TASKQ_DATABASE_SCHEMA": ns}
     cmd = [sys.executable, "-m", "consumer.cli"]
     procs = [
-        subprocess.Popen([*cmd, "worker", "consumer.demo:handlers", "--concurrency", "4", "--no-forwarder"], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen(
+            [*cmd, "worker", "consumer.demo:handlers", "--concurrency", "4", "--no-forwarder"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         for _ in range(2)
     ]
-    procs.append(subprocess.Popen([*cmd, "forwarder"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    procs.append(
+        subprocess.Popen([*cmd, "forwarder"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    )
     _say("== started 2 workers (concurrency 4 each) and the delay forwarder")
     store = IdempotencyStore(db, owner="demo")
     try:
+
         def counts() -> dict[str, int]:
             return store.counts()
 
-        _wait(lambda: counts().get("completed", 0) >= 10 + 30 + 8 + 1 and counts().get("dead", 0) >= 1,
-              "the tasks to finish")
+        _wait(
+            lambda: counts().get("completed", 0) >= 10 + 30 + 8 + 1 and counts().get("dead", 0) >= 1,
+            "the tasks to finish",
+        )
         with db.connection() as conn:
             per_tier = conn.execute(
                 "SELECT priority, count(*) AS n FROM demo_effects GROUP BY priority ORDER BY min(seq)"
             ).fetchall()
-            charges = conn.execute("SELECT count(*) AS n FROM demo_effects WHERE task_type = 'demo.ChargePayment'").fetchone()
+            charges = conn.execute(
+                "SELECT count(*) AS n FROM demo_effects WHERE task_type = 'demo.ChargePayment'"
+            ).fetchone()
             retried = conn.execute("SELECT key, attempt FROM demo_effects WHERE attempt > 1").fetchall()
             late = conn.execute("SELECT attempt FROM demo_effects WHERE key = 'later@example.com'").fetchone()
         _say("== what happened")
         for row in per_tier:
             _say(f"   {row['priority']:<9} {row['n']:>3} task(s) completed")
-        _say(f"   charges: 20 enqueued, {charges['n']} charged - the 10 duplicates were skipped by idempotency key")
+        _say(
+            f"   charges: 20 enqueued, {charges['n']} charged - the 10 duplicates were skipped by idempotency key"
+        )
         for row in retried:
-            _say(f"   retried: {row['key']} succeeded on attempt {row['attempt']} (backoff through the delay tiers)")
-        _say(f"   delayed: the reminder email ran {'after' if late else 'before?!'} its 3 s delay (task {delayed.task_id[:8]})")
+            _say(
+                f"   retried: {row['key']} succeeded on attempt {row['attempt']} (backoff through the delay tiers)"
+            )
+        _say(
+            f"   delayed: the reminder email ran {'after' if late else 'before?!'} its 3 s delay (task {delayed.task_id[:8]})"
+        )
         with DeadLetters(settings) as dlq:
             records = dlq.list()
             _say(f"== the DLQ holds {len(records)} record(s)")
             for rec in records:
-                _say(f"   offset {rec.offset}: {rec.task_type} after {rec.attempts} attempts - {rec.reason[:90]}")
+                _say(
+                    f"   offset {rec.offset}: {rec.task_type} after {rec.attempts} attempts - {rec.reason[:90]}"
+                )
             _say("== the partner is back up; replaying the DLQ")
             with db.connection() as conn:
                 conn.execute("DELETE FROM demo_outages")
             for res in dlq.replay(all=True):
-                _say(f"   offset {res.offset}: {'replayed to ' + str(res.topic) if res.replayed else 'refused: ' + str(res.refused)}"
-                     f" with its original task id {str(res.task_id)[:8]} and key {res.idempotency_key}")
+                _say(
+                    f"   offset {res.offset}: {'replayed to ' + str(res.topic) if res.replayed else 'refused: ' + str(res.refused)}"
+                    f" with its original task id {str(res.task_id)[:8]} and key {res.idempotency_key}"
+                )
             _wait(lambda: counts().get("dead", 0) == 0, "the replayed webhook")
             again = dlq.replay(all=False, offsets=[records[0].offset]) if records else []
             for res in again:
-                _say(f"   replaying offset {res.offset} again: {'refused - ' + str(res.refused) if res.refused else 'replayed'}")
+                _say(
+                    f"   replaying offset {res.offset} again: {'refused - ' + str(res.refused) if res.refused else 'replayed'}"
+                )
         _say(f"== done: {counts()}")
     finally:
         store.close()

@@ -61,9 +61,7 @@ class Forwarder:
         sink = Sink(self.settings, transactional_id=f"{self.group}.{self.instance_id}")
         sink.init_transactions()
         self._held.clear()
-        source = Source(
-            self.settings, group=self.group, on_revoke=self._revoked, on_assign=lambda tps: None
-        )
+        source = Source(self.settings, group=self.group, on_revoke=self._revoked, on_assign=lambda tps: None)
         source.subscribe(self.topics.delay_topics)
         try:
             while not self._stop.is_set():
@@ -100,8 +98,13 @@ class Forwarder:
                 env = Envelope.from_headers(record.headers)
             except EnvelopeError as exc:
                 dl = dead_letter_record(
-                    record, reason=f"bad envelope on a delay topic: {exc}", error_type="taskq.EnvelopeError",
-                    traceback="", attempts=0, worker_id=self.instance_id, topics=self.topics,
+                    record,
+                    reason=f"bad envelope on a delay topic: {exc}",
+                    error_type="taskq.EnvelopeError",
+                    traceback="",
+                    attempts=0,
+                    worker_id=self.instance_id,
+                    topics=self.topics,
                 )
                 out.append((dl.topic, record, dl.headers))
                 offsets[record.tp] = record.offset + 1
@@ -140,4 +143,3 @@ def run_in_thread(forwarder: Forwarder) -> threading.Thread:
     thread = threading.Thread(target=forwarder.run, name="taskq-forwarder", daemon=True)
     thread.start()
     return thread
-

@@ -14,15 +14,28 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300
 
 STARTED = Counter("taskq_tasks_started_total", "Attempts started", ["task_type"])
 SUCCEEDED = Counter("taskq_tasks_succeeded_total", "Attempts that completed the task", ["task_type"])
-FAILED = Counter("taskq_tasks_failed_total", "Attempts that failed (incl. timeouts and crashes)", ["task_type"])
-RETRIED = Counter("taskq_tasks_retried_total", "Failed attempts sent to a delay tier for another try", ["task_type"])
-DEAD_LETTERED = Counter("taskq_tasks_dead_lettered_total", "Tasks published to the DLQ, by reason", ["reason"])
-DUPLICATES = Counter(
-    "taskq_duplicates_skipped_total", "Deliveries skipped because their idempotency key was completed", ["task_type"]
+FAILED = Counter(
+    "taskq_tasks_failed_total", "Attempts that failed (incl. timeouts and crashes)", ["task_type"]
 )
-PROCESSING = Histogram("taskq_processing_seconds", "Wall time of one attempt", ["task_type"], buckets=_LATENCY)
+RETRIED = Counter(
+    "taskq_tasks_retried_total", "Failed attempts sent to a delay tier for another try", ["task_type"]
+)
+DEAD_LETTERED = Counter(
+    "taskq_tasks_dead_lettered_total", "Tasks published to the DLQ, by reason", ["reason"]
+)
+DUPLICATES = Counter(
+    "taskq_duplicates_skipped_total",
+    "Deliveries skipped because their idempotency key was completed",
+    ["task_type"],
+)
+PROCESSING = Histogram(
+    "taskq_processing_seconds", "Wall time of one attempt", ["task_type"], buckets=_LATENCY
+)
 END_TO_END = Histogram(
-    "taskq_enqueue_to_completion_seconds", "From enqueue to recorded completion", ["task_type"], buckets=_LATENCY
+    "taskq_enqueue_to_completion_seconds",
+    "From enqueue to recorded completion",
+    ["task_type"],
+    buckets=_LATENCY,
 )
 IN_FLIGHT = Gauge("taskq_tasks_in_flight", "Attempts running now")
 SLOT_UTILISATION = Gauge("taskq_slot_utilisation_ratio", "Busy execution slots / concurrency")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from producer.durations import pick_delay_tier
-from producer.envelope import H, Envelope, Headers, Topics
+from producer.envelope import Envelope, H, Headers, Topics
 from producer.kafka import Record
 
 #: Bound on the traceback a DLQ record carries (Kafka records should stay small).
@@ -36,7 +36,12 @@ class Outgoing:
 
 
 def retry_record(
-    record: Record, envelope: Envelope, delay: timedelta, topics: Topics, tiers: tuple[timedelta, ...], now: datetime
+    record: Record,
+    envelope: Envelope,
+    delay: timedelta,
+    topics: Topics,
+    tiers: tuple[timedelta, ...],
+    now: datetime,
 ) -> Outgoing:
     """The next attempt of a task: same key and value, attempt + 1, due `delay` from now, via a delay tier."""
     nxt = replace(
@@ -46,7 +51,9 @@ def retry_record(
         origin_topic=envelope.origin_topic or topics.tier(envelope.priority),
     )
     extra = [(k, v) for k, v in record.headers if not k.startswith(H) and k != "traceparent"]
-    return Outgoing(topics.delay(pick_delay_tier(delay, tiers)), record.key, record.value, nxt.to_headers() + extra)
+    return Outgoing(
+        topics.delay(pick_delay_tier(delay, tiers)), record.key, record.value, nxt.to_headers() + extra
+    )
 
 
 def dead_letter_record(

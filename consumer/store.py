@@ -109,7 +109,9 @@ class IdempotencyStore:
             outcome = row["outcome"]
             if outcome not in ("claimed", "completed"):
                 outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
-            out.append(Claim(r.idempotency_key, outcome, int(row["attempts"] or 0), float(row["lease_left"] or 0.0)))
+            out.append(
+                Claim(r.idempotency_key, outcome, int(row["attempts"] or 0), float(row["lease_left"] or 0.0))
+            )
         return out
 
     def finish(self, finished: Sequence[Finished]) -> set[str]:
@@ -146,7 +148,8 @@ class IdempotencyStore:
         """Give back (key, attempts) claims of tasks that never started."""
         if claims:
             self._execute(
-                "release", {"keys": [k for k, _ in claims], "attempts": [a for _, a in claims], "owner": self.owner}
+                "release",
+                {"keys": [k for k, _ in claims], "attempts": [a for _, a in claims], "owner": self.owner},
             )
 
     @contextmanager
@@ -195,7 +198,9 @@ class IdempotencyStore:
             with self._lock:
                 if self._conn is None or self._conn.closed:
                     self._conn = self.database.connect()
-                n = self._conn.execute(self._q["purge"], {"ttl_seconds": ttl_seconds, "batch": batch}).rowcount
+                n = self._conn.execute(
+                    self._q["purge"], {"ttl_seconds": ttl_seconds, "batch": batch}
+                ).rowcount
             total += max(0, n)
             if n < batch:
                 return total
