@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
@@ -81,3 +82,38 @@ def test_kill_9_of_the_forwarder_neither_loses_nor_doubles_delayed_tasks(app: Ap
     assert max(counts.values()) == 1, [t for t, c in counts.items() if c > 1][:5]
     early = [(e.task_id, ts, e.not_before) for e, ts in released if e.not_before and ts < e.not_before.timestamp() * 1000]
     assert not early, f"{len(early)} tasks released before their time, e.g. {early[:3]}"
+
+
+def test_a_task_that_kills_its_worker_every_time_ends_in_the_dlq_while_restarts_carry_on(app: App) -> None:
+    keys = [f"p{i}" for i in range(40)]
+    app.producer.enqueue(app.type("Die"), {"code": 9}, idempotency_key="poison")
+    for i, k in enumerate(keys):
+        app.producer.enqueue(app.type("Ledger"), {"key": k, "amount": i}, idempotency_key=f"ledger:{k}")
+    app.producer.flush(30)
+
+    def state() -> str | None:
+        return app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = 'poison'")
+
+    deaths = 0
+    deadline = time.monotonic() + 150
+    while state() != "dead":
+        assert time.monotonic() < deadline, f"poison pill not dead-lettered; state {state()}\n{app.logs()}"
+        live = [w for w in app.workers if w.proc.poll() is None]
+        deaths = sum(1 for w in app.workers if w.proc.poll() == 9)
+        if not live:
+            app.spawn("--concurrency", "2")  # the supervisor's restart
+        time.sleep(0.2)
+    # Max attempts is 2: two workers died running it, the next claim counted a third attempt and parked it.
+    assert deaths == 2, app.logs()
+    assert app.scalar("SELECT attempts FROM taskq_tasks WHERE idempotency_key = 'poison'") == 3
+    wait_until(lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys), timeout=90,
+               what="the other tasks, on restarted workers")
+    source = Source(app.settings, group=f"{app.ns}.dlq-reader")
+    source.assign([(app.producer.topics.dlq, 0, 0)])
+    try:
+        records = wait_until(lambda: source.poll(10, 0.5), timeout=30, what="the DLQ record")
+    finally:
+        source.close()
+    reason = (records[0].header("taskq-dlq-reason") or b"").decode()
+    assert "never finished" in reason, reason
+    assert any(w.proc.poll() is None for w in app.workers), "no worker survives the poison pill"

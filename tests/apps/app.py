@@ -27,6 +27,7 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Sleep": sleep,
         "SleepProc": sleep,
         "Exit": [{"name": "code", "type": "int"}],
+        "Die": [{"name": "code", "type": "int"}],
         "Flaky": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
     }
     return {name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()}
@@ -85,3 +86,8 @@ def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:
         "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
         (payload["key"], ctx.task_id, ctx.priority, os.getpid()),
     )
+
+
+@handlers.task(f"{NS}.Die", schema=S["Die"], timeout=1, max_attempts=2)
+def die_in_worker(payload: dict[str, Any], ctx: TaskContext) -> None:
+    os._exit(payload["code"])  # takes the whole worker down: a poison pill unless attempts are counted first
