@@ -13,6 +13,7 @@ import queue
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -127,6 +128,7 @@ class Worker:
         self._sink = Sink(self.settings)
         self._source: Source | None = None
         self._last_commit = 0.0
+        self._last_lag = 0.0
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def stop(self) -> None:
@@ -184,7 +186,7 @@ class Worker:
         self.heartbeat.beat()
         assert self._source is not None
         busy = bool(self._running or self._held or len(self._scheduler))
-        room = max(1, min(500, self.config.buffer_capacity - len(self._scheduler)))
+        room = max(1, min(500, self.config.buffer_capacity - len(self._scheduler) - len(self._held)))
         # Poll even when full: it serves rebalance callbacks and keeps the group membership alive.
         records = self._source.poll(room, 0.05 if busy else 0.25)
         for record in self._undecoded_ready():
@@ -254,11 +256,16 @@ class Worker:
         """Pause the partitions of saturated tiers, resume the others (bounded memory, no starvation)."""
         assert self._source is not None
         to_pause, to_resume = [], []
+        # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
+        # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
+        full = len(self._scheduler) + len(self._held) >= self.config.buffer_capacity
+        held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held) if full else Counter()
         for tp in self._assigned:
             tier = self.topics.priority_of(tp[0])
             if tier is None:
                 continue
-            if self._scheduler.saturated(tier) or self._stop.is_set():
+            over = full and held[tier] + self._scheduler.depth(tier) >= self._scheduler.reserve(tier)
+            if self._scheduler.saturated(tier) or over or self._stop.is_set():
                 if tp not in self._paused:
                     to_pause.append(tp)
             elif tp in self._paused:
@@ -504,6 +511,16 @@ class Worker:
         metrics.SLOT_UTILISATION.set(self.executor.running() / self.config.concurrency)
         for p in PRIORITIES:
             metrics.BUFFERED.labels(p).set(self._scheduler.depth(p))
+        now = time.monotonic()
+        if self._source is not None and now - self._last_lag >= 5.0:
+            self._last_lag = now
+            lag = dict.fromkeys(PRIORITIES, 0)
+            for tp, n in self._source.lag().items():
+                tier = self.topics.priority_of(tp[0])
+                if tier is not None:
+                    lag[tier] += n
+            for tier, n in lag.items():
+                metrics.LAG.labels(tier).set(n)
 
     # ---------------------------------------------------------------------------------------- rebalances
     def _assigned_cb(self, tps: list[TP]) -> None:

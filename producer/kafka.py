@@ -272,6 +272,18 @@ class Source:
         parts = self._c.committed([TopicPartition(t, p) for t, p in tps], timeout=timeout)
         return {(p.topic, p.partition): (p.offset if p.offset != OFFSET_INVALID else -1) for p in parts}
 
+    def lag(self) -> dict[TP, int]:
+        """Per assigned partition: the log end offset last seen in fetches minus this member's position."""
+        out: dict[TP, int] = {}
+        parts = self._c.assignment()
+        if not parts:
+            return out
+        for p in self._c.position(parts):
+            _, high = self._c.get_watermark_offsets(p, cached=True)
+            if high >= 0 and p.offset >= 0:
+                out[(p.topic, p.partition)] = max(0, high - p.offset)
+        return out
+
     def assignment(self) -> list[TP]:
         """The partitions this member owns."""
         return [(p.topic, p.partition) for p in self._c.assignment()]

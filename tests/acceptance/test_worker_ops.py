@@ -58,6 +58,13 @@ def test_metrics_endpoint_counts_tasks_and_healthz_answers(app: App) -> None:
     started = _sample(body, "taskq_tasks_started_total", labels)
     assert started is not None and started >= n, body
     assert app.scalar("SELECT count(*) FROM ledger") == n
+    # Lag per tier is measured every few seconds; once everything ran it is 0 on every tier.
+    wait_until(
+        lambda: all(_sample(_get(base + "/metrics")[1], "taskq_consumer_lag", f'priority="{p}"') == 0.0
+                    for p in ("critical", "high", "normal", "low")),
+        timeout=30,
+        what="taskq_consumer_lag for every tier",
+    )
     assert _get(base + "/healthz")[0] == 200
     assert worker.proc.poll() is None, worker.output()[-3000:]
 
