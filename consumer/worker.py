@@ -259,7 +259,7 @@ class Worker:
         # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
         full = len(self._scheduler) + len(self._held) >= self.config.buffer_capacity
-        held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held) if full else Counter()
+        held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
         for tp in self._assigned:
             tier = self.topics.priority_of(tp[0])
             if tier is None:

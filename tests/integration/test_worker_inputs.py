@@ -352,3 +352,45 @@ def test_a_blocked_worker_buffers_at_most_its_capacity_and_pauses(
         finally:
             gate.set()
         events.count("completed", 200, timeout=120)
+
+
+def test_copies_of_a_running_key_count_against_the_buffer_bound(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    """Copies held back while their key runs are buffered tasks too: they must not grow without bound."""
+    ns = settings.namespace
+    schema = task_schema("Same", ID_FIELDS)
+    _register(settings, schema)
+    copies = 120
+    with TaskProducer(settings) as producer:
+        producer.enqueue_many(
+            [
+                TaskSpec(task_type=f"{ns}.Same", payload={"id": "x"}, idempotency_key="same", key="one")
+                for _ in range(copies)
+            ]
+        )
+    gate = threading.Event()
+    h = Handlers()
+
+    @h.task(f"{ns}.Same", schema=schema)
+    def same(payload: dict[str, Any], ctx: Any) -> None:
+        gate.wait(120)
+
+    capacity = 8
+    with running(h, settings, concurrency=2, buffer_capacity=capacity) as (w, events):
+        try:
+            events.count("started_task", 1)
+            wait_until(lambda: len(w._scheduler) + len(w._held) >= capacity and w._paused, timeout=30,
+                       what="a full buffer and the busy partition paused")
+            samples = []
+            for _ in range(20):
+                samples.append((len(w._scheduler) + len(w._held), bool(w._paused)))
+                time.sleep(0.1)  # sampling a steady state: there is no event to wait for
+            # Held copies free no buffer room, so the partition stays paused and the count stays put.
+            assert all(paused for _, paused in samples), samples
+            assert max(n for n, _ in samples) <= capacity + 10, samples
+        finally:
+            gate.set()
+        events.wait(lambda: len(events.of("completed")) + len(events.of("duplicate")) >= copies, timeout=120,
+                    what="every copy to be completed or skipped")
+    assert len(events.of("completed")) == 1
