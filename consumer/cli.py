@@ -173,7 +173,8 @@ def cmd_bench_produce(args: argparse.Namespace) -> int:
     _print(
         args,
         data,
-        f"{n} tasks: {data['acked_rate_per_s']:.0f} tasks/s acknowledged ({data['accept_rate_per_s']:.0f}/s accepted); "
+        f"{n} tasks: {data['acked_rate_per_s']:.0f} tasks/s acknowledged "
+        f"({data['accept_rate_per_s']:.0f}/s accepted); "
         f"enqueue latency p50 {data['enqueue_us']['p50']:.0f} us, p90 {data['enqueue_us']['p90']:.0f} us, "
         f"p99 {data['enqueue_us']['p99']:.0f} us",
     )

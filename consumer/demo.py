@@ -112,9 +112,8 @@ def main() -> int:
             reg = registry.register(load_schema(path))
             _say(f"   task type {reg.subject:<22} schema v{reg.version} (registry id {reg.schema_id})")
     created = create_topics(settings, partitions=3)
-    _say(
-        f"   {len(created)} topics: {ns}.critical|high|normal|low, {len(settings.delay_tiers)} delay tiers, {ns}.dlq"
-    )
+    tiers = len(settings.delay_tiers)
+    _say(f"   {len(created)} topics: {ns}.critical|high|normal|low, {tiers} delay tiers, {ns}.dlq")
     db.migrate()
     with db.connection() as conn:
         conn.execute(DEMO_TABLES)
@@ -159,10 +158,8 @@ def main() -> int:
             "demo.SendEmail", {"to": "later@example.com", "subject": "Reminder"}, delay=3.0
         )
         producer.flush()
-    _say(
-        f"== enqueued {len(tasks) + 1} tasks: 20 charges (10 payments, each twice), 1 webhook to a partner that is"
-    )
-    _say("   down, 30 emails, 8 reports (one fails twice before it works), 1 email delayed by 3 s")
+    _say(f"== enqueued {len(tasks) + 1} tasks: 20 charges (10 payments, each twice), 1 webhook to a partner")
+    _say("   that is down, 30 emails, 8 reports (one fails twice before it works), 1 email delayed by 3 s")
 
     env = {**os.environ, "TASKQ_NAMESPACE": ns, "TASKQ_DATABASE_SCHEMA": ns}
     cmd = [sys.executable, "-m", "consumer.cli"]
@@ -193,45 +190,38 @@ def main() -> int:
             per_tier = conn.execute(
                 "SELECT priority, count(*) AS n FROM demo_effects GROUP BY priority ORDER BY min(seq)"
             ).fetchall()
-            charges = conn.execute(
+            charged = conn.execute(
                 "SELECT count(*) AS n FROM demo_effects WHERE task_type = 'demo.ChargePayment'"
-            ).fetchone()
+            ).fetchall()[0]["n"]
             retried = conn.execute("SELECT key, attempt FROM demo_effects WHERE attempt > 1").fetchall()
-            late = conn.execute("SELECT attempt FROM demo_effects WHERE key = 'later@example.com'").fetchone()
+            ran_at = conn.execute("SELECT at FROM demo_effects WHERE key = 'later@example.com'").fetchall()[
+                0
+            ]["at"]
         _say("== what happened")
         for row in per_tier:
             _say(f"   {row['priority']:<9} {row['n']:>3} task(s) completed")
-        _say(
-            f"   charges: 20 enqueued, {charges['n']} charged - the 10 duplicates were skipped by idempotency key"
-        )
+        _say(f"   charges: 20 enqueued, {charged} charged: duplicates skipped by their idempotency key")
         for row in retried:
-            _say(
-                f"   retried: {row['key']} succeeded on attempt {row['attempt']} (backoff through the delay tiers)"
-            )
-        _say(
-            f"   delayed: the reminder email ran {'after' if late else 'before?!'} its 3 s delay (task {delayed.task_id[:8]})"
-        )
+            _say(f"   retried: {row['key']} succeeded on attempt {row['attempt']} (backoff via delay tiers)")
+        if delayed.not_before is not None:
+            waited = (ran_at - (delayed.not_before - timedelta(seconds=3))).total_seconds()
+            _say(f"   delayed: the reminder (task {delayed.task_id[:8]}) ran {waited:.1f} s after enqueue")
         with DeadLetters(settings) as dlq:
             records = dlq.list()
             _say(f"== the DLQ holds {len(records)} record(s)")
             for rec in records:
-                _say(
-                    f"   offset {rec.offset}: {rec.task_type} after {rec.attempts} attempts - {rec.reason[:90]}"
-                )
+                _say(f"   offset {rec.offset}: {rec.task_type}, {rec.attempts} attempts: {rec.reason[:80]}")
             _say("== the partner is back up; replaying the DLQ")
             with db.connection() as conn:
                 conn.execute("DELETE FROM demo_outages")
             for res in dlq.replay(all=True):
-                _say(
-                    f"   offset {res.offset}: {'replayed to ' + str(res.topic) if res.replayed else 'refused: ' + str(res.refused)}"
-                    f" with its original task id {str(res.task_id)[:8]} and key {res.idempotency_key}"
-                )
+                what = f"replayed to {res.topic}" if res.replayed else f"refused: {res.refused}"
+                _say(f"   offset {res.offset}: {what}, same task id {str(res.task_id)[:8]}, same key")
             _wait(lambda: counts().get("dead", 0) == 0, "the replayed webhook")
-            again = dlq.replay(all=False, offsets=[records[0].offset]) if records else []
-            for res in again:
-                _say(
-                    f"   replaying offset {res.offset} again: {'refused - ' + str(res.refused) if res.refused else 'replayed'}"
-                )
+            _say("   the webhook ran once after the replay")
+            for res in dlq.replay(offsets=[records[0].offset]) if records else []:
+                what = f"refused: {res.refused}" if res.refused else "replayed"
+                _say(f"   replaying offset {res.offset} again: {what}")
         _say(f"== done: {counts()}")
     finally:
         store.close()

@@ -79,7 +79,7 @@ class Handlers:
             raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
         if transactional and isolation == "process":
             raise ValueError(
-                f"{task_type}: transactional=True needs isolation='thread' (the transaction lives in the worker)"
+                f"{task_type}: transactional=True needs isolation='thread' (the transaction is the worker's)"
             )
         if timeout is not None and timeout <= 0:
             raise ValueError(f"{task_type}: timeout must be > 0 seconds, got {timeout}")

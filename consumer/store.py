@@ -201,8 +201,8 @@ class IdempotencyStore:
                 n = self._conn.execute(
                     self._q["purge"], {"ttl_seconds": ttl_seconds, "batch": batch}
                 ).rowcount
-            total += max(0, n)
-            if n < batch:
+            total += max(0, int(n))
+            if int(n) < batch:
                 return total
 
     def counts(self) -> dict[str, int]:

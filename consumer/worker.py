@@ -144,7 +144,11 @@ class Worker:
                 import os
 
                 os._exit(128 + signum)
-            log.info("signal %s: stopping (finishing in-flight tasks, up to %ss)", signum, self.config.shutdown_timeout)
+            log.info(
+                "signal %s: stopping (finishing in-flight tasks, up to %ss)",
+                signum,
+                self.config.shutdown_timeout,
+            )
             self._stop.set()
 
         signal.signal(signal.SIGTERM, handle)
@@ -155,7 +159,9 @@ class Worker:
         self.db.migrate()
         if self.config.metrics_port is not None:
             metrics.serve(self.config.metrics_port, self.heartbeat.healthy)
-        self._source = Source(self.settings, group=self.group, on_assign=self._assigned_cb, on_revoke=self._revoked_cb)
+        self._source = Source(
+            self.settings, group=self.group, on_assign=self._assigned_cb, on_revoke=self._revoked_cb
+        )
         self._source.subscribe(self.topics.priority_topics)
         forwarder = None
         if self.config.forwarder:
@@ -225,7 +231,10 @@ class Worker:
         spec = self.handlers.get(envelope.task_type)
         if spec is None:
             self._dead_letter_raw(
-                record, f"unknown task type {envelope.task_type!r}: no handler registered", "taskq.UnknownTaskType", 0
+                record,
+                f"unknown task type {envelope.task_type!r}: no handler registered",
+                "taskq.UnknownTaskType",
+                0,
             )
             return
         try:
@@ -247,7 +256,9 @@ class Worker:
             time.sleep(0.5)
             return
         except Exception as exc:  # an upcaster that raises rejects the payload
-            self._dead_letter_raw(record, f"upcaster failed: {exc}", f"{type(exc).__module__}.{type(exc).__name__}", 0)
+            self._dead_letter_raw(
+                record, f"upcaster failed: {exc}", f"{type(exc).__module__}.{type(exc).__name__}", 0
+            )
             return
         task = _Task(record, envelope, spec, payload, self._generation.get(record.tp, 0))
         self._scheduler.push(tier or envelope.priority, task)
@@ -305,7 +316,12 @@ class Worker:
         try:
             claims = self.store.claim(
                 [
-                    ClaimRequest(t.envelope.idempotency_key, t.envelope.task_id, t.envelope.task_type, self._lease_seconds(t))
+                    ClaimRequest(
+                        t.envelope.idempotency_key,
+                        t.envelope.task_id,
+                        t.envelope.task_type,
+                        self._lease_seconds(t),
+                    )
                     for t in batch
                 ]
             )
@@ -323,14 +339,16 @@ class Worker:
             self._done(task)
             return
         if claim.outcome in ("running", "duplicate"):
-            # Leased by a live worker (or a copy in this batch): look again soon, at the latest when it expires.
+            # Leased by a live worker (or a copy in this batch): look again soon, at latest when it expires.
             self._held.append(_Held(task, time.monotonic() + max(0.2, min(claim.lease_left, 1.0))))
             return
         task.attempts = claim.attempts
         max_attempts = task.envelope.max_attempts or task.spec.policy.max_attempts
         if task.attempts > max_attempts:
-            # A poison pill: its earlier attempts never reported (they took their worker down). Never run it again.
-            self._finish_dead(task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill")
+            # A poison pill: earlier attempts never reported (they killed their worker). Never run it again.
+            self._finish_dead(
+                task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill"
+            )
             return
         self._start(task)
 
@@ -362,7 +380,9 @@ class Worker:
         task.started = time.monotonic()
         self._running[id(task)] = task
         metrics.STARTED.labels(env.task_type).inc()
-        self._emit("started_task", {"task_id": env.task_id, "key": env.idempotency_key, "attempt": task.attempts})
+        self._emit(
+            "started_task", {"task_id": env.task_id, "key": env.idempotency_key, "attempt": task.attempts}
+        )
         self.executor.submit(
             Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call),
             lambda outcome: self._outcomes.put((task, outcome)),
@@ -374,7 +394,9 @@ class Worker:
         while True:
             try:
                 remaining = deadline - time.monotonic()
-                task, outcome = self._outcomes.get(timeout=remaining) if remaining > 0 else self._outcomes.get_nowait()
+                task, outcome = (
+                    self._outcomes.get(timeout=remaining) if remaining > 0 else self._outcomes.get_nowait()
+                )
             except queue.Empty:
                 return
             self._running.pop(id(task), None)
@@ -411,11 +433,20 @@ class Worker:
             policy = replace(policy, max_attempts=env.max_attempts)
         delay = None if isinstance(error, Reject) else policy.next_delay(task.attempts, error)
         if delay is None:
-            reason = "rejected by handler" if isinstance(error, Reject) else f"failed {task.attempts} attempt(s)"
+            reason = (
+                "rejected by handler" if isinstance(error, Reject) else f"failed {task.attempts} attempt(s)"
+            )
             self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
             return
         now = datetime.now(UTC)
-        out = retry_record(task.record, replace(env, attempt=task.attempts), delay, self.topics, self.settings.delay_tiers, now)
+        out = retry_record(
+            task.record,
+            replace(env, attempt=task.attempts),
+            delay,
+            self.topics,
+            self.settings.delay_tiers,
+            now,
+        )
         metrics.RETRIED.labels(env.task_type).inc()
         self._finished.append((task, Finished(env.idempotency_key, task.attempts, "failed", error=message)))
         self._publish(task, out)
@@ -431,8 +462,13 @@ class Worker:
             topics=self.topics,
         )
         metrics.DEAD_LETTERED.labels(error_type.rsplit(".", 1)[-1][:40]).inc()
-        self._emit("dead_lettered", {"task_id": task.envelope.task_id, "key": task.envelope.idempotency_key, "reason": reason})
-        self._finished.append((task, Finished(task.envelope.idempotency_key, task.attempts, "dead", error=reason)))
+        self._emit(
+            "dead_lettered",
+            {"task_id": task.envelope.task_id, "key": task.envelope.idempotency_key, "reason": reason},
+        )
+        self._finished.append(
+            (task, Finished(task.envelope.idempotency_key, task.attempts, "dead", error=reason))
+        )
         self._publish(task, out)
 
     def _dead_letter_raw(self, record: Record, reason: str, error_type: str, attempts: int) -> None:
@@ -441,8 +477,13 @@ class Worker:
         metrics.DEAD_LETTERED.labels(error_type.rsplit(".", 1)[-1][:40]).inc()
         self._emit("dead_lettered", {"topic": record.topic, "offset": record.offset, "reason": reason})
         out = dead_letter_record(
-            record, reason=reason, error_type=error_type, traceback="", attempts=attempts,
-            worker_id=self.worker_id, topics=self.topics,
+            record,
+            reason=reason,
+            error_type=error_type,
+            traceback="",
+            attempts=attempts,
+            worker_id=self.worker_id,
+            topics=self.topics,
         )
         generation = self._generation.get(record.tp, 0)
         self._send(out, lambda: self._offset_done(record, generation))
@@ -569,7 +610,9 @@ class Worker:
         abandoned = list(self._running.values())
         if abandoned:
             # Their attempts end with this process: free the keys now rather than at lease expiry.
-            log.warning("shutting down with %d task(s) unfinished; they will run again elsewhere", len(abandoned))
+            log.warning(
+                "shutting down with %d task(s) unfinished; they will run again elsewhere", len(abandoned)
+            )
             try:
                 self.store.finish(
                     [
@@ -579,4 +622,3 @@ class Worker:
                 )
             except StoreUnavailableError as exc:
                 log.warning("could not free unfinished keys (their leases will expire): %s", exc)
-

@@ -66,7 +66,7 @@ class DepthMonitor:
 
     def depths(self) -> dict[str, int]:
         """The last measured depth of each tier."""
-        return dict(self._depths)
+        return {str(k): v for k, v in self._depths.items()}
 
     def check(self, priority: Priority, *, incoming: int = 1) -> None:
         """QueueFullError if `incoming` more tasks would take the tier over its limit."""

@@ -133,7 +133,7 @@ class Envelope:
                 task_id=text("task-id"),
                 task_type=text("task-type"),
                 idempotency_key=text("idempotency-key"),
-                priority=priority,  # type: ignore[arg-type]
+                priority=priority,
                 attempt=int(text("attempt")),
                 max_attempts=int(h[H + "max-attempts"]) if H + "max-attempts" in h else None,
                 enqueued_at=_from_ms(h[H + "enqueued-at"]) if H + "enqueued-at" in h else datetime.now(UTC),

@@ -18,7 +18,7 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
 from producer.config import Settings
 from producer.errors import KafkaUnavailableError
@@ -68,9 +68,18 @@ def _record(msg: Message) -> Record:
         offset=msg.offset() or 0,
         key=msg.key(),
         value=msg.value(),
-        headers=[(k, v if v is not None else b"") for k, v in (msg.headers() or [])],
+        headers=[(str(k), _bytes(v)) for k, v in _headers(msg)],
         timestamp_ms=msg.timestamp()[1],
     )
+
+
+def _headers(msg: Message) -> list[tuple[str, Any]]:
+    raw: Any = msg.headers() or []
+    return list(raw)
+
+
+def _bytes(value: str | bytes | None) -> bytes:
+    return value.encode() if isinstance(value, str) else (value or b"")
 
 
 def base_config(settings: Settings) -> dict[str, Any]:
@@ -368,11 +377,11 @@ class Admin:
 
     def end_offsets(self, topics: Sequence[str]) -> dict[TP, int]:
         """The log end offset (high watermark) of every partition of these topics."""
-        return self._list_offsets(topics, OffsetSpec.latest())
+        return self._list_offsets(topics, OffsetSpec.latest())  # type: ignore[no-untyped-call]
 
     def start_offsets(self, topics: Sequence[str]) -> dict[TP, int]:
         """The earliest offset still in the log of every partition."""
-        return self._list_offsets(topics, OffsetSpec.earliest())
+        return self._list_offsets(topics, OffsetSpec.earliest())  # type: ignore[no-untyped-call]
 
     def _list_offsets(self, topics: Sequence[str], spec: OffsetSpec) -> dict[TP, int]:
         counts = self.partitions(topics)

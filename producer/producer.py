@@ -202,7 +202,7 @@ class TaskProducer:
     def _check_priority(self, priority: str) -> Priority:
         if priority not in PRIORITIES:
             raise InvalidPriorityError(f"priority {priority!r} is not one of {', '.join(PRIORITIES)}")
-        return priority  # type: ignore[return-value]
+        return priority
 
     def _prepare(self, spec: TaskSpec, now: datetime) -> tuple[str, bytes, bytes, Envelope]:
         """Validate and encode one task; raises before anything is sent."""

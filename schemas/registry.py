@@ -97,7 +97,7 @@ class Registry:
         )
         with self._lock:
             self._latest.pop(subject, None)
-        return self._registered(subject, rs.schema_id or looked.schema_id, looked.version or 0, text)
+        return self._registered(subject, _int(rs.schema_id or looked.schema_id), _int(looked.version), text)
 
     def _ensure_compatibility(self, subject: str, level: str) -> None:
         try:
@@ -134,7 +134,7 @@ class Registry:
         if hit and now - hit[0] < self._latest_ttl:
             return hit[1]
         rs = self._call(f"looking up task type {subject}", lambda: self._client.get_latest_version(subject))
-        reg = self._registered(subject, rs.schema_id, rs.version, rs.schema.schema_str)
+        reg = self._registered(subject, _int(rs.schema_id), _int(rs.version), rs.schema.schema_str or "")
         with self._lock:
             self._latest[subject] = (now, reg)
         return reg
@@ -146,7 +146,7 @@ class Registry:
         rs = self._call(
             f"looking up {subject}", lambda: self._client.lookup_schema(subject, Schema(text, "AVRO"))
         )
-        return self._registered(subject, rs.schema_id, rs.version, text)
+        return self._registered(subject, _int(rs.schema_id), _int(rs.version), text)
 
     def by_id(self, schema_id: int) -> avro.ParsedSchema:
         """The parsed writer schema of a registry id (ids never change, so cached forever)."""
@@ -155,7 +155,7 @@ class Registry:
         if hit is not None:
             return hit
         s = self._call(f"fetching schema id {schema_id}", lambda: self._client.get_schema(schema_id))
-        parsed = avro.parse(s.schema_str, source=f"schema id {schema_id}")
+        parsed = avro.parse(s.schema_str or "", source=f"schema id {schema_id}")
         with self._lock:
             self._by_id[schema_id] = parsed
         return parsed
@@ -173,3 +173,10 @@ class Registry:
         with self._lock:
             self._by_id.setdefault(schema_id, parsed)
         return RegisteredSchema(subject, schema_id, version, json.loads(text), parsed)
+
+
+def _int(value: int | None) -> int:
+    # The client types ids and versions as optional; a registry answer without them is malformed.
+    if value is None:
+        raise SchemaError("the registry answered without a schema id or version")
+    return value
