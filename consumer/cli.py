@@ -181,6 +181,32 @@ def cmd_bench_produce(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_worker(args: argparse.Namespace) -> int:
+    from consumer.bench import bench_worker
+
+    data = bench_worker(
+        _settings(args),
+        count=args.count,
+        concurrency=args.concurrency,
+        handler=args.handler,
+        partitions=args.partitions,
+        timeout=args.timeout,
+        profile=args.profile,
+    )
+    e2e, attempt = data["enqueue_to_completion_ms"], data["attempt_to_recorded_ms"]
+    _print(
+        args,
+        data,
+        f"{data['completed']} tasks ({data['handler']}, concurrency {data['concurrency']}): "
+        f"{data['tasks_per_s']:.0f} tasks/s from worker start "
+        f"({data['tasks_per_s_after_assignment']:.0f}/s after partition assignment at "
+        f"{data['startup_s']:.2f} s); enqueue-to-completion p50 {e2e['p50']:.0f} ms, p99 {e2e['p99']:.0f} ms "
+        f"(backlog included); attempt start to recorded p50 {attempt['p50']:.1f} ms, "
+        f"p99 {attempt['p99']:.1f} ms",
+    )
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------- db
 def cmd_db_migrate(args: argparse.Namespace) -> int:
     from producer.db import Database
@@ -419,6 +445,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp = leaf(bench, "produce", cmd_bench_produce, "enqueue N tasks as fast as the API allows")
     sp.add_argument("-n", "--count", type=int, default=50_000)
     sp.add_argument("--body-bytes", type=int, default=100)
+    sp = leaf(
+        bench,
+        "worker",
+        cmd_bench_worker,
+        "time a worker running N tasks, in a namespace created for the run and deleted after it",
+    )
+    sp.add_argument("-n", "--count", type=int, default=5000)
+    sp.add_argument("--concurrency", type=int, default=4)
+    sp.add_argument(
+        "--handler",
+        choices=("noop", "transactional"),
+        default="noop",
+        help="noop: do nothing; transactional: write one row in the completion's transaction",
+    )
+    sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
+    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every completion")
+    sp.add_argument("--profile", metavar="PATH", help="write a cProfile of the worker loop's thread to PATH")
 
     db = sub.add_parser("db", help="the Postgres store").add_subparsers(dest="sub", required=True)
     leaf(db, "migrate", cmd_db_migrate, "apply pending migrations")
