@@ -35,7 +35,7 @@ from producer.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeErr
 from producer.errors import StoreUnavailableError, TaskqError
 from producer.kafka import TP, Record, Sink, Source
 from schemas import avro
-from schemas.errors import DecodeError, RegistryUnavailableError, SchemaNotFoundError
+from schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
 from schemas.registry import Registry
 
 log = logging.getLogger("taskq.worker")
@@ -129,6 +129,7 @@ class Worker:
         self._source: Source | None = None
         self._last_commit = 0.0
         self._last_lag = 0.0
+        self._registry_retry_at = 0.0
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def stop(self) -> None:
@@ -157,8 +158,9 @@ class Worker:
     def run(self) -> None:
         """Consume until stop() or a signal, then shut down gracefully."""
         self.db.migrate()
+        server = None
         if self.config.metrics_port is not None:
-            metrics.serve(self.config.metrics_port, self.heartbeat.healthy)
+            server = metrics.serve(self.config.metrics_port, self.heartbeat.healthy)
         self._source = Source(
             self.settings, group=self.group, on_assign=self._assigned_cb, on_revoke=self._revoked_cb
         )
@@ -181,6 +183,9 @@ class Worker:
             self.executor.shutdown(timeout=1.0)
             self.store.close()
             self.registry.close()
+            if server is not None:
+                server.shutdown()
+                server.server_close()
             self._emit("stopped", {"worker_id": self.worker_id})
 
     def _emit(self, event: str, data: dict[str, Any]) -> None:
@@ -192,7 +197,8 @@ class Worker:
         self.heartbeat.beat()
         assert self._source is not None
         busy = bool(self._running or self._held or len(self._scheduler))
-        room = max(1, min(500, self.config.buffer_capacity - len(self._scheduler) - len(self._held)))
+        waiting = len(self._scheduler) + len(self._held) + len(self._undecoded)
+        room = max(1, min(500, self.config.buffer_capacity - waiting))
         # Poll even when full: it serves rebalance callbacks and keeps the group membership alive.
         records = self._source.poll(room, 0.05 if busy else 0.25)
         for record in self._undecoded_ready():
@@ -210,7 +216,7 @@ class Worker:
         self._observe()
 
     def _undecoded_ready(self) -> list[Record]:
-        if not self._undecoded:
+        if not self._undecoded or time.monotonic() < self._registry_retry_at:
             return []
         pending, self._undecoded = self._undecoded, []
         return pending
@@ -239,27 +245,33 @@ class Worker:
             return
         try:
             schema_id, body = avro.split_frame(record.value)
-            writer = self.registry.by_id(schema_id)
+            writer = self.registry.cached(schema_id)
+            if writer is None:
+                if time.monotonic() < self._registry_retry_at:
+                    # The registry failed a moment ago: wait for the retry instead of asking per record.
+                    raise RegistryUnavailableError("registry unavailable a moment ago; retrying shortly")
+                writer = self.registry.by_id(schema_id)
             payload = avro.decode(body, writer, spec.parsed)
-            if spec.upcaster is not None:
-                payload = spec.upcaster(payload, schema_id)
         except SchemaNotFoundError as exc:
             self._dead_letter_raw(record, f"unknown schema id: {exc}", "taskq.UnknownSchema", 0)
             return
         except DecodeError as exc:
             self._dead_letter_raw(record, f"undecodable payload: {exc}", "taskq.DecodeError", 0)
             return
-        except RegistryUnavailableError as exc:
-            # Not the task's fault: keep it and try again shortly (its offset stays uncommitted).
-            log.warning("registry unavailable, will retry decoding: %s", exc)
+        except SchemaError as exc:
+            # The registry is down or failing: not the task's fault. Hold it (its offset stays uncommitted).
+            if not self._undecoded:
+                log.warning("registry unavailable, holding undecoded tasks: %s", exc)
             self._undecoded.append(record)
-            time.sleep(0.5)
+            self._registry_retry_at = time.monotonic() + 1.0
             return
-        except Exception as exc:  # an upcaster that raises rejects the payload
-            self._dead_letter_raw(
-                record, f"upcaster failed: {exc}", f"{type(exc).__module__}.{type(exc).__name__}", 0
-            )
-            return
+        if spec.upcaster is not None:
+            try:
+                payload = spec.upcaster(payload, schema_id)
+            except Exception as exc:  # an upcaster that raises rejects the payload
+                error_type = f"{type(exc).__module__}.{type(exc).__name__}"
+                self._dead_letter_raw(record, f"upcaster failed: {exc}", error_type, 0)
+                return
         task = _Task(record, envelope, spec, payload, self._generation.get(record.tp, 0))
         self._scheduler.push(tier or envelope.priority, task)
 

@@ -21,6 +21,8 @@ from schemas.errors import (
 )
 
 T = TypeVar("T")
+#: Packages whose exceptions mean the HTTP transport failed (confluent-kafka's client has used each).
+_TRANSPORT_MODULES = frozenset({"httpx", "httpx2", "httpcore", "requests", "urllib3"})
 #: Confluent error codes meaning "no such subject / version / schema".
 _NOT_FOUND = {40401, 40402, 40403, 404}
 
@@ -75,7 +77,7 @@ class Registry:
         except (OSError, ConnectionError, TimeoutError) as exc:
             raise RegistryUnavailableError(f"{what}: registry at {self.url} unreachable: {exc}") from exc
         except Exception as exc:  # the client raises its HTTP library's own errors for transport failures
-            if type(exc).__module__.split(".")[0] in {"httpx", "httpcore", "requests", "urllib3"}:
+            if type(exc).__module__.split(".")[0] in _TRANSPORT_MODULES:
                 raise RegistryUnavailableError(f"{what}: registry at {self.url} unreachable: {exc}") from exc
             raise
 
@@ -147,6 +149,11 @@ class Registry:
             f"looking up {subject}", lambda: self._client.lookup_schema(subject, Schema(text, "AVRO"))
         )
         return self._registered(subject, _int(rs.schema_id), _int(rs.version), text)
+
+    def cached(self, schema_id: int) -> avro.ParsedSchema | None:
+        """The parsed schema of an id if this client already has it, without asking the registry."""
+        with self._lock:
+            return self._by_id.get(schema_id)
 
     def by_id(self, schema_id: int) -> avro.ParsedSchema:
         """The parsed writer schema of a registry id (ids never change, so cached forever)."""

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from consumer import Handlers
@@ -202,8 +203,11 @@ def test_old_payloads_are_read_into_the_handlers_newer_schema_and_upcast(
     def evolving(payload: dict[str, Any], ctx: Any) -> None:
         got["evolving"] = payload
 
-    @h.task(f"{ns}.Upcast", schema=up_v2,
-            upcaster=lambda payload, schema_id: {"id": payload["id"].upper(), "note": f"from {schema_id}"})
+    @h.task(
+        f"{ns}.Upcast",
+        schema=up_v2,
+        upcaster=lambda payload, schema_id: {"id": payload["id"].upper(), "note": f"from {schema_id}"},
+    )
     def upcast(payload: dict[str, Any], ctx: Any) -> None:
         got["upcast"] = payload
 
@@ -232,8 +236,11 @@ def test_one_idempotency_key_enqueued_three_times_runs_once(
 
     with running(h, settings) as (_, events):
         # Every delivery ends as a completion or a skipped duplicate; a second run would show as a completion.
-        events.wait(lambda: len(events.of("completed")) + len(events.of("duplicate")) >= 3, timeout=60,
-                    what="all three deliveries")
+        events.wait(
+            lambda: len(events.of("completed")) + len(events.of("duplicate")) >= 3,
+            timeout=60,
+            what="all three deliveries",
+        )
     assert len(events.of("completed")) == 1 and len(events.of("duplicate")) == 2, events.log
     assert len(runs) == 1
     rows = _query(settings, "SELECT state, attempts FROM taskq_tasks WHERE idempotency_key = %s", "charge:p1")
@@ -311,8 +318,11 @@ def test_the_committed_offset_waits_for_a_blocked_task_then_passes_all(
             assert max(commits_of(events, tp)) == offsets[blocked.task_id]
         finally:
             gate.set()
-        wait_until(lambda: _committed(settings, tp) == max(offsets.values()) + 1, timeout=30,
-                   what="the commit past every task once the blocked one finished")
+        wait_until(
+            lambda: _committed(settings, tp) == max(offsets.values()) + 1,
+            timeout=30,
+            what="the commit past every task once the blocked one finished",
+        )
 
 
 # --------------------------------------------------------------------------------------------- bounded memory
@@ -380,8 +390,11 @@ def test_copies_of_a_running_key_count_against_the_buffer_bound(
     with running(h, settings, concurrency=2, buffer_capacity=capacity) as (w, events):
         try:
             events.count("started_task", 1)
-            wait_until(lambda: len(w._scheduler) + len(w._held) >= capacity and w._paused, timeout=30,
-                       what="a full buffer and the busy partition paused")
+            wait_until(
+                lambda: len(w._scheduler) + len(w._held) >= capacity and w._paused,
+                timeout=30,
+                what="a full buffer and the busy partition paused",
+            )
             samples = []
             for _ in range(20):
                 samples.append((len(w._scheduler) + len(w._held), bool(w._paused)))
@@ -391,6 +404,39 @@ def test_copies_of_a_running_key_count_against_the_buffer_bound(
             assert max(n for n, _ in samples) <= capacity + 10, samples
         finally:
             gate.set()
-        events.wait(lambda: len(events.of("completed")) + len(events.of("duplicate")) >= copies, timeout=120,
-                    what="every copy to be completed or skipped")
+        events.wait(
+            lambda: len(events.of("completed")) + len(events.of("duplicate")) >= copies,
+            timeout=120,
+            what="every copy to be completed or skipped",
+        )
     assert len(events.of("completed")) == 1
+
+
+# ---------------------------------------------------------------------------------------------- registry down
+def test_a_registry_outage_holds_tasks_instead_of_dead_lettering_them(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    schema = task_schema("Held", ID_FIELDS)
+    _register(settings, schema)
+    ran: list[str] = []
+    h = Handlers()
+
+    @h.task(f"{settings.namespace}.Held", schema=schema)
+    def held(payload: dict[str, Any], ctx: Any) -> None:
+        ran.append(payload["id"])
+
+    with TaskProducer(settings) as producer:
+        producer.enqueue_many(
+            [TaskSpec(task_type=f"{settings.namespace}.Held", payload={"id": f"h{i}"}) for i in range(5)]
+        )
+    real_url = settings.schema_registry_url
+    down = replace(settings, schema_registry_url="http://127.0.0.1:9/apis/ccompat/v7")  # nothing listens on 9
+    with running(h, down) as (w, events):
+        # The worker fetches the tasks but cannot read their schema: it must hold them, not dead-letter them.
+        wait_until(lambda: len(w._undecoded) == 5, timeout=60, what="the tasks held for the registry")
+        assert not events.of("dead_lettered") and not ran
+        assert w.heartbeat.healthy()
+        w.registry = Registry(real_url)  # the registry is back
+        events.count("completed", 5)
+    assert sorted(ran) == [f"h{i}" for i in range(5)]
+    assert not events.of("dead_lettered")
