@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -366,6 +367,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from producer.kafka import Admin
 
     s = _settings(args)
+    if args.metrics_port is not None:
+        return _serve_stats(s, args.metrics_port, args.interval)
     tiers = tier_depths(Admin(s), Topics(s.namespace, s.delay_tiers), s.worker_group)
     with DeadLetters(s) as dlq:
         dlq_depth = dlq.depth()
@@ -387,6 +390,59 @@ def cmd_stats(args: argparse.Namespace) -> int:
     lines.append(f"idempotency records: {by_state or 'none'}")
     lines.append(f"note: {note}")
     _print(args, data, "\n".join(lines))
+    return 0
+
+
+@functools.cache
+def _tier_depth_gauge() -> Any:
+    # Created on first use, not at import: only `taskq stats --metrics-port` exports it.
+    from prometheus_client import Gauge
+
+    return Gauge("taskq_tier_depth", "Tasks of a tier the worker group has not committed yet", ["priority"])
+
+
+def _serve_stats(s: Settings, port: int, interval: float) -> int:
+    """Serve tier and DLQ depths on /metrics, refreshed every `interval` seconds, until SIGTERM/SIGINT."""
+    import signal
+    import threading
+
+    from consumer.dlq import DeadLetters
+    from consumer.metrics import serve
+    from producer.backpressure import tier_depths
+    from producer.envelope import Topics
+    from producer.kafka import Admin
+
+    if interval <= 0:
+        raise ValueError(f"--interval must be > 0 seconds, got {interval}")
+    log = logging.getLogger("taskq.stats")
+    gauge = _tier_depth_gauge()
+    admin, topics = Admin(s), Topics(s.namespace, s.delay_tiers)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    with DeadLetters(s) as dlq:
+        last_ok = time.monotonic()
+
+        def refresh() -> None:
+            nonlocal last_ok
+            for tier, n in tier_depths(admin, topics, s.worker_group).items():
+                gauge.labels(tier).set(n)
+            dlq.depth()  # sets taskq_dlq_depth
+            last_ok = time.monotonic()
+
+        refresh()  # a wrong namespace or an unreachable broker fails here, before anything is served
+        # Unhealthy once several refreshes in a row failed: the gauges are stale.
+        server = serve(port, lambda: time.monotonic() - last_ok < max(3 * interval, 30.0))
+        print(f"taskq stats: serving /metrics on port {port}, refreshed every {interval:g}s", file=sys.stderr)
+        try:
+            while not stop.wait(interval):
+                try:
+                    refresh()
+                except TaskqError as exc:  # keep the last values; the next refresh may succeed
+                    log.warning("cannot refresh depths: %s", exc)
+        finally:
+            server.shutdown()
+            server.server_close()
     return 0
 
 
@@ -502,7 +558,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--type", help="with --all: only this task type")
     sp.add_argument("--force", action="store_true", help="replay records that were replayed before")
 
-    leaf(sub, "stats", cmd_stats, "tier depths, DLQ depth and idempotency records by state")
+    sp = leaf(sub, "stats", cmd_stats, "tier depths, DLQ depth and idempotency records by state")
+    sp.add_argument(
+        "--metrics-port",
+        type=int,
+        help="instead of printing once, serve taskq_tier_depth and taskq_dlq_depth on /metrics until SIGTERM",
+    )
+    sp.add_argument(
+        "--interval", type=float, default=5.0, help="with --metrics-port: seconds between refreshes"
+    )
     return p
 
 
