@@ -1,0 +1,140 @@
+"""`taskq bench worker` and `taskq stats --metrics-port` as real processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from producer.config import Settings
+from producer.db import Database
+from producer.envelope import Topics
+from producer.kafka import Admin, Sink
+from producer.producer import TaskProducer
+from schemas import Registry
+from tests.acceptance.helpers import wait_until
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(port: int) -> str:
+    """The /metrics text, or '' while nothing answers yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+    except (urllib.error.URLError, OSError):
+        return ""
+
+
+def _sample(metrics: str, name: str, labels: str = "") -> float | None:
+    """One sample of the Prometheus text format, or None if absent."""
+    braces = rf"\{{{re.escape(labels)}\}}" if labels else ""
+    m = re.search(rf"^{re.escape(name)}{braces} (\S+)$", metrics, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_bench_worker_runs_every_task_and_removes_its_namespace(
+    settings: Settings, env_of: Callable[..., dict[str, str]]
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "consumer.cli", "bench", "worker", "-n", "300", "--concurrency", "4", "--json"],
+        env=env_of(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["completed"] == 300
+    assert data["tasks_per_s"] > 0
+    assert data["enqueue_to_completion_ms"]["p50"] > 0
+    # The run's namespace is its own, and gone afterwards: no topics, no Postgres schema.
+    ns = data["namespace"]
+    assert ns.startswith("bench-") and ns != settings.namespace
+    topics = Topics(ns, settings.delay_tiers)
+    assert Admin(settings).partitions([*topics.priority_topics, *topics.delay_topics, topics.dlq]) == {}
+    with Database(settings.database_url).connection() as conn:
+        left = conn.execute(
+            "SELECT count(*) AS n FROM pg_namespace WHERE nspname = %s", (ns.replace("-", "_"),)
+        ).fetchone()
+    assert left is not None and left["n"] == 0
+
+
+def test_bench_worker_transactional_writes_one_row_per_task(env_of: Callable[..., dict[str, str]]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "consumer.cli", "bench", "worker", "-n", "100", "--handler", "transactional",
+         "--json"],
+        env=env_of(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["completed"] == 100 and data["effects"] == 100
+
+
+def test_stats_serves_tier_and_dlq_depths_until_sigterm(
+    settings: Settings, env_of: Callable[..., dict[str, str]], task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    schema = task_schema("Depth", [{"name": "i", "type": "int"}])
+    task_type = f"{settings.namespace}.Depth"
+    with Registry(settings.schema_registry_url) as registry:
+        registry.register(schema)
+    producer = TaskProducer(settings)
+    for i in range(7):
+        producer.enqueue(task_type, {"i": i}, priority="normal", idempotency_key=f"n{i}")
+    for i in range(2):
+        producer.enqueue(task_type, {"i": i}, priority="high", idempotency_key=f"h{i}")
+    producer.flush(30)
+    sink = Sink(settings)  # one DLQ record: garbage is enough, the depth counts records not replayed
+    sink.send(Topics(settings.namespace).dlq, b"not a task", key=b"x", headers=[])
+    assert sink.flush(30) == 0
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "consumer.cli", "--namespace", settings.namespace, "stats",
+         "--metrics-port", str(port), "--interval", "0.5"],
+        env=env_of(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        normal = 'priority="normal"'
+        body = wait_until(
+            lambda: (m := _metrics(port)) and _sample(m, "taskq_tier_depth", normal) == 7 and m,
+            timeout=60,
+            what="taskq_tier_depth{priority=normal} == 7",
+        )
+        assert _sample(body, "taskq_tier_depth", 'priority="high"') == 2
+        assert _sample(body, "taskq_tier_depth", 'priority="critical"') == 0
+        assert _sample(body, "taskq_dlq_depth") == 1
+        # The gauges follow the queue: three more tasks show up at the next refresh.
+        for i in range(7, 10):
+            producer.enqueue(task_type, {"i": i}, priority="normal", idempotency_key=f"n{i}")
+        producer.flush(30)
+        wait_until(
+            lambda: _sample(_metrics(port), "taskq_tier_depth", normal) == 10,
+            timeout=30,
+            what="taskq_tier_depth{priority=normal} == 10 after a refresh",
+        )
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+    finally:
+        producer.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)  # reaps it and closes the pipes
