@@ -10,7 +10,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from producer.config import Settings
+from producer.envelope import Topics
+from producer.kafka import Admin
+
 T = TypeVar("T")
+
+
+def all_committed(settings: Settings) -> bool:
+    """Whether the worker group has committed every record of the namespace's priority topics."""
+    admin = Admin(settings)
+    topics = Topics(settings.namespace).priority_topics
+    end = admin.end_offsets(topics)
+    committed = admin.committed(settings.worker_group, topics)
+    return all(committed.get(tp, -1) >= hw for tp, hw in end.items() if hw > 0)
 
 
 def wait_until(check: Callable[[], T], *, timeout: float, what: str, every: float = 0.2) -> T:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -10,15 +13,18 @@ from consumer.retry import RetryPolicy
 from producer.envelope import Envelope
 from producer.kafka import Admin, Source
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, wait_until
+from tests.acceptance.helpers import WorkerProcess, all_committed, wait_until
 
 
 def test_a_task_failing_twice_then_succeeding_runs_three_times_with_backoff(app: App) -> None:
     app.producer.enqueue(app.type("Flaky"), {"key": "f1", "fail_times": 2}, idempotency_key="flaky-1")
     app.producer.flush(30)
     app.spawn("--concurrency", "2")
-    wait_until(lambda: app.scalar("SELECT count(*) FROM ledger WHERE key = 'f1'") == 1, timeout=120,
-               what="the flaky task to succeed")
+    wait_until(
+        lambda: app.scalar("SELECT count(*) FROM ledger WHERE key = 'f1'") == 1,
+        timeout=120,
+        what="the flaky task to succeed",
+    )
     attempts = app.query("SELECT attempt, at FROM attempt_log WHERE key = 'f1' ORDER BY at")
     assert [a["attempt"] for a in attempts] == [1, 2, 3], attempts
     policy = RetryPolicy()  # the handler's policy: defaults with max_attempts=5
@@ -32,10 +38,15 @@ def test_a_task_failing_twice_then_succeeding_runs_three_times_with_backoff(app:
 def test_a_delayed_task_starts_after_its_delay_and_soon_after(app: App) -> None:
     app.spawn("--concurrency", "2")
     enqueued = datetime.now(UTC)
-    app.producer.enqueue(app.type("Flaky"), {"key": "d1"}, idempotency_key="delayed-1", delay=timedelta(seconds=5))
+    app.producer.enqueue(
+        app.type("Flaky"), {"key": "d1"}, idempotency_key="delayed-1", delay=timedelta(seconds=5)
+    )
     app.producer.flush(30)
-    wait_until(lambda: app.scalar("SELECT count(*) FROM ledger WHERE key = 'd1'") == 1, timeout=60,
-               what="the delayed task")
+    wait_until(
+        lambda: app.scalar("SELECT count(*) FROM ledger WHERE key = 'd1'") == 1,
+        timeout=60,
+        what="the delayed task",
+    )
     started = app.scalar("SELECT at FROM attempt_log WHERE key = 'd1'")
     waited = (started - enqueued).total_seconds()
     assert waited >= 5.0, f"started {waited:.3f}s after enqueue, before its 5 s delay"
@@ -80,7 +91,11 @@ def test_kill_9_of_the_forwarder_neither_loses_nor_doubles_delayed_tasks(app: Ap
     counts = Counter(e.task_id for e, _ in released)
     assert set(counts) == {r.task_id for r in receipts}
     assert max(counts.values()) == 1, [t for t, c in counts.items() if c > 1][:5]
-    early = [(e.task_id, ts, e.not_before) for e, ts in released if e.not_before and ts < e.not_before.timestamp() * 1000]
+    early = [
+        (e.task_id, ts, e.not_before)
+        for e, ts in released
+        if e.not_before and ts < e.not_before.timestamp() * 1000
+    ]
     assert not early, f"{len(early)} tasks released before their time, e.g. {early[:3]}"
 
 
@@ -106,8 +121,11 @@ def test_a_task_that_kills_its_worker_every_time_ends_in_the_dlq_while_restarts_
     # Max attempts is 2: two workers died running it, the next claim counted a third attempt and parked it.
     assert deaths == 2, app.logs()
     assert app.scalar("SELECT attempts FROM taskq_tasks WHERE idempotency_key = 'poison'") == 3
-    wait_until(lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys), timeout=90,
-               what="the other tasks, on restarted workers")
+    wait_until(
+        lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
+        timeout=90,
+        what="the other tasks, on restarted workers",
+    )
     source = Source(app.settings, group=f"{app.ns}.dlq-reader")
     source.assign([(app.producer.topics.dlq, 0, 0)])
     try:
@@ -117,3 +135,49 @@ def test_a_task_that_kills_its_worker_every_time_ends_in_the_dlq_while_restarts_
     reason = (records[0].header("taskq-dlq-reason") or b"").decode()
     assert "never finished" in reason, reason
     assert any(w.proc.poll() is None for w in app.workers), "no worker survives the poison pill"
+
+
+def test_an_always_failing_task_is_dead_lettered_then_replayed_once_after_the_fix(app: App) -> None:
+    app.query("INSERT INTO broken VALUES ('w1') RETURNING key")
+    app.producer.enqueue(app.type("Fragile"), {"key": "w1"}, idempotency_key="webhook:w1", max_attempts=2)
+    app.producer.flush(30)
+    app.spawn("--concurrency", "2")
+
+    def state() -> str | None:
+        return app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = 'webhook:w1'")
+
+    wait_until(lambda: state() == "dead", timeout=90, what="the task to exhaust its 2 attempts")
+    assert app.scalar("SELECT attempts FROM taskq_tasks WHERE idempotency_key = 'webhook:w1'") == 2
+
+    def taskq(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "consumer.cli", "dlq", *args],
+            env=app.env_of(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    listed = taskq("list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines() if line.strip()]
+    assert [(r["idempotency_key"], r["attempts"]) for r in rows] == [("webhook:w1", 2)], rows
+    assert "is down" in rows[0]["reason"], rows
+    offset = str(rows[0]["offset"])
+
+    app.query("DELETE FROM broken RETURNING key")  # the fix
+    replayed = taskq("replay", offset)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    wait_until(
+        lambda: app.scalar("SELECT count(*) FROM ledger WHERE key = 'w1'") == 1,
+        timeout=60,
+        what="the replayed task to run",
+    )
+    again = taskq("replay", offset)
+    assert again.returncode != 0 and "replayed" in (again.stdout + again.stderr).lower(), again.stdout
+    forced = taskq("replay", offset, "--force")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    wait_until(lambda: all_committed(app.settings), timeout=60, what="the forced replay to be consumed")
+    assert app.scalar("SELECT count(*) FROM ledger WHERE key = 'w1'") == 1, (
+        "a forced replay caused a second effect"
+    )

@@ -8,10 +8,9 @@ from collections import Counter
 from pathlib import Path
 
 from producer.envelope import PRIORITIES
-from producer.kafka import Admin
 from producer.producer import TaskSpec
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import wait_until
+from tests.acceptance.helpers import all_committed, wait_until
 
 
 def _enqueue_ledger(app: App, keys: list[str], *, copies: int = 2, sleep: float = 0.0) -> None:
@@ -30,14 +29,6 @@ def _enqueue_ledger(app: App, keys: list[str], *, copies: int = 2, sleep: float 
     app.producer.flush(60)
 
 
-def _all_committed(app: App) -> bool:
-    admin = Admin(app.settings)
-    topics = [app.settings.namespace + "." + p for p in PRIORITIES]
-    end = admin.end_offsets(topics)
-    committed = admin.committed(app.settings.worker_group, topics)
-    return all(committed.get(tp, -1) >= hw for tp, hw in end.items() if hw > 0)
-
-
 def _assert_once_each(app: App, keys: list[str]) -> None:
     rows = app.query("SELECT key, count(*) AS n FROM ledger GROUP BY key")
     counts = {r["key"]: r["n"] for r in rows}
@@ -54,7 +45,7 @@ def test_each_key_takes_effect_once_across_three_workers(app: App) -> None:
         app.spawn("--concurrency", "4")
     wait_until(lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys), timeout=240,
                what="2000 ledger keys")
-    wait_until(lambda: _all_committed(app), timeout=60, what="the group to commit every offset")
+    wait_until(lambda: all_committed(app.settings), timeout=60, what="the group to commit every offset")
     _assert_once_each(app, keys)
     assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
 
@@ -74,7 +65,7 @@ def test_kill_9_and_rebalances_keep_one_effect_per_key(app: App) -> None:
     assert second.wait(60) == 0, second.output()[-3000:]
     app.spawn("--concurrency", "4")  # the restart
     wait_until(lambda: done() == len(keys), timeout=240, what="every key after kill -9 and restarts")
-    wait_until(lambda: _all_committed(app), timeout=90, what="the group to commit every offset")
+    wait_until(lambda: all_committed(app.settings), timeout=90, what="the group to commit every offset")
     _assert_once_each(app, keys)
     assert third.proc.poll() is None, "a surviving worker died"
 

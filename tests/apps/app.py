@@ -28,9 +28,12 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "SleepProc": sleep,
         "Exit": [{"name": "code", "type": "int"}],
         "Die": [{"name": "code", "type": "int"}],
+        "Fragile": [{"name": "key", "type": "string"}],
         "Flaky": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
     }
-    return {name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()}
+    return {
+        name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()
+    }
 
 
 S = schemas(NS)
@@ -40,6 +43,7 @@ CREATE TABLE IF NOT EXISTS ledger (
     seq bigserial PRIMARY KEY, key text NOT NULL, amount bigint NOT NULL, task_id text NOT NULL,
     priority text NOT NULL, worker int NOT NULL
 );
+CREATE TABLE IF NOT EXISTS broken (key text PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS attempt_log (
     key text NOT NULL, attempt int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""  # no unique constraint on key: a duplicate effect must be visible, not refused
@@ -60,8 +64,7 @@ def sleep_in_thread(payload: dict[str, Any], ctx: TaskContext) -> None:
     time.sleep(payload["seconds"])
 
 
-@handlers.task(f"{NS}.SleepProc", schema=S["SleepProc"], timeout=1, max_attempts=1,
-               isolation="process")
+@handlers.task(f"{NS}.SleepProc", schema=S["SleepProc"], timeout=1, max_attempts=1, isolation="process")
 def sleep_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
     if payload["pid_file"]:
         Path(payload["pid_file"]).write_text(str(os.getpid()))
@@ -73,12 +76,14 @@ def exit_process(payload: dict[str, Any], ctx: TaskContext) -> None:
     os._exit(payload["code"])
 
 
-
 @handlers.task(f"{NS}.Flaky", schema=S["Flaky"], transactional=True, timeout=10, max_attempts=5)
 def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:
     # The attempt log is written outside the task's transaction, so failed attempts leave a trace.
-    with psycopg.connect(os.environ["TASKQ_DATABASE_URL"], autocommit=True,
-                         options=f"-c search_path={os.environ.get('TASKQ_DATABASE_SCHEMA', 'public')}") as log:
+    with psycopg.connect(
+        os.environ["TASKQ_DATABASE_URL"],
+        autocommit=True,
+        options=f"-c search_path={os.environ.get('TASKQ_DATABASE_SCHEMA', 'public')}",
+    ) as log:
         log.execute("INSERT INTO attempt_log (key, attempt) VALUES (%s, %s)", (payload["key"], ctx.attempt))
     if ctx.attempt <= payload["fail_times"]:
         raise RuntimeError(f"flaky failure on attempt {ctx.attempt}")
@@ -91,3 +96,14 @@ def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:
 @handlers.task(f"{NS}.Die", schema=S["Die"], timeout=1, max_attempts=2)
 def die_in_worker(payload: dict[str, Any], ctx: TaskContext) -> None:
     os._exit(payload["code"])  # takes the whole worker down: a poison pill unless attempts are counted first
+
+
+@handlers.task(f"{NS}.Fragile", schema=S["Fragile"], transactional=True, timeout=10, max_attempts=5)
+def fragile(payload: dict[str, Any], ctx: TaskContext) -> None:
+    # Fails while its key is marked broken: the "bug" an operator fixes before replaying from the DLQ.
+    if ctx.db.execute("SELECT 1 FROM broken WHERE key = %s", (payload["key"],)).fetchone():
+        raise ConnectionError(f"partner for {payload['key']} is down")
+    ctx.db.execute(
+        "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
+        (payload["key"], ctx.task_id, ctx.priority, os.getpid()),
+    )
