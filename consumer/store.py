@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from producer.db import Database, Error, queries
+from producer.db import Database, Error, in_transaction, queries
 from producer.errors import StoreUnavailableError
 
 ClaimOutcome = Literal["claimed", "completed", "running", "duplicate"]
@@ -58,6 +58,8 @@ class IdempotencyStore:
         self.owner = owner
         self._conn: Any = None
         self._lock = threading.Lock()
+        self._local = threading.local()
+        self._thread_conns: list[Any] = []
         self._q = queries()
 
     def _execute(self, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -159,7 +161,7 @@ class IdempotencyStore:
         The handler's writes and the completion commit together or not at all: exactly-once for effects in
         Postgres. LeaseLostError (and a rollback) if another worker took the lease meanwhile.
         """
-        conn = self.database.connect(autocommit=False)
+        conn = self._thread_connection()
         try:
             yield conn
             rows = conn.execute(
@@ -176,11 +178,26 @@ class IdempotencyStore:
                 raise LeaseLostError(f"lease of {idempotency_key!r} attempt {attempts} was taken over")
             conn.commit()
         except BaseException:
-            if not conn.closed:
-                conn.rollback()
+            try:
+                if not conn.closed:
+                    conn.rollback()
+            except Error:
+                conn.close()
             raise
         finally:
-            conn.close()
+            if conn.closed or in_transaction(conn):
+                conn.close()
+                self._local.conn = None
+
+    def _thread_connection(self) -> Any:
+        # One connection per executor thread, kept between tasks: a connect per task would cost more than
+        # most handlers. A connection left in any state but idle is closed and replaced.
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.closed or conn.broken:
+            conn = self._local.conn = self.database.connect(autocommit=False)
+            with self._lock:
+                self._thread_conns = [c for c in self._thread_conns if not c.closed] + [conn]
+        return conn
 
     def get(self, idempotency_key: str) -> dict[str, Any] | None:
         """The record of one key, or None."""
@@ -210,11 +227,15 @@ class IdempotencyStore:
         return {r["state"]: int(r["n"]) for r in self._execute("counts", {})}
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connections (the loop's, and the handler threads' idle ones)."""
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+            for conn in self._thread_conns:
+                if not conn.closed and not in_transaction(conn):
+                    conn.close()
+            self._thread_conns = []
 
 
 def _result_json(result: Any) -> str | None:

@@ -100,6 +100,11 @@ class Database:
             conn.execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
 
 
+def in_transaction(conn: psycopg.Connection[Any]) -> bool:
+    """Whether a connection is inside a transaction (or broken), i.e. not safe to hand to the next task."""
+    return conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+
+
 def _redact(url: str) -> str:
     return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
 
