@@ -1,0 +1,390 @@
+"""Restarts of Postgres and of the broker under load, on a private stack: workers ride them out, once each.
+
+The shared stack serves every other test, so these tests start their own (`compose/stack up` in a temporary
+state dir, on other ports) and restart its services while worker processes run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from producer.admin import create_topics
+from producer.config import Settings
+from producer.db import Database
+from producer.envelope import PRIORITIES, Envelope
+from producer.kafka import Admin, Source
+from producer.producer import TaskSpec
+from schemas.errors import RegistryUnavailableError
+from tests.acceptance.conftest import App
+from tests.acceptance.helpers import WorkerProcess, wait_until
+from tests.conftest import REPO
+
+STACK = REPO / "compose" / "stack"
+#: Port variables of compose/stack, as offsets from a base; the first base whose ports are all free wins.
+_PORTS = {
+    "TASKQ_STACK_KAFKA_PORT": 9092,
+    "TASKQ_STACK_KAFKA_CONTROLLER_PORT": 9093,
+    "TASKQ_STACK_REGISTRY_PORT": 8081,
+    "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT": 8082,
+    "TASKQ_STACK_POSTGRES_PORT": 5432,
+}
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return True
+    return False
+
+
+class PrivateStack:
+    """A compose/stack of this module's own: its state dir, its ports, and its TASKQ_* exports."""
+
+    def __init__(self, state_dir: Path) -> None:
+        base = next(
+            (b for b in (30000, 40000, 41000, 42000, 43000) if all(_free(b + o) for o in _PORTS.values())),
+            None,
+        )
+        if base is None:
+            pytest.skip("no free set of ports for a private stack")
+        self.stack_env = {
+            **os.environ,
+            "TASKQ_STACK_DIR": str(state_dir),
+            **{name: str(base + offset) for name, offset in _PORTS.items()},
+        }
+        self.exports: dict[str, str] = {}
+        self.started_in = 0.0
+
+    def run(self, *args: str, timeout: float = 600) -> str:
+        """`compose/stack ARGS` against this stack; its stdout (export lines), failing with its stderr."""
+        out = subprocess.run(
+            [str(STACK), *args],
+            env=self.stack_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        assert out.returncode == 0, f"compose/stack {' '.join(args)} failed ({out.returncode}):\n{out.stderr}"
+        return out.stdout
+
+    def up(self) -> None:
+        """Start every service and read the exports."""
+        started = time.monotonic()
+        for line in self.run("up").splitlines():
+            if line.startswith("export ") and "=" in line:
+                name, _, value = line[len("export ") :].partition("=")
+                self.exports[name] = value.strip().strip("'\"")
+        self.started_in = time.monotonic() - started
+
+    def settings(self, ns: str) -> Settings:
+        """Settings of this stack in a namespace (topic prefix, group and database schema)."""
+        return Settings.from_env(
+            {k: v for k, v in self.exports.items() if k.startswith("TASKQ_")},
+            namespace=ns,
+            database_schema=ns,
+        )
+
+
+@pytest.fixture(scope="module")
+def private_stack() -> Iterator[PrivateStack]:
+    """A stack of this module's own, started once and always stopped, whatever the tests did to it."""
+    # Not under pytest's tmp dir: it is private to this user, and Postgres runs as another when we are root.
+    state = Path(tempfile.mkdtemp(prefix="taskq-restarts-"))
+    state.chmod(0o755)
+    stack = PrivateStack(state)
+    try:
+        stack.up()
+        yield stack
+    finally:
+        # `down` stops what the state dir records as running; a service a test left stopped is skipped.
+        subprocess.run(
+            [str(STACK), "down"],
+            env=stack.stack_env,
+            check=False,
+            timeout=300,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def private_app(private_stack: PrivateStack, tmp_path: Path) -> Iterator[App]:
+    """The test app in a fresh namespace on the private stack, its topics created and its schema migrated."""
+    ns = "r" + uuid.uuid4().hex[:10]
+    settings = private_stack.settings(ns)
+    create_topics(settings, partitions=3)
+    db = Database(settings.database_url, schema=settings.database_schema)
+    db.migrate()
+
+    def env_of(**extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TASKQ_", "PG"))}
+        return {
+            **env,
+            **private_stack.exports,
+            "TASKQ_NAMESPACE": settings.namespace,
+            "TASKQ_DATABASE_SCHEMA": settings.database_schema,
+            "PYTHONPATH": str(REPO),
+            **extra,
+        }
+
+    def make_app() -> App | None:
+        try:
+            return App(settings, env_of, tmp_path)
+        except RegistryUnavailableError:
+            # After a Postgres restart the registry fails requests on stale pooled connections for a while.
+            return None
+
+    app = wait_until(make_app, timeout=60, what="the registry to take the app's schemas", every=1.0)
+    try:
+        yield app
+    finally:
+        app.close()
+        try:  # the stack may be the thing a failed test left broken: clean up what still answers
+            db.drop_schema()
+        except Exception:
+            pass
+
+
+def _enqueue_ledger(app: App, keys: list[str], *, copies: int = 2, sleep: float = 0.0) -> None:
+    specs = [
+        TaskSpec(
+            task_type=app.type("Ledger"),
+            payload={"key": k, "amount": i, "sleep": sleep},
+            idempotency_key=f"ledger:{k}",
+            priority=PRIORITIES[i % 4],
+        )
+        for _ in range(copies)
+        for i, k in enumerate(keys)
+    ]
+    for start in range(0, len(specs), 500):
+        app.producer.enqueue_many(specs[start : start + 500])
+    app.producer.flush(60)
+
+
+def _done(app: App) -> int:
+    """Keys with a ledger row; 0 while Postgres is down (the test's own reads ride out the outage too)."""
+    try:
+        return int(app.scalar("SELECT count(DISTINCT key) FROM ledger"))
+    except Exception:
+        return 0
+
+
+def _uncommitted(app: App) -> dict[tuple[str, int], int] | None:
+    """Records of the priority topics past the group's committed offsets, per partition (None: no answer).
+
+    Not `committed >= end offset`: retries come back through the forwarder's transactions, whose commit
+    markers take an offset at the end of a partition that no consumer ever receives or commits past.
+    """
+    try:
+        admin = Admin(app.settings)
+        topics = [app.settings.namespace + "." + p for p in PRIORITIES]
+        end = admin.end_offsets(topics)
+        committed = admin.committed(app.settings.worker_group, topics)
+    except Exception:
+        return None
+    behind = {tp: max(0, committed.get(tp, -1)) for tp, hw in end.items() if committed.get(tp, -1) < hw}
+    if not behind:
+        return {}
+    source = Source(app.settings, group=f"{app.ns}.checker")  # read_committed, like the workers
+    source.assign([(t, p, o) for (t, p), o in behind.items()])
+    left: Counter[tuple[str, int]] = Counter()
+    try:
+        idle = 0
+        while idle < 3:
+            records = source.poll(1000, 0.3)
+            idle = 0 if records else idle + 1
+            left.update(r.tp for r in records)
+    finally:
+        source.close()
+    return dict(left)
+
+
+def _all_committed(app: App) -> bool:
+    return _uncommitted(app) == {}
+
+
+def _assert_once_each(app: App, keys: list[str]) -> None:
+    rows = app.query("SELECT key, count(*) AS n FROM ledger GROUP BY key")
+    counts = {r["key"]: r["n"] for r in rows}
+    doubled = {k: n for k, n in counts.items() if n != 1}
+    missing = set(keys) - set(counts)
+    assert not doubled, (
+        f"{len(doubled)} keys ran more than once, e.g. {list(doubled.items())[:5]}\n{app.logs()}"
+    )
+    assert not missing, f"{len(missing)} keys never ran, e.g. {sorted(missing)[:5]}\n{app.logs()}"
+
+
+def _alive(app: App) -> None:
+    dead = [(w.log.name, w.proc.returncode) for w in app.workers if w.proc.poll() is not None]
+    assert not dead, f"workers died: {dead}\n{app.logs()}"
+
+
+def _logged(app: App, *needles: str, every_worker: bool = False) -> bool:
+    seen = [any(n in w.output() for n in needles) for w in app.workers]
+    return all(seen) if every_worker else any(seen)
+
+
+def _postgres_down(app: App) -> bool:
+    try:
+        app.db.connect().close()
+    except Exception:
+        return True
+    return False
+
+
+def test_workers_ride_out_a_postgres_restart_and_each_key_takes_effect_once(
+    private_stack: PrivateStack, private_app: App
+) -> None:
+    app = private_app
+    keys = [f"pg{i:04d}" for i in range(300)]
+    _enqueue_ledger(app, keys, copies=2, sleep=0.05)
+    for _ in range(2):
+        app.spawn("--concurrency", "4")
+    wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")
+    private_stack.run("stop", "postgres")
+    assert _postgres_down(app)
+    # The outage lasts until every worker noticed it (a claim or a record failed), and a moment longer.
+    wait_until(
+        lambda: _logged(app, "store unavailable", every_worker=True),
+        timeout=60,
+        what="the workers to notice the outage",
+    )
+    time.sleep(3)
+    _alive(app)
+    private_stack.run("start", "postgres")
+    wait_until(lambda: _done(app) == len(keys), timeout=180, what="every key after the Postgres restart")
+    try:
+        wait_until(lambda: _all_committed(app), timeout=120, what="the group to commit every offset")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: uncommitted records {_uncommitted(app)}\n{app.logs()}") from None
+    _assert_once_each(app, keys)
+    assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
+    _alive(app)
+
+
+def test_workers_ride_out_a_broker_restart_and_each_key_takes_effect_once(
+    private_stack: PrivateStack, private_app: App
+) -> None:
+    app = private_app
+    keys = [f"kb{i:04d}" for i in range(300)]
+    _enqueue_ledger(app, keys, copies=2, sleep=0.05)  # everything is on the broker before the restart
+    for _ in range(2):
+        app.spawn("--concurrency", "4")
+    wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")
+    private_stack.run("restart", "kafka")
+    wait_until(lambda: _done(app) == len(keys), timeout=180, what="every key after the broker restart")
+    try:
+        wait_until(lambda: _all_committed(app), timeout=120, what="the group to commit every offset")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: uncommitted records {_uncommitted(app)}\n{app.logs()}") from None
+    _assert_once_each(app, keys)
+    assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
+    _alive(app)
+
+
+def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_key_takes_effect_once(
+    private_stack: PrivateStack, private_app: App
+) -> None:
+    app = private_app
+    keys = [f"ko{i:04d}" for i in range(300)]
+    _enqueue_ledger(app, keys, copies=2, sleep=0.05)  # everything is on the broker before the restart
+    for _ in range(2):
+        app.spawn("--concurrency", "4")
+    wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")
+    private_stack.run("stop", "kafka")
+    # Down long enough that every worker's group session times out: its partitions are lost, not revoked.
+    wait_until(
+        lambda: _logged(app, "SESSTMOUT", "session timed out", every_worker=True),
+        timeout=90,
+        what="every worker's group session to time out",
+    )
+    _alive(app)
+    private_stack.run("start", "kafka")
+    wait_until(lambda: _done(app) == len(keys), timeout=180, what="every key after the broker restart")
+    try:
+        wait_until(lambda: _all_committed(app), timeout=120, what="the group to commit every offset")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: uncommitted records {_uncommitted(app)}\n{app.logs()}") from None
+    _assert_once_each(app, keys)
+    assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
+    _alive(app)
+
+
+def _released(app: App) -> Counter[str]:
+    """Task ids of every committed record on the priority topics, counted."""
+    admin = Admin(app.settings)
+    topics = [app.producer.topics.tier(p) for p in PRIORITIES]
+    end = admin.end_offsets(topics)
+    source = Source(app.settings, group=f"{app.ns}.reader")  # read_committed, like every Source
+    source.assign([(t, p, 0) for (t, p) in end])
+    out: Counter[str] = Counter()
+    try:
+        idle = 0
+        while idle < 3:
+            records = source.poll(1000, 0.5)
+            idle = 0 if records else idle + 1
+            out.update(Envelope.from_headers(r.headers).task_id for r in records)
+    finally:
+        source.close()
+    return out
+
+
+def test_the_forwarder_releases_each_delayed_task_once_across_a_broker_restart(
+    private_stack: PrivateStack, private_app: App
+) -> None:
+    app = private_app
+    n = 600
+    receipts = [
+        app.producer.enqueue(app.type("Flaky"), {"key": f"d{i}"}, delay=timedelta(seconds=3 + i % 3))
+        for i in range(n)
+    ]
+    app.producer.flush(60)
+    forwarder = WorkerProcess.command(app.env_of(), app.tmp_path / "forwarder.log", "forwarder")
+    app.workers.append(forwarder)
+    # Stop the broker while the forwarder is mid-way: some tasks released, the others held or fetched.
+    wait_until(
+        lambda: sum(_released(app).values()) >= 1, timeout=60, what="the forwarder to release some tasks"
+    )
+    private_stack.run("stop", "kafka")
+    # Down while tasks come due, and long enough that the forwarder's group session times out.
+    wait_until(
+        lambda: _logged(app, "SESSTMOUT", "session timed out"),
+        timeout=90,
+        what="the forwarder's group session to time out",
+    )
+    _alive(app)
+    private_stack.run("start", "kafka")
+
+    def released() -> Counter[str] | None:
+        try:
+            counts = _released(app)
+        except Exception:
+            return None
+        return counts if sum(counts.values()) >= n else None
+
+    wait_until(released, timeout=180, what="every delayed task released", every=1.0)
+    counts = _released(app)
+    assert set(counts) == {r.task_id for r in receipts}, f"missing {n - len(counts)}\n{app.logs()}"
+    doubled = [t for t, c in counts.items() if c > 1]
+    assert not doubled, f"{len(doubled)} tasks released twice, e.g. {doubled[:5]}\n{app.logs()}"
+    _alive(app)
