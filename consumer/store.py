@@ -213,11 +213,20 @@ class IdempotencyStore:
         total = 0
         while True:
             with self._lock:
-                if self._conn is None or self._conn.closed:
-                    self._conn = self.database.connect()
-                n = self._conn.execute(
-                    self._q["purge"], {"ttl_seconds": ttl_seconds, "batch": batch}
-                ).rowcount
+                try:
+                    if self._conn is None or self._conn.closed:
+                        self._conn = self.database.connect()
+                    n = self._conn.execute(
+                        self._q["purge"], {"ttl_seconds": ttl_seconds, "batch": batch}
+                    ).rowcount
+                except Error as exc:
+                    # As in _execute: drop the connection, the next call reconnects.
+                    if self._conn is not None:
+                        try:
+                            self._conn.close()
+                        finally:
+                            self._conn = None
+                    raise StoreUnavailableError(f"idempotency store (purge): {exc}") from exc
             total += max(0, int(n))
             if int(n) < batch:
                 return total
