@@ -14,7 +14,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -388,3 +388,27 @@ def test_the_forwarder_releases_each_delayed_task_once_across_a_broker_restart(
     doubled = [t for t, c in counts.items() if c > 1]
     assert not doubled, f"{len(doubled)} tasks released twice, e.g. {doubled[:5]}\n{app.logs()}"
     _alive(app)
+
+
+def test_a_long_lived_store_reports_a_postgres_restart_as_unavailable_and_then_reconnects(
+    private_stack: PrivateStack, private_app: App
+) -> None:
+    from consumer.store import IdempotencyStore
+    from producer.errors import StoreUnavailableError
+
+    store = IdempotencyStore(private_app.db, owner="restarts-test")
+    try:
+        for call in (store.counts, lambda: store.purge(3600), lambda: store.get("nothing")):
+            assert call() in ({}, 0, None)  # a connection is open and idle
+            private_stack.run("restart", "postgres")
+
+            def answered(call: Callable[[], object] = call) -> bool:
+                try:
+                    call()  # the stale connection fails as the store's own error, never the driver's
+                except StoreUnavailableError:
+                    return False
+                return True
+
+            wait_until(answered, timeout=60, what="the store to reconnect after the restart")
+    finally:
+        store.close()
