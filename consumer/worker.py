@@ -196,11 +196,12 @@ class Worker:
     def _tick(self) -> None:
         self.heartbeat.beat()
         assert self._source is not None
-        busy = bool(self._running or self._held or len(self._scheduler))
+        busy = bool(self._running or self._held or len(self._scheduler) or self._undecoded)
         waiting = len(self._scheduler) + len(self._held) + len(self._undecoded)
         room = max(1, min(500, self.config.buffer_capacity - waiting))
-        # Poll even when full: it serves rebalance callbacks and keeps the group membership alive.
-        records = self._source.poll(room, 0.05 if busy else 0.25)
+        # Poll even when full: it serves rebalance callbacks and keeps the group membership alive. With work
+        # in hand the poll must not block: a finished task would wait for it before being recorded.
+        records = self._source.poll(room, 0.0 if busy else 0.25)
         for record in self._undecoded_ready():
             self._accept(record, tracked=True)
         for record in records:
@@ -214,6 +215,9 @@ class Worker:
         if time.monotonic() - self._last_commit >= self.config.commit_interval:
             self._commit()
         self._observe()
+        if busy and not records:
+            # Nothing new from Kafka: sleep until a running task reports (wakes at once), not a fixed tick.
+            self._collect(block=0.005 if self.executor.free_slots() else 0.05)
 
     def _undecoded_ready(self) -> list[Record]:
         if not self._undecoded or time.monotonic() < self._registry_retry_at:
