@@ -375,20 +375,23 @@ def cmd_stats(args: argparse.Namespace) -> int:
     store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
     try:
         counts = store.counts()
+        retried_tasks, retries = store.retries()
     finally:
         store.close()
-    note = (
-        "retries and dead-letters are counted per worker process: scrape taskq_tasks_retried_total and "
-        "taskq_tasks_dead_lettered_total from each worker's /metrics"
-    )
-    data = {"tiers": tiers, "group": s.worker_group, "dlq_depth": dlq_depth, "idempotency": counts}
-    data["counters"] = note
+    data = {
+        "tiers": tiers,
+        "group": s.worker_group,
+        "dlq_depth": dlq_depth,
+        "idempotency": counts,
+        "retries": retries,
+        "retried_tasks": retried_tasks,
+    }
     lines = [f"tier depth (not yet committed by {s.worker_group}):"]
     lines += [f"  {p:<9} {n}" for p, n in tiers.items()]
     lines.append(f"DLQ depth (not replayed): {dlq_depth}")
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     lines.append(f"idempotency records: {by_state or 'none'}")
-    lines.append(f"note: {note}")
+    lines.append(f"retries: {retries} attempt(s) beyond the first, over {retried_tasks} task(s)")
     _print(args, data, "\n".join(lines))
     return 0
 

@@ -231,6 +231,11 @@ class IdempotencyStore:
             if int(n) < batch:
                 return total
 
+    def retries(self) -> tuple[int, int]:
+        """(tasks that needed more than one attempt, attempts beyond the first), over all workers."""
+        row = self._execute("retries", {})[0]
+        return int(row["tasks"]), int(row["retries"])
+
     def counts(self) -> dict[str, int]:
         """Number of records per state."""
         return {r["state"]: int(r["n"]) for r in self._execute("counts", {})}

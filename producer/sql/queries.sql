@@ -120,3 +120,8 @@ VALUES (%(topic)s, %(offset)s, %(task_id)s, %(key)s, clock_timestamp(), 1)
 ON CONFLICT (dlq_topic, dlq_offset) DO UPDATE SET replayed_at = EXCLUDED.replayed_at, replays = r.replays + 1
 WHERE %(force)s
 RETURNING replayed_at, replays;
+
+-- name: retries
+-- Attempts beyond the first, over every worker: the retry count `taskq stats` shows across processes.
+SELECT count(*) FILTER (WHERE attempts > 1) AS tasks, COALESCE(sum(GREATEST(attempts - 1, 0)), 0) AS retries
+FROM taskq_tasks;

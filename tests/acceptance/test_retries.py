@@ -33,6 +33,15 @@ def test_a_task_failing_twice_then_succeeding_runs_three_times_with_backoff(app:
         shortest = policy.base.total_seconds() * 2 ** (i - 1) * (1 - policy.jitter)
         assert gap >= shortest, f"retry {i} came after {gap:.3f}s, policy allows no less than {shortest:.3f}s"
     assert app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = 'flaky-1'") == "completed"
+    stats = subprocess.run(
+        [sys.executable, "-m", "consumer.cli", "stats", "--json"],
+        env=app.env_of(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stats.returncode == 0, stats.stderr
+    assert (json.loads(stats.stdout)["retries"], json.loads(stats.stdout)["retried_tasks"]) == (2, 1)
 
 
 def test_a_delayed_task_starts_after_its_delay_and_soon_after(app: App) -> None:
