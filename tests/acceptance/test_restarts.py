@@ -130,6 +130,7 @@ def private_stack() -> Iterator[PrivateStack]:
 @pytest.fixture
 def private_app(private_stack: PrivateStack, tmp_path: Path) -> Iterator[App]:
     """The test app in a fresh namespace on the private stack, its topics created and its schema migrated."""
+    private_stack.run("up")  # idempotent: restarts whatever an earlier failed test left stopped
     ns = "r" + uuid.uuid4().hex[:10]
     settings = private_stack.settings(ns)
     create_topics(settings, partitions=3)
@@ -312,11 +313,12 @@ def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_ke
         app.spawn("--concurrency", "4")
     wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")
     private_stack.run("stop", "kafka")
-    # Down long enough that every worker's group session times out: its partitions are lost, not revoked.
+    # Down long enough that a group session times out: that worker's partitions are lost, not revoked.
+    # (Not necessarily every worker's: one caught mid-rebalance has no session to time out.)
     wait_until(
-        lambda: _logged(app, "SESSTMOUT", "session timed out", every_worker=True),
+        lambda: _logged(app, "SESSTMOUT", "session timed out"),
         timeout=90,
-        what="every worker's group session to time out",
+        what="a worker's group session to time out",
     )
     _alive(app)
     private_stack.run("start", "kafka")
