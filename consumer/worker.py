@@ -584,6 +584,10 @@ class Worker:
         for tp in tps:
             self._generation[tp] = self._generation.get(tp, 0) + 1
             self._assigned.add(tp)
+        # librdkafka keeps a partition's pause across revoke and re-assign: one paused before it was revoked
+        # (or lost) comes back paused. Count it as paused so flow control resumes it, or it would stall.
+        self._paused |= set(tps)
+        log.info("assigned %s", ", ".join(f"{t}[{p}]" for t, p in tps))
         self._emit("assigned", {"partitions": tps})
 
     def _revoked_cb(self, tps: list[TP]) -> None:
@@ -607,6 +611,9 @@ class Worker:
             self._assigned.discard(tp)
             self._paused.discard(tp)
             self._generation[tp] = self._generation.get(tp, 0) + 1
+        log.info(
+            "revoked %s (%d buffered task(s) dropped)", ", ".join(f"{t}[{p}]" for t, p in tps), len(dropped)
+        )
         self._emit("revoked", {"partitions": tps, "dropped": len(dropped)})
 
     # ------------------------------------------------------------------------------------------ shutdown

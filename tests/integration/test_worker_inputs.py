@@ -440,3 +440,51 @@ def test_a_registry_outage_holds_tasks_instead_of_dead_lettering_them(
         events.count("completed", 5)
     assert sorted(ran) == [f"h{i}" for i in range(5)]
     assert not events.of("dead_lettered")
+
+
+# ------------------------------------------------------------------------------------------------- rebalances
+def test_partitions_paused_before_a_rebalance_flow_again_when_they_come_back(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    schema = task_schema("Back", ID_FIELDS)
+    _register(settings, schema)
+    release = threading.Event()
+    done: list[str] = []
+    h = Handlers()
+
+    @h.task(f"{settings.namespace}.Back", schema=schema)
+    def back(payload: dict[str, Any], ctx: Any) -> None:
+        release.wait(60)
+        done.append(payload["id"])
+
+    n = 120
+    tiers = ("critical", "high", "normal", "low")
+    with TaskProducer(settings) as producer:
+        producer.enqueue_many(
+            [
+                TaskSpec(
+                    task_type=f"{settings.namespace}.Back", payload={"id": f"b{i}"}, priority=tiers[i % 4]
+                )
+                for i in range(n)
+            ]
+        )
+    with running(h, settings, concurrency=1, buffer_capacity=8, revoke_timeout=1.0) as (w, events):
+        # One slot, blocked: the buffers fill and every tier's partitions get paused.
+        wait_until(lambda: len(w._paused) == 12, timeout=60, what="the worker to pause all 12 partitions")
+        everything = set(w._assigned)
+        # Another member joins and takes paused partitions away, then leaves and gives them back.
+        other = Source(settings, group=settings.worker_group)
+        other.subscribe(Topics(settings.namespace).priority_topics)
+        try:
+            wait_until(
+                lambda: other.poll(1, 0.2) is not None and bool(other.assignment()),
+                timeout=60,
+                what="the second member to get partitions",
+            )
+            assert len(w._assigned) < 12 or events.of("revoked")
+        finally:
+            other.close()
+        wait_until(lambda: set(w._assigned) == everything, timeout=60, what="the partitions to come back")
+        release.set()
+        events.count("completed", n, timeout=120)
+    assert sorted(done) == sorted(f"b{i}" for i in range(n))
