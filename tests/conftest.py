@@ -33,7 +33,9 @@ def _answers(env: dict[str, str]) -> bool:
         socket.create_connection((host, int(port)), timeout=2).close()
         db = urlparse(env["TASKQ_DATABASE_URL"])
         socket.create_connection((db.hostname or "127.0.0.1", db.port or 5432), timeout=2).close()
-        with urllib.request.urlopen(env["TASKQ_SCHEMA_REGISTRY_URL"].rstrip("/") + "/subjects", timeout=5) as r:
+        with urllib.request.urlopen(
+            env["TASKQ_SCHEMA_REGISTRY_URL"].rstrip("/") + "/subjects", timeout=5
+        ) as r:
             return bool(r.status == 200)
     except (OSError, KeyError, ValueError):
         return False
@@ -44,7 +46,9 @@ def _from_stack_script() -> dict[str, str]:
         [str(REPO / "compose" / "stack"), "up"], check=False, stdout=subprocess.PIPE, text=True, timeout=900
     )
     if out.returncode != 0:
-        pytest.exit(f"compose/stack up failed with exit code {out.returncode} (its stderr says why)", returncode=3)
+        pytest.exit(
+            f"compose/stack up failed with exit code {out.returncode} (its stderr says why)", returncode=3
+        )
     env = {}
     for line in out.stdout.splitlines():
         if line.startswith("export ") and "=" in line:

@@ -53,6 +53,16 @@ class App:
         rows = self.query(sql, *params)
         return next(iter(rows[0].values())) if rows else None
 
+    def assert_once_each(self, keys: list[str]) -> None:
+        """Every key has exactly one ledger row: none doubled, none missing."""
+        counts = {r["key"]: r["n"] for r in self.query("SELECT key, count(*) AS n FROM ledger GROUP BY key")}
+        doubled = {k: n for k, n in counts.items() if n != 1}
+        missing = set(keys) - set(counts)
+        assert not doubled, (
+            f"{len(doubled)} keys ran more than once, e.g. {list(doubled.items())[:5]}\n{self.logs()}"
+        )
+        assert not missing, f"{len(missing)} keys never ran, e.g. {sorted(missing)[:5]}\n{self.logs()}"
+
     def close(self) -> None:
         """Stop every worker and the producer."""
         for w in self.workers:

@@ -48,7 +48,18 @@ def test_bench_worker_runs_every_task_and_removes_its_namespace(
     settings: Settings, env_of: Callable[..., dict[str, str]]
 ) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "consumer.cli", "bench", "worker", "-n", "300", "--concurrency", "4", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "consumer.cli",
+            "bench",
+            "worker",
+            "-n",
+            "300",
+            "--concurrency",
+            "4",
+            "--json",
+        ],
         env=env_of(),
         capture_output=True,
         text=True,
@@ -73,8 +84,18 @@ def test_bench_worker_runs_every_task_and_removes_its_namespace(
 
 def test_bench_worker_transactional_writes_one_row_per_task(env_of: Callable[..., dict[str, str]]) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "consumer.cli", "bench", "worker", "-n", "100", "--handler", "transactional",
-         "--json"],
+        [
+            sys.executable,
+            "-m",
+            "consumer.cli",
+            "bench",
+            "worker",
+            "-n",
+            "100",
+            "--handler",
+            "transactional",
+            "--json",
+        ],
         env=env_of(),
         capture_output=True,
         text=True,
@@ -104,8 +125,18 @@ def test_stats_serves_tier_and_dlq_depths_until_sigterm(
 
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "consumer.cli", "--namespace", settings.namespace, "stats",
-         "--metrics-port", str(port), "--interval", "0.5"],
+        [
+            sys.executable,
+            "-m",
+            "consumer.cli",
+            "--namespace",
+            settings.namespace,
+            "stats",
+            "--metrics-port",
+            str(port),
+            "--interval",
+            "0.5",
+        ],
         env=env_of(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -47,7 +47,9 @@ def email_type(settings: Settings, task_schema: Callable[..., dict[str, Any]]) -
         return registry.register(task_schema("SendEmail", FIELDS)).subject
 
 
-def test_topics_create_is_idempotent(env_of: Callable[..., dict[str, str]], other_namespace: Settings) -> None:
+def test_topics_create_is_idempotent(
+    env_of: Callable[..., dict[str, str]], other_namespace: Settings
+) -> None:
     env = env_of(TASKQ_NAMESPACE=other_namespace.namespace)
     expected = sorted(_all_topics(other_namespace))
 
@@ -104,7 +106,9 @@ def test_schemas_register_then_check_tells_compatible_from_incompatible(
 def test_enqueue_prints_the_task_id_and_topic(
     settings: Settings, env_of: Callable[..., dict[str, str]], email_type: str
 ) -> None:
-    out = taskq(env_of(), "enqueue", email_type, "--json", '{"to": "a@example.com", "n": 3}', "--priority", "high")
+    out = taskq(
+        env_of(), "enqueue", email_type, "--json", '{"to": "a@example.com", "n": 3}', "--priority", "high"
+    )
     assert out.returncode == 0, out.stderr
     task_id, topic = out.stdout.split()
     assert re.fullmatch(r"[0-9a-f]{32}", task_id)

@@ -28,7 +28,7 @@ from producer.kafka import Admin, Source
 from producer.producer import TaskSpec
 from schemas.errors import RegistryUnavailableError
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, wait_until
+from tests.acceptance.helpers import WorkerProcess, all_committed, uncommitted, wait_until
 from tests.conftest import REPO
 
 STACK = REPO / "compose" / "stack"
@@ -190,51 +190,6 @@ def _done(app: App) -> int:
         return 0
 
 
-def _uncommitted(app: App) -> dict[tuple[str, int], int] | None:
-    """Records of the priority topics past the group's committed offsets, per partition (None: no answer).
-
-    Not `committed >= end offset`: retries come back through the forwarder's transactions, whose commit
-    markers take an offset at the end of a partition that no consumer ever receives or commits past.
-    """
-    try:
-        admin = Admin(app.settings)
-        topics = [app.settings.namespace + "." + p for p in PRIORITIES]
-        end = admin.end_offsets(topics)
-        committed = admin.committed(app.settings.worker_group, topics)
-    except Exception:
-        return None
-    behind = {tp: max(0, committed.get(tp, -1)) for tp, hw in end.items() if committed.get(tp, -1) < hw}
-    if not behind:
-        return {}
-    source = Source(app.settings, group=f"{app.ns}.checker")  # read_committed, like the workers
-    source.assign([(t, p, o) for (t, p), o in behind.items()])
-    left: Counter[tuple[str, int]] = Counter()
-    try:
-        idle = 0
-        while idle < 3:
-            records = source.poll(1000, 0.3)
-            idle = 0 if records else idle + 1
-            left.update(r.tp for r in records)
-    finally:
-        source.close()
-    return dict(left)
-
-
-def _all_committed(app: App) -> bool:
-    return _uncommitted(app) == {}
-
-
-def _assert_once_each(app: App, keys: list[str]) -> None:
-    rows = app.query("SELECT key, count(*) AS n FROM ledger GROUP BY key")
-    counts = {r["key"]: r["n"] for r in rows}
-    doubled = {k: n for k, n in counts.items() if n != 1}
-    missing = set(keys) - set(counts)
-    assert not doubled, (
-        f"{len(doubled)} keys ran more than once, e.g. {list(doubled.items())[:5]}\n{app.logs()}"
-    )
-    assert not missing, f"{len(missing)} keys never ran, e.g. {sorted(missing)[:5]}\n{app.logs()}"
-
-
 def _alive(app: App) -> None:
     dead = [(w.log.name, w.proc.returncode) for w in app.workers if w.proc.poll() is not None]
     assert not dead, f"workers died: {dead}\n{app.logs()}"
@@ -275,10 +230,12 @@ def test_workers_ride_out_a_postgres_restart_and_each_key_takes_effect_once(
     private_stack.run("start", "postgres")
     wait_until(lambda: _done(app) == len(keys), timeout=180, what="every key after the Postgres restart")
     try:
-        wait_until(lambda: _all_committed(app), timeout=120, what="the group to commit every offset")
+        wait_until(lambda: all_committed(app.settings), timeout=120, what="the group to commit every offset")
     except AssertionError as exc:
-        raise AssertionError(f"{exc}: uncommitted records {_uncommitted(app)}\n{app.logs()}") from None
-    _assert_once_each(app, keys)
+        raise AssertionError(
+            f"{exc}: uncommitted records {uncommitted(app.settings)}\n{app.logs()}"
+        ) from None
+    app.assert_once_each(keys)
     assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
     _alive(app)
 
@@ -295,10 +252,12 @@ def test_workers_ride_out_a_broker_restart_and_each_key_takes_effect_once(
     private_stack.run("restart", "kafka")
     wait_until(lambda: _done(app) == len(keys), timeout=180, what="every key after the broker restart")
     try:
-        wait_until(lambda: _all_committed(app), timeout=120, what="the group to commit every offset")
+        wait_until(lambda: all_committed(app.settings), timeout=120, what="the group to commit every offset")
     except AssertionError as exc:
-        raise AssertionError(f"{exc}: uncommitted records {_uncommitted(app)}\n{app.logs()}") from None
-    _assert_once_each(app, keys)
+        raise AssertionError(
+            f"{exc}: uncommitted records {uncommitted(app.settings)}\n{app.logs()}"
+        ) from None
+    app.assert_once_each(keys)
     assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
     _alive(app)
 
@@ -324,10 +283,12 @@ def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_ke
     private_stack.run("start", "kafka")
     wait_until(lambda: _done(app) == len(keys), timeout=180, what="every key after the broker restart")
     try:
-        wait_until(lambda: _all_committed(app), timeout=120, what="the group to commit every offset")
+        wait_until(lambda: all_committed(app.settings), timeout=120, what="the group to commit every offset")
     except AssertionError as exc:
-        raise AssertionError(f"{exc}: uncommitted records {_uncommitted(app)}\n{app.logs()}") from None
-    _assert_once_each(app, keys)
+        raise AssertionError(
+            f"{exc}: uncommitted records {uncommitted(app.settings)}\n{app.logs()}"
+        ) from None
+    app.assert_once_each(keys)
     assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
     _alive(app)
 

@@ -1,4 +1,4 @@
-"""Workers as real processes: one effect per key through crashes and rebalances, priorities, timeouts, SIGTERM."""
+"""Workers as real processes: one effect per key through crashes and rebalances; tiers, timeouts, SIGTERM."""
 
 from __future__ import annotations
 
@@ -29,24 +29,18 @@ def _enqueue_ledger(app: App, keys: list[str], *, copies: int = 2, sleep: float 
     app.producer.flush(60)
 
 
-def _assert_once_each(app: App, keys: list[str]) -> None:
-    rows = app.query("SELECT key, count(*) AS n FROM ledger GROUP BY key")
-    counts = {r["key"]: r["n"] for r in rows}
-    doubled = {k: n for k, n in counts.items() if n != 1}
-    missing = set(keys) - set(counts)
-    assert not doubled, f"{len(doubled)} keys ran more than once, e.g. {list(doubled.items())[:5]}\n{app.logs()}"
-    assert not missing, f"{len(missing)} keys never ran, e.g. {sorted(missing)[:5]}\n{app.logs()}"
-
-
 def test_each_key_takes_effect_once_across_three_workers(app: App) -> None:
     keys = [f"k{i:05d}" for i in range(2000)]
     _enqueue_ledger(app, keys, copies=2)
     for _ in range(3):
         app.spawn("--concurrency", "4")
-    wait_until(lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys), timeout=240,
-               what="2000 ledger keys")
+    wait_until(
+        lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
+        timeout=240,
+        what="2000 ledger keys",
+    )
     wait_until(lambda: all_committed(app.settings), timeout=60, what="the group to commit every offset")
-    _assert_once_each(app, keys)
+    app.assert_once_each(keys)
     assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
 
 
@@ -66,7 +60,7 @@ def test_kill_9_and_rebalances_keep_one_effect_per_key(app: App) -> None:
     app.spawn("--concurrency", "4")  # the restart
     wait_until(lambda: done() == len(keys), timeout=240, what="every key after kill -9 and restarts")
     wait_until(lambda: all_committed(app.settings), timeout=90, what="the group to commit every offset")
-    _assert_once_each(app, keys)
+    app.assert_once_each(keys)
     assert third.proc.poll() is None, "a surviving worker died"
 
 
@@ -92,7 +86,9 @@ def test_tiers_share_one_slot_by_weight_without_starving_low(app: App) -> None:
     expected = {"critical": 8 / 15, "high": 4 / 15, "normal": 2 / 15, "low": 1 / 15}
     for tier, share in expected.items():
         got = shares[tier] / len(window)
-        assert abs(got - share) <= 0.05, f"{tier}: {got:.3f} of completions, expected {share:.3f} ± 0.05: {shares}"
+        assert abs(got - share) <= 0.05, (
+            f"{tier}: {got:.3f} of completions, expected {share:.3f} ± 0.05: {shares}"
+        )
     # Low keeps moving: at least one low completion in every 30 consecutive completions of the window.
     for start in range(0, len(window) - 30, 15):
         assert "low" in window[start : start + 30], f"low starved in completions {start + 15}..{start + 45}"
@@ -101,7 +97,9 @@ def test_tiers_share_one_slot_by_weight_without_starving_low(app: App) -> None:
 def test_timeouts_fail_the_attempt_and_crashes_spare_the_worker(app: App) -> None:
     pid_file = str(app.tmp_path / "child.pid")
     app.producer.enqueue(app.type("Sleep"), {"seconds": 4.0}, idempotency_key="sleep-thread")
-    app.producer.enqueue(app.type("SleepProc"), {"seconds": 60.0, "pid_file": pid_file}, idempotency_key="sleep-proc")
+    app.producer.enqueue(
+        app.type("SleepProc"), {"seconds": 60.0, "pid_file": pid_file}, idempotency_key="sleep-proc"
+    )
     app.producer.enqueue(app.type("Exit"), {"code": 3}, idempotency_key="exit")
     app.producer.enqueue(app.type("Ledger"), {"key": "after", "amount": 1}, idempotency_key="after")
     app.producer.flush(30)
@@ -116,7 +114,9 @@ def test_timeouts_fail_the_attempt_and_crashes_spare_the_worker(app: App) -> Non
     assert "timed out" in errors["sleep-thread"].lower(), errors
     assert "timed out" in errors["sleep-proc"].lower(), errors
     assert "exit code 3" in errors["exit"], errors
-    child = int(wait_until(lambda: os.path.exists(pid_file) and Path(pid_file).read_text(), timeout=10, what="pid"))
+    child = int(
+        wait_until(lambda: os.path.exists(pid_file) and Path(pid_file).read_text(), timeout=10, what="pid")
+    )
 
     def child_gone() -> bool:
         try:
@@ -147,6 +147,9 @@ def test_sigterm_finishes_in_flight_tasks_and_the_rest_run_once_elsewhere(app: A
     finished_by_first = app.scalar("SELECT count(*) FROM ledger")
     assert finished_by_first >= 1, first.output()[-3000:]
     app.spawn("--concurrency", "4")
-    wait_until(lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys), timeout=120,
-               what="the rest on another worker")
-    _assert_once_each(app, keys)
+    wait_until(
+        lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
+        timeout=120,
+        what="the rest on another worker",
+    )
+    app.assert_once_each(keys)

@@ -60,8 +60,10 @@ def test_metrics_endpoint_counts_tasks_and_healthz_answers(app: App) -> None:
     assert app.scalar("SELECT count(*) FROM ledger") == n
     # Lag per tier is measured every few seconds; once everything ran it is 0 on every tier.
     wait_until(
-        lambda: all(_sample(_get(base + "/metrics")[1], "taskq_consumer_lag", f'priority="{p}"') == 0.0
-                    for p in ("critical", "high", "normal", "low")),
+        lambda: all(
+            _sample(_get(base + "/metrics")[1], "taskq_consumer_lag", f'priority="{p}"') == 0.0
+            for p in ("critical", "high", "normal", "low")
+        ),
         timeout=30,
         what="taskq_consumer_lag for every tier",
     )

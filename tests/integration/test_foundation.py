@@ -50,7 +50,9 @@ def test_avro_round_trip_through_registry_kafka_and_postgres(
     record = _consume_one(settings, topics.tier("normal"))
     assert record.value[0] == 0  # Confluent magic byte
     schema_id, body = avro.split_frame(record.value)
-    with Registry(settings.schema_registry_url) as fresh:  # no cache: the writer schema comes from the registry
+    with Registry(
+        settings.schema_registry_url
+    ) as fresh:  # no cache: the writer schema comes from the registry
         payload = avro.decode(body, fresh.by_id(schema_id))
     assert payload == {"to": "a@example.com", "n": 7}
     got = Envelope.from_headers(record.headers)
@@ -93,7 +95,10 @@ def test_schema_evolution_is_backward_compatible(
     written_v1 = avro.frame(r1.schema_id, avro.encode(r1.parsed, {"payment_id": "p-1"}))
     schema_id, body = avro.split_frame(written_v1)
     assert schema_id == r1.schema_id
-    assert avro.decode(body, registry.by_id(schema_id), avro.parse(v2)) == {"payment_id": "p-1", "currency": "EUR"}
+    assert avro.decode(body, registry.by_id(schema_id), avro.parse(v2)) == {
+        "payment_id": "p-1",
+        "currency": "EUR",
+    }
 
 
 def test_migrations_are_idempotent(settings: Settings) -> None:

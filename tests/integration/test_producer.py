@@ -80,8 +80,9 @@ def test_each_priority_lands_on_its_topic_as_framed_avro_with_the_envelope(
     settings: Settings, email_type: str, producer: TaskProducer
 ) -> None:
     receipts = {
-        p: producer.enqueue(email_type, {"to": f"{p}@example.com", "n": i}, priority=p, max_attempts=4, timeout=9.5,
-                            wait=True)
+        p: producer.enqueue(
+            email_type, {"to": f"{p}@example.com", "n": i}, priority=p, max_attempts=4, timeout=9.5, wait=True
+        )
         for i, p in enumerate(PRIORITIES)
     }
     topics = Topics(settings.namespace)
@@ -146,7 +147,9 @@ def test_delayed_tasks_go_to_the_smallest_delay_tier_that_fits(
         delay = before + timedelta(seconds=90)
     span = delay - before if isinstance(delay, datetime) else delay
     span = span if isinstance(span, timedelta) else timedelta(seconds=span)
-    receipt = producer.enqueue(email_type, {"to": "a@example.com", "n": 1}, priority="high", delay=delay, wait=True)
+    receipt = producer.enqueue(
+        email_type, {"to": "a@example.com", "n": 1}, priority="high", delay=delay, wait=True
+    )
     after = datetime.now(UTC)
     assert receipt.topic == f"{settings.namespace}.delay.{tier}"
     (record,) = _read(settings, [receipt.topic], 1)
@@ -183,32 +186,80 @@ def test_each_invalid_input_raises_its_error_and_sends_nothing(
         return run
 
     cases: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
-        ("wrong type", lambda: producer.enqueue(email_type, {"to": "a", "n": "one"}), PayloadValidationError, "n"),
+        (
+            "wrong type",
+            lambda: producer.enqueue(email_type, {"to": "a", "n": "one"}),
+            PayloadValidationError,
+            "n",
+        ),
         ("missing field", lambda: producer.enqueue(email_type, {"n": 1}), PayloadValidationError, "to"),
-        ("unknown field", lambda: producer.enqueue(email_type, {**ok, "cc": "b"}), PayloadValidationError, "cc"),
+        (
+            "unknown field",
+            lambda: producer.enqueue(email_type, {**ok, "cc": "b"}),
+            PayloadValidationError,
+            "cc",
+        ),
         ("not a mapping", lambda: producer.enqueue(email_type, ["a", 1]), PayloadValidationError, "object"),  # type: ignore[arg-type]
-        ("unregistered type", lambda: producer.enqueue(f"{settings.namespace}.Nope", ok), UnknownTaskTypeError,
-         f"{settings.namespace}.Nope"),
-        ("unregistered schema file",
-         with_producer(lambda p: p.enqueue(f"{settings.namespace}.NeverRegistered", ok),
-                       schemas=[tmp_path / "never.avsc"]),
-         UnknownTaskTypeError, "not registered"),
-        ("bad priority", lambda: producer.enqueue(email_type, ok, priority="urgent"), InvalidPriorityError, "urgent"),
-        ("too large", with_producer(lambda p: p.enqueue(email_type, {**ok, "body": "x" * 200}), max_payload_bytes=100),
-         PayloadTooLargeError, "limit of 100"),
+        (
+            "unregistered type",
+            lambda: producer.enqueue(f"{settings.namespace}.Nope", ok),
+            UnknownTaskTypeError,
+            f"{settings.namespace}.Nope",
+        ),
+        (
+            "unregistered schema file",
+            with_producer(
+                lambda p: p.enqueue(f"{settings.namespace}.NeverRegistered", ok),
+                schemas=[tmp_path / "never.avsc"],
+            ),
+            UnknownTaskTypeError,
+            "not registered",
+        ),
+        (
+            "bad priority",
+            lambda: producer.enqueue(email_type, ok, priority="urgent"),
+            InvalidPriorityError,
+            "urgent",
+        ),
+        (
+            "too large",
+            with_producer(lambda p: p.enqueue(email_type, {**ok, "body": "x" * 200}), max_payload_bytes=100),
+            PayloadTooLargeError,
+            "limit of 100",
+        ),
         ("delay as text", lambda: producer.enqueue(email_type, ok, delay="5s"), InvalidTaskError, "delay"),  # type: ignore[arg-type]
         ("delay NaN", lambda: producer.enqueue(email_type, ok, delay=math.nan), InvalidTaskError, "delay"),
-        ("naive datetime", lambda: producer.enqueue(email_type, ok, delay=datetime.now()), InvalidTaskError,
-         "timezone-aware"),
+        (
+            "naive datetime",
+            lambda: producer.enqueue(email_type, ok, delay=datetime.now()),
+            InvalidTaskError,
+            "timezone-aware",
+        ),
         ("zero timeout", lambda: producer.enqueue(email_type, ok, timeout=0), InvalidTaskError, "timeout"),
-        ("negative timeout", lambda: producer.enqueue(email_type, ok, timeout=timedelta(seconds=-1)),
-         InvalidTaskError, "timeout"),
-        ("zero max_attempts", lambda: producer.enqueue(email_type, ok, max_attempts=0), InvalidTaskError,
-         "max_attempts"),
-        ("fractional max_attempts", lambda: producer.enqueue(email_type, ok, max_attempts=1.5), InvalidTaskError,  # type: ignore[arg-type]
-         "max_attempts"),
-        ("empty idempotency key", lambda: producer.enqueue(email_type, ok, idempotency_key=""), InvalidTaskError,
-         "idempotency_key"),
+        (
+            "negative timeout",
+            lambda: producer.enqueue(email_type, ok, timeout=timedelta(seconds=-1)),
+            InvalidTaskError,
+            "timeout",
+        ),
+        (
+            "zero max_attempts",
+            lambda: producer.enqueue(email_type, ok, max_attempts=0),
+            InvalidTaskError,
+            "max_attempts",
+        ),
+        (
+            "fractional max_attempts",
+            lambda: producer.enqueue(email_type, ok, max_attempts=1.5),
+            InvalidTaskError,  # type: ignore[arg-type]
+            "max_attempts",
+        ),
+        (
+            "empty idempotency key",
+            lambda: producer.enqueue(email_type, ok, idempotency_key=""),
+            InvalidTaskError,
+            "idempotency_key",
+        ),
         (
             "one bad task in a batch",
             lambda: producer.enqueue_many(
@@ -236,7 +287,10 @@ def test_each_invalid_input_raises_its_error_and_sends_nothing(
 
     # The measurement sees a send: a valid batch lands whole.
     receipts = producer.enqueue_many(
-        [TaskSpec(task_type=email_type, payload={**ok, "n": i}, priority=p) for i, p in enumerate(PRIORITIES)],
+        [
+            TaskSpec(task_type=email_type, payload={**ok, "n": i}, priority=p)
+            for i, p in enumerate(PRIORITIES)
+        ],
         wait=True,
     )
     assert [r.topic for r in receipts] == [f"{settings.namespace}.{p}" for p in PRIORITIES]
@@ -255,9 +309,7 @@ def test_a_given_schema_file_that_is_registered_is_used(
 
 
 # ------------------------------------------------------------------------------------------- rate limits
-def test_an_exhausted_local_limit_refuses_with_a_retry_after(
-    settings: Settings, email_type: str
-) -> None:
+def test_an_exhausted_local_limit_refuses_with_a_retry_after(settings: Settings, email_type: str) -> None:
     admin = Admin(settings)
     with TaskProducer(settings, rate_limits=[RateLimit(rate=0.5, burst=2, priority="low")]) as p:
         p.enqueue(email_type, {"to": "a", "n": 1}, priority="low")

@@ -126,7 +126,9 @@ def test_derived_key_encodes_avro_values_canonically():
         "text": "grüße",
     }
     assert derive_idempotency_key("t", payload) == derive_idempotency_key("t", dict(payload))
-    assert derive_idempotency_key("t", {"raw": b"\x00\xff"}) != derive_idempotency_key("t", {"raw": b"\x00\xfe"})
+    assert derive_idempotency_key("t", {"raw": b"\x00\xff"}) != derive_idempotency_key(
+        "t", {"raw": b"\x00\xfe"}
+    )
     with pytest.raises(TypeError, match="object"):
         derive_idempotency_key("t", {"x": object()})
 
@@ -174,7 +176,9 @@ def test_settings_are_validated_when_created(kwargs, message):
 
 def test_settings_sort_delay_tiers_and_freeze_kafka_properties():
     props = {"security.protocol": "SASL_SSL"}
-    s = Settings(delay_tiers=(timedelta(seconds=30), timedelta(seconds=1), timedelta(seconds=30)), kafka=props)
+    s = Settings(
+        delay_tiers=(timedelta(seconds=30), timedelta(seconds=1), timedelta(seconds=30)), kafka=props
+    )
     assert s.delay_tiers == (timedelta(seconds=1), timedelta(seconds=30))
     props["security.protocol"] = "PLAINTEXT"
     assert s.kafka["security.protocol"] == "SASL_SSL"
@@ -281,7 +285,11 @@ def test_valid_payloads_pass():
         ({**VALID, "colour": "red"}, "colour", "field 'colour' is not in the schema (fields: id, qty, note"),
         ({**VALID, "note": 3}, "note", "expected null or string"),
         ({**VALID, "address": {}}, "address.city", "required field 'address.city' is missing"),
-        ({**VALID, "address": {"city": "Oslo", "zip": "1"}}, "address.zip", "'address.zip' is not in the schema"),
+        (
+            {**VALID, "address": {"city": "Oslo", "zip": "1"}},
+            "address.zip",
+            "'address.zip' is not in the schema",
+        ),
         ({**VALID, "lines": [{"city": "A"}, {}]}, "lines[1].city", "'lines[1].city' is missing"),
     ],
 )
