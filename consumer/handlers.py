@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping
@@ -150,7 +149,3 @@ def load(import_path: str) -> Handlers:
     handlers.import_path = import_path
     return handlers
 
-
-def run_coroutine(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run an async handler to completion outside an event loop (tests, process children)."""
-    return asyncio.run(fn(*args))
