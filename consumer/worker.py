@@ -118,6 +118,7 @@ class Worker:
         self._undecoded: list[Record] = []
         self._finished: list[tuple[_Task, Finished]] = []
         self._paused: set[TP] = set()
+        self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
         self._assigned: set[TP] = set()
         self._unacked = 0
         self.heartbeat = metrics.Heartbeat()
@@ -295,12 +296,13 @@ class Worker:
             if self._scheduler.saturated(tier) or over or self._stop.is_set():
                 if tp not in self._paused:
                     to_pause.append(tp)
-            elif tp in self._paused:
+            elif tp in self._paused or tp in self._fresh:
                 to_resume.append(tp)
         self._source.pause(to_pause)
         self._source.resume(to_resume)
         self._paused |= set(to_pause)
         self._paused -= set(to_resume)
+        self._fresh.clear()
 
     def _release_held(self) -> None:
         now = time.monotonic()
@@ -585,8 +587,8 @@ class Worker:
             self._generation[tp] = self._generation.get(tp, 0) + 1
             self._assigned.add(tp)
         # librdkafka keeps a partition's pause across revoke and re-assign: one paused before it was revoked
-        # (or lost) comes back paused. Count it as paused so flow control resumes it, or it would stall.
-        self._paused |= set(tps)
+        # (or lost) comes back paused. Flow control resumes fresh partitions explicitly, or they would stall.
+        self._fresh |= set(tps)
         log.info("assigned %s", ", ".join(f"{t}[{p}]" for t, p in tps))
         self._emit("assigned", {"partitions": tps})
 
