@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from producer.db import Database, Error, in_transaction, queries
 from producer.errors import StoreUnavailableError
 
+T = TypeVar("T")
 ClaimOutcome = Literal["claimed", "completed", "running", "duplicate"]
 
 
@@ -63,11 +64,14 @@ class IdempotencyStore:
         self._q = queries()
 
     def _execute(self, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._run(name, params, lambda cur: list(cur.fetchall()))
+
+    def _run(self, name: str, params: dict[str, Any], read: Callable[[Any], T]) -> T:
         with self._lock:
             try:
                 if self._conn is None or self._conn.closed:
                     self._conn = self.database.connect()
-                return list(self._conn.execute(self._q[name], params).fetchall())
+                return read(self._conn.execute(self._q[name], params))
             except Error as exc:
                 # Drop the connection: the next call reconnects (Postgres may have restarted).
                 if self._conn is not None:
@@ -212,23 +216,11 @@ class IdempotencyStore:
         """Delete completed and dead records older than the TTL; returns how many."""
         total = 0
         while True:
-            with self._lock:
-                try:
-                    if self._conn is None or self._conn.closed:
-                        self._conn = self.database.connect()
-                    n = self._conn.execute(
-                        self._q["purge"], {"ttl_seconds": ttl_seconds, "batch": batch}
-                    ).rowcount
-                except Error as exc:
-                    # As in _execute: drop the connection, the next call reconnects.
-                    if self._conn is not None:
-                        try:
-                            self._conn.close()
-                        finally:
-                            self._conn = None
-                    raise StoreUnavailableError(f"idempotency store (purge): {exc}") from exc
-            total += max(0, int(n))
-            if int(n) < batch:
+            n = self._run(
+                "purge", {"ttl_seconds": ttl_seconds, "batch": batch}, lambda cur: int(cur.rowcount)
+            )
+            total += max(0, n)
+            if n < batch:
                 return total
 
     def retries(self) -> tuple[int, int]:

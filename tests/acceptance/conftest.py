@@ -10,7 +10,8 @@ import pytest
 
 from producer.config import Settings
 from producer.db import Database
-from producer.producer import TaskProducer
+from producer.envelope import PRIORITIES
+from producer.producer import TaskProducer, TaskSpec
 from schemas import Registry
 from tests.acceptance.helpers import WorkerProcess
 from tests.apps.app import CREATE_LEDGER, schemas
@@ -52,6 +53,22 @@ class App:
         """The first column of the first row."""
         rows = self.query(sql, *params)
         return next(iter(rows[0].values())) if rows else None
+
+    def enqueue_ledger(self, keys: list[str], *, copies: int = 2, sleep: float = 0.0) -> None:
+        """Each key's Ledger task `copies` times (one idempotency key per key), spread over the tiers."""
+        specs = [
+            TaskSpec(
+                task_type=self.type("Ledger"),
+                payload={"key": k, "amount": i, "sleep": sleep},
+                idempotency_key=f"ledger:{k}",
+                priority=PRIORITIES[i % 4],
+            )
+            for _ in range(copies)
+            for i, k in enumerate(keys)
+        ]
+        for start in range(0, len(specs), 500):
+            self.producer.enqueue_many(specs[start : start + 500])
+        self.producer.flush(60)
 
     def assert_once_each(self, keys: list[str]) -> None:
         """Every key has exactly one ledger row: none doubled, none missing."""

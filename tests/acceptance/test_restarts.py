@@ -25,7 +25,6 @@ from producer.config import Settings
 from producer.db import Database
 from producer.envelope import PRIORITIES, Envelope
 from producer.kafka import Admin, Source
-from producer.producer import TaskSpec
 from schemas.errors import RegistryUnavailableError
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import WorkerProcess, all_committed, uncommitted, wait_until
@@ -166,22 +165,6 @@ def private_app(private_stack: PrivateStack, tmp_path: Path) -> Iterator[App]:
             pass
 
 
-def _enqueue_ledger(app: App, keys: list[str], *, copies: int = 2, sleep: float = 0.0) -> None:
-    specs = [
-        TaskSpec(
-            task_type=app.type("Ledger"),
-            payload={"key": k, "amount": i, "sleep": sleep},
-            idempotency_key=f"ledger:{k}",
-            priority=PRIORITIES[i % 4],
-        )
-        for _ in range(copies)
-        for i, k in enumerate(keys)
-    ]
-    for start in range(0, len(specs), 500):
-        app.producer.enqueue_many(specs[start : start + 500])
-    app.producer.flush(60)
-
-
 def _done(app: App) -> int:
     """Keys with a ledger row; 0 while Postgres is down (the test's own reads ride out the outage too)."""
     try:
@@ -213,7 +196,7 @@ def test_workers_ride_out_a_postgres_restart_and_each_key_takes_effect_once(
 ) -> None:
     app = private_app
     keys = [f"pg{i:04d}" for i in range(300)]
-    _enqueue_ledger(app, keys, copies=2, sleep=0.05)
+    app.enqueue_ledger(keys, copies=2, sleep=0.05)
     for _ in range(2):
         app.spawn("--concurrency", "4")
     wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")
@@ -245,7 +228,7 @@ def test_workers_ride_out_a_broker_restart_and_each_key_takes_effect_once(
 ) -> None:
     app = private_app
     keys = [f"kb{i:04d}" for i in range(300)]
-    _enqueue_ledger(app, keys, copies=2, sleep=0.05)  # everything is on the broker before the restart
+    app.enqueue_ledger(keys, copies=2, sleep=0.05)  # everything is on the broker before the restart
     for _ in range(2):
         app.spawn("--concurrency", "4")
     wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")
@@ -267,7 +250,7 @@ def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_ke
 ) -> None:
     app = private_app
     keys = [f"ko{i:04d}" for i in range(300)]
-    _enqueue_ledger(app, keys, copies=2, sleep=0.05)  # everything is on the broker before the restart
+    app.enqueue_ledger(keys, copies=2, sleep=0.05)  # everything is on the broker before the restart
     for _ in range(2):
         app.spawn("--concurrency", "4")
     wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")

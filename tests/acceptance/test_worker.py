@@ -13,25 +13,9 @@ from tests.acceptance.conftest import App
 from tests.acceptance.helpers import all_committed, wait_until
 
 
-def _enqueue_ledger(app: App, keys: list[str], *, copies: int = 2, sleep: float = 0.0) -> None:
-    specs = [
-        TaskSpec(
-            task_type=app.type("Ledger"),
-            payload={"key": k, "amount": i, "sleep": sleep},
-            idempotency_key=f"ledger:{k}",
-            priority=PRIORITIES[i % 4],
-        )
-        for _ in range(copies)
-        for i, k in enumerate(keys)
-    ]
-    for start in range(0, len(specs), 500):
-        app.producer.enqueue_many(specs[start : start + 500])
-    app.producer.flush(60)
-
-
 def test_each_key_takes_effect_once_across_three_workers(app: App) -> None:
     keys = [f"k{i:05d}" for i in range(2000)]
-    _enqueue_ledger(app, keys, copies=2)
+    app.enqueue_ledger(keys, copies=2)
     for _ in range(3):
         app.spawn("--concurrency", "4")
     wait_until(
@@ -46,7 +30,7 @@ def test_each_key_takes_effect_once_across_three_workers(app: App) -> None:
 
 def test_kill_9_and_rebalances_keep_one_effect_per_key(app: App) -> None:
     keys = [f"c{i:05d}" for i in range(1500)]
-    _enqueue_ledger(app, keys, copies=2, sleep=0.002)
+    app.enqueue_ledger(keys, copies=2, sleep=0.002)
     done = lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger")  # noqa: E731
     first = app.spawn("--concurrency", "4")
     wait_until(lambda: done() >= 150, timeout=120, what="the first worker to make progress")
@@ -132,7 +116,7 @@ def test_timeouts_fail_the_attempt_and_crashes_spare_the_worker(app: App) -> Non
 
 def test_sigterm_finishes_in_flight_tasks_and_the_rest_run_once_elsewhere(app: App) -> None:
     keys = [f"s{i}" for i in range(8)]
-    _enqueue_ledger(app, keys, copies=1, sleep=1.5)
+    app.enqueue_ledger(keys, copies=1, sleep=1.5)
     shutdown_timeout = 10
     first = app.spawn("--concurrency", "2", "--shutdown-timeout", str(shutdown_timeout))
     wait_until(
