@@ -150,14 +150,6 @@ class IdempotencyStore:
             lost |= {f.idempotency_key for f in failed} - {r["idempotency_key"] for r in rows}
         return lost
 
-    def release(self, claims: Sequence[tuple[str, int]]) -> None:
-        """Give back (key, attempts) claims of tasks that never started."""
-        if claims:
-            self._execute(
-                "release",
-                {"keys": [k for k, _ in claims], "attempts": [a for _, a in claims], "owner": self.owner},
-            )
-
     @contextmanager
     def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Any]:
         """A connection in a transaction that records the key's completion when the block exits cleanly.

@@ -71,16 +71,6 @@ WHERE t.idempotency_key = c.idempotency_key AND t.state = 'running'
   AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
--- name: release
--- Give back claims whose tasks never started (partition revoked, shutdown): the attempt did not happen.
-UPDATE taskq_tasks t SET
-    state = 'failed', attempts = t.attempts - 1, lease_owner = NULL, lease_expires_at = NULL,
-    updated_at = clock_timestamp()
-FROM unnest(%(keys)s::text[], %(attempts)s::int[]) AS c(idempotency_key, attempts)
-WHERE t.idempotency_key = c.idempotency_key AND t.state = 'running'
-  AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
-RETURNING t.idempotency_key;
-
 -- name: reset_for_replay
 -- A DLQ replay starts the key's attempts over; a completed key stays completed (no second effect).
 UPDATE taskq_tasks SET attempts = 0, state = 'failed', updated_at = clock_timestamp()
