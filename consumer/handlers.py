@@ -148,4 +148,3 @@ def load(import_path: str) -> Handlers:
         raise ValueError(f"{import_path} is {type(handlers).__name__}, not a consumer.Handlers")
     handlers.import_path = import_path
     return handlers
-

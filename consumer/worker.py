@@ -21,7 +21,7 @@ from types import FrameType
 from typing import Any
 
 from consumer import metrics
-from consumer.executor import Executor, Job, Outcome
+from consumer.executor import Executor, Job, Outcome, TaskFailed
 from consumer.forwarder import Forwarder, run_in_thread
 from consumer.handlers import Handlers, HandlerSpec, TaskContext
 from consumer.offsets import OffsetTracker
@@ -440,6 +440,8 @@ class Worker:
             return
         metrics.FAILED.labels(env.task_type).inc()
         error = outcome.error or Exception(outcome.message)
+        if isinstance(error, TaskFailed) and isinstance(error.__cause__, Exception):
+            error = error.__cause__  # a process-isolated handler's own exception, when it survived pickling
         if isinstance(error, LeaseLostError):
             log.warning("task %s: %s", env.task_id, error)
             self._done(task)  # the worker that took the lease over decides this key

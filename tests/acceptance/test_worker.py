@@ -85,6 +85,7 @@ def test_timeouts_fail_the_attempt_and_crashes_spare_the_worker(app: App) -> Non
         app.type("SleepProc"), {"seconds": 60.0, "pid_file": pid_file}, idempotency_key="sleep-proc"
     )
     app.producer.enqueue(app.type("Exit"), {"code": 3}, idempotency_key="exit")
+    app.producer.enqueue(app.type("RejectProc"), {"code": 7}, idempotency_key="reject-proc")
     app.producer.enqueue(app.type("Ledger"), {"key": "after", "amount": 1}, idempotency_key="after")
     app.producer.flush(30)
     worker = app.spawn("--concurrency", "4")
@@ -92,12 +93,15 @@ def test_timeouts_fail_the_attempt_and_crashes_spare_the_worker(app: App) -> Non
     def state(key: str) -> str | None:
         return app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = %s", key)
 
-    for key in ("sleep-thread", "sleep-proc", "exit"):
+    for key in ("sleep-thread", "sleep-proc", "exit", "reject-proc"):
         wait_until(lambda key=key: state(key) == "dead", timeout=90, what=f"{key} to fail its only attempt")
     errors = {r["idempotency_key"]: r["last_error"] for r in app.query("SELECT * FROM taskq_tasks")}
     assert "timed out" in errors["sleep-thread"].lower(), errors
     assert "timed out" in errors["sleep-proc"].lower(), errors
     assert "exit code 3" in errors["exit"], errors
+    # Reject raised in a child process still means "never retry": one attempt of its five.
+    assert "rejected" in errors["reject-proc"] and "code 7" in errors["reject-proc"], errors
+    assert app.scalar("SELECT attempts FROM taskq_tasks WHERE idempotency_key = 'reject-proc'") == 1
     child = int(
         wait_until(lambda: os.path.exists(pid_file) and Path(pid_file).read_text(), timeout=10, what="pid")
     )

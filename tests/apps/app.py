@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 
-from consumer import Handlers, TaskContext
+from consumer import Handlers, Reject, TaskContext
 
 NS = os.environ.get("TASKQ_NAMESPACE", "taskq")
 handlers = Handlers()
@@ -29,6 +29,7 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Exit": [{"name": "code", "type": "int"}],
         "Die": [{"name": "code", "type": "int"}],
         "Fragile": [{"name": "key", "type": "string"}],
+        "RejectProc": [{"name": "code", "type": "int"}],
         "Flaky": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
     }
     return {
@@ -107,3 +108,8 @@ def fragile(payload: dict[str, Any], ctx: TaskContext) -> None:
         "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
         (payload["key"], ctx.task_id, ctx.priority, os.getpid()),
     )
+
+
+@handlers.task(f"{NS}.RejectProc", schema=S["RejectProc"], max_attempts=5, isolation="process")
+def reject_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
+    raise Reject(f"code {payload['code']} can never be processed")
