@@ -42,7 +42,8 @@ stack-status:
 
 # `compose/stack up` prints only `export NAME=value` lines on stdout; evaluating them in the same shell
 # line hands the stack's addresses to the command that follows.
-test: $(VENV)/.installed
+# Lint first: the packages are held to ruff and mypy --strict (STYLE.md), and it takes seconds.
+test: $(VENV)/.installed lint
 	stack_env="$$($(STACK) up)"; eval "$$stack_env"; $(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
