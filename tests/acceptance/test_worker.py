@@ -141,3 +141,18 @@ def test_sigterm_finishes_in_flight_tasks_and_the_rest_run_once_elsewhere(app: A
         what="the rest on another worker",
     )
     app.assert_once_each(keys)
+
+
+def test_a_second_signal_exits_at_once(app: App) -> None:
+    app.enqueue_ledger(["slow"], copies=1, sleep=3.0)
+    worker = app.spawn("--concurrency", "1", "--shutdown-timeout", "60")
+    wait_until(
+        lambda: app.scalar("SELECT count(*) FROM taskq_tasks WHERE state = 'running'") == 1,
+        timeout=60,
+        what="the slow task in flight",
+    )
+    worker.terminate()
+    wait_until(lambda: "stopping" in worker.output(), timeout=30, what="the worker to start its shutdown")
+    worker.terminate()
+    # Graceful shutdown exits 0 after the task; the second signal skips it: 128 + SIGTERM.
+    assert worker.wait(30) == 128 + 15, worker.output()[-3000:]
