@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from producer import (
+    DeliveryError,
     InvalidPriorityError,
     InvalidTaskError,
     PayloadTooLargeError,
@@ -465,3 +466,27 @@ def test_a_full_tier_refuses_until_the_worker_group_commits_past_the_backlog(
         _wait_for_depth(p, "low", 0)
         receipt = p.enqueue(email_type, {"to": "a", "n": 5}, priority="low", wait=True)
     assert receipt.topic == low
+
+
+def test_a_task_the_broker_never_takes_surfaces_on_flush_and_on_wait(
+    settings: Settings, email_type: str
+) -> None:
+    # Another namespace whose topics were never created (and the broker does not auto-create them).
+    orphan = settings.with_namespace(settings.namespace + "x")
+    reported: list[tuple[str, str | None]] = []
+    producer = TaskProducer(
+        orphan,
+        kafka_config={"message.timeout.ms": 1500},
+        on_delivery=lambda receipt, err: reported.append((receipt.task_id, err)),
+    )
+    try:
+        receipt = producer.enqueue(email_type, {"to": "a@example.com", "n": 1})
+        with pytest.raises(DeliveryError) as raised:
+            producer.flush(30)
+        assert [task_id for task_id, _ in raised.value.failures] == [receipt.task_id]
+        assert reported and reported[0][0] == receipt.task_id and reported[0][1]
+        with pytest.raises(DeliveryError):
+            producer.enqueue(email_type, {"to": "b@example.com", "n": 2}, wait=True)
+        producer.flush(30)  # each failure is reported once: nothing is left to raise
+    finally:
+        producer.close(5)
