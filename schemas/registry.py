@@ -167,6 +167,20 @@ class Registry:
             self._by_id[schema_id] = parsed
         return parsed
 
+    def delete_subject(self, subject: str) -> None:
+        """Delete a subject and all its versions for good (soft delete, then permanent)."""
+        def delete(permanent: bool) -> list[int]:
+            return list(self._client.delete_subject(subject, permanent=permanent))
+
+        for permanent in (False, True):
+            try:
+                self._call(f"deleting {subject}", lambda: delete(permanent))  # noqa: B023 - called at once
+            except SchemaNotFoundError:
+                if permanent:
+                    return
+        with self._lock:
+            self._latest.pop(subject, None)
+
     def subjects(self) -> list[str]:
         """Every subject in the registry."""
         return list(self._call("listing subjects", self._client.get_subjects))

@@ -23,6 +23,7 @@ from producer.admin import create_topics  # noqa: E402
 from producer.config import Settings  # noqa: E402
 from producer.db import Database  # noqa: E402
 from producer.kafka import Admin  # noqa: E402
+from schemas import Registry  # noqa: E402
 
 _VARS = ("TASKQ_BOOTSTRAP_SERVERS", "TASKQ_SCHEMA_REGISTRY_URL", "TASKQ_DATABASE_URL")
 
@@ -119,6 +120,10 @@ def settings(base_settings: Settings, ns: str) -> Iterator[Settings]:
     db.migrate()
     yield s
     db.drop_schema()
+    with Registry(s.schema_registry_url) as registry:  # task types of the test live under its namespace
+        for subject in registry.subjects():
+            if subject.startswith(ns + "."):
+                registry.delete_subject(subject)
     admin = Admin(s)
     admin.delete_topics([t for t in admin.partitions(_all_topics(s))])
 
