@@ -173,6 +173,8 @@ def bench_worker(
     finally:
         Admin(s).delete_topics([*topics.priority_topics, *topics.delay_topics, topics.dlq])
         db.drop_schema()
+        with Registry(s.schema_registry_url) as registry:
+            registry.delete_subject(task_type)
 
     return {
         "tasks": count,
