@@ -1,0 +1,68 @@
+"""compose/stack refuses a broken set-up with a message that names the problem (no services are started)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+STACK = REPO / "compose" / "stack"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stack(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    ports = {
+        name: str(_free_port())
+        for name in (
+            "TASKQ_STACK_KAFKA_PORT",
+            "TASKQ_STACK_KAFKA_CONTROLLER_PORT",
+            "TASKQ_STACK_REGISTRY_PORT",
+            "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT",
+            "TASKQ_STACK_POSTGRES_PORT",
+        )
+    }
+    return subprocess.run(
+        [str(STACK), *args],
+        env={**os.environ, "TASKQ_STACK_DIR": str(tmp_path / "state"), **ports, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_port_in_use_is_named(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _stack(tmp_path, "up", TASKQ_STACK_POSTGRES_PORT=str(port))
+    assert done.returncode != 0
+    assert f"port {port}" in done.stderr and "postgres" in done.stderr, done.stderr
+    assert done.stdout == ""  # no export lines for a stack that did not start
+
+
+def test_a_missing_tool_is_named(tmp_path: Path) -> None:
+    # An empty jar cache, and a PATH with python but no Maven: fetching Kafka's jars cannot work.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(os.path.realpath(sys.executable))
+    done = _stack(tmp_path, "start", "kafka", PATH=str(bin_dir), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    assert done.returncode != 0
+    assert "`mvn` not found" in done.stderr, done.stderr
+
+
+def test_status_of_a_stack_that_never_ran(tmp_path: Path) -> None:
+    done = _stack(tmp_path, "status")
+    assert done.returncode == 3
+    assert all(
+        f"{name}" in done.stdout and "stopped" in done.stdout for name in ("postgres", "kafka", "registry")
+    )
