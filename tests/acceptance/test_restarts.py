@@ -63,7 +63,7 @@ class PrivateStack:
             None,
         )
         if base is None:
-            pytest.skip("no free set of ports for a private stack")
+            pytest.fail("no free set of ports for a private stack (tried bases 30000, 40000-43000)")
         self.stack_env = {
             **os.environ,
             "TASKQ_STACK_DIR": str(state_dir),
