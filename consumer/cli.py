@@ -46,11 +46,13 @@ def cmd_topics_create(args: argparse.Namespace) -> int:
 def cmd_schemas_register(args: argparse.Namespace) -> int:
     from schemas import Registry, load_schema
 
-    registry = Registry(_settings(args).schema_registry_url)
     out = []
-    for path in args.paths:
-        reg = registry.register(load_schema(path))
-        out.append({"subject": reg.subject, "version": reg.version, "id": reg.schema_id, "path": str(path)})
+    with Registry(_settings(args).schema_registry_url) as registry:
+        for path in args.paths:
+            reg = registry.register(load_schema(path))
+            out.append(
+                {"subject": reg.subject, "version": reg.version, "id": reg.schema_id, "path": str(path)}
+            )
     _print(
         args,
         out,
@@ -62,25 +64,25 @@ def cmd_schemas_register(args: argparse.Namespace) -> int:
 def cmd_schemas_list(args: argparse.Namespace) -> int:
     from schemas import Registry
 
-    registry = Registry(_settings(args).schema_registry_url)
     rows = []
-    for subject in sorted(registry.subjects()):
-        latest = registry.latest(subject)
-        rows.append({"subject": subject, "latest_version": latest.version, "id": latest.schema_id})
+    with Registry(_settings(args).schema_registry_url) as registry:
+        for subject in sorted(registry.subjects()):
+            latest = registry.latest(subject)
+            rows.append({"subject": subject, "latest_version": latest.version, "id": latest.schema_id})
     _print(args, rows, "\n".join(f"{r['subject']}  v{r['latest_version']}  id {r['id']}" for r in rows))
     return 0
 
 
 def cmd_schemas_check(args: argparse.Namespace) -> int:
-    from schemas import Registry, load_schema
+    from schemas import Registry, full_name, load_schema
 
-    registry = Registry(_settings(args).schema_registry_url)
     results = []
-    for path in args.paths:
-        schema = load_schema(path)
-        results.append(
-            {"path": str(path), "subject": _full_name(schema), "compatible": registry.check(schema)}
-        )
+    with Registry(_settings(args).schema_registry_url) as registry:
+        for path in args.paths:
+            schema = load_schema(path)
+            results.append(
+                {"path": str(path), "subject": full_name(schema), "compatible": registry.check(schema)}
+            )
     _print(
         args,
         results,
@@ -90,12 +92,6 @@ def cmd_schemas_check(args: argparse.Namespace) -> int:
         ),
     )
     return 0 if all(r["compatible"] for r in results) else 1
-
-
-def _full_name(schema: dict[str, Any]) -> str:
-    from schemas import full_name
-
-    return full_name(schema)
 
 
 # ----------------------------------------------------------------------------------------------- enqueue
@@ -132,15 +128,14 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------------------------------------- bench
 def cmd_bench_produce(args: argparse.Namespace) -> int:
+    from producer.admin import create_topics
     from producer.producer import TaskProducer
     from schemas import Registry, load_schema
 
     settings = _settings(args)
     schema_path = Path(__file__).resolve().parent.parent / "schemas" / "demo" / "send_email.avsc"
-    schema = load_schema(schema_path)
-    Registry(settings.schema_registry_url).register(schema)
-    from producer.admin import create_topics
-
+    with Registry(settings.schema_registry_url) as registry:
+        registry.register(load_schema(schema_path))
     create_topics(settings)
     n = args.count
     latencies: list[float] = []

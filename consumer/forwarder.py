@@ -41,7 +41,6 @@ class Forwarder:
         self._clock = clock
         self._stop = threading.Event()
         self._held: dict[TP, float] = {}  # partition -> epoch seconds its head task is due
-        self.forwarded = 0
 
     def stop(self) -> None:
         """Finish the current transaction and stop."""
@@ -133,7 +132,6 @@ class Forwarder:
                 sink.abort()
             finally:
                 raise TaskqError(f"forwarding transaction failed: {exc}") from exc
-        self.forwarded += len(out)
         if self._on_event is not None:
             self._on_event("forwarded", {"count": len(out), "offsets": offsets})
 

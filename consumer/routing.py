@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import uuid
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
@@ -85,8 +87,5 @@ def dead_letter_record(
 
 
 def default_worker_id() -> str:
-    """host:pid, unique enough among live workers (leases name their owner with it)."""
-    import os
-    import uuid
-
+    """host:pid:random, unique among live workers (leases name their owner with it)."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"

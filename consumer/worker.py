@@ -78,7 +78,6 @@ class _Task:
     payload: Any
     generation: int
     attempts: int = 0
-    started: float = 0.0
     recorded: bool = False  # the completion was recorded inside the handler's transaction
 
 
@@ -120,7 +119,6 @@ class Worker:
         self._paused: set[TP] = set()
         self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
         self._assigned: set[TP] = set()
-        self._unacked = 0
         self.heartbeat = metrics.Heartbeat()
         self.db = Database(self.settings.database_url, schema=self.settings.database_schema)
         self.store = IdempotencyStore(self.db, owner=self.worker_id)
@@ -395,7 +393,6 @@ class Worker:
                 return result
 
         timeout = task.spec.timeout or env.timeout
-        task.started = time.monotonic()
         self._running[id(task)] = task
         metrics.STARTED.labels(env.task_type).inc()
         self._emit(
@@ -513,14 +510,11 @@ class Worker:
         self._send(out, lambda: self._done(task))
 
     def _send(self, out: Outgoing, on_acked: Callable[[], None]) -> None:
-        self._unacked += 1
-
         def delivered(err: str | None, _: Record | None) -> None:
             if err is not None:
                 log.error("publishing to %s failed (%s); sending again", out.topic, err)
                 self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
                 return
-            self._unacked -= 1
             on_acked()
 
         self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)

@@ -44,29 +44,24 @@ def _sample(metrics: str, name: str, labels: str = "") -> float | None:
     return float(m.group(1)) if m else None
 
 
-def test_bench_worker_runs_every_task_and_removes_its_namespace(
-    settings: Settings, env_of: Callable[..., dict[str, str]]
-) -> None:
+def _bench_worker(env: dict[str, str], *args: str) -> dict[str, Any]:
+    """`taskq bench worker ARGS --json` as a process; its JSON report."""
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "consumer.cli",
-            "bench",
-            "worker",
-            "-n",
-            "300",
-            "--concurrency",
-            "4",
-            "--json",
-        ],
-        env=env_of(),
+        [sys.executable, "-m", "consumer.cli", "bench", "worker", *args, "--json"],
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+    report: dict[str, Any] = json.loads(out.stdout)
+    return report
+
+
+def test_bench_worker_runs_every_task_and_removes_its_namespace(
+    settings: Settings, env_of: Callable[..., dict[str, str]]
+) -> None:
+    data = _bench_worker(env_of(), "-n", "300", "--concurrency", "4")
     assert data["completed"] == 300
     assert data["tasks_per_s"] > 0
     assert data["enqueue_to_completion_ms"]["p50"] > 0
@@ -83,26 +78,7 @@ def test_bench_worker_runs_every_task_and_removes_its_namespace(
 
 
 def test_bench_worker_transactional_writes_one_row_per_task(env_of: Callable[..., dict[str, str]]) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "consumer.cli",
-            "bench",
-            "worker",
-            "-n",
-            "100",
-            "--handler",
-            "transactional",
-            "--json",
-        ],
-        env=env_of(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+    data = _bench_worker(env_of(), "-n", "100", "--handler", "transactional")
     assert data["completed"] == 100 and data["effects"] == 100
 
 

@@ -191,15 +191,35 @@ def _postgres_down(app: App) -> bool:
     return False
 
 
-def test_workers_ride_out_a_postgres_restart_and_each_key_takes_effect_once(
-    private_stack: PrivateStack, private_app: App
-) -> None:
-    app = private_app
-    keys = [f"pg{i:04d}" for i in range(300)]
+def _start_run(app: App, prefix: str) -> list[str]:
+    """300 keys, each enqueued twice (all on the broker before any outage), two workers making progress."""
+    keys = [f"{prefix}{i:04d}" for i in range(300)]
     app.enqueue_ledger(keys, copies=2, sleep=0.05)
     for _ in range(2):
         app.spawn("--concurrency", "4")
     wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")
+    return keys
+
+
+def _finish_run(app: App, keys: list[str], what: str) -> None:
+    """Every key done once, every offset committed, every worker still alive."""
+    wait_until(lambda: _done(app) == len(keys), timeout=180, what=what)
+    try:
+        wait_until(lambda: all_committed(app.settings), timeout=120, what="the group to commit every offset")
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}: uncommitted records {uncommitted(app.settings)}\n{app.logs()}"
+        ) from None
+    app.assert_once_each(keys)
+    assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
+    _alive(app)
+
+
+def test_workers_ride_out_a_postgres_restart_and_each_key_takes_effect_once(
+    private_stack: PrivateStack, private_app: App
+) -> None:
+    app = private_app
+    keys = _start_run(app, "pg")
     private_stack.run("stop", "postgres")
     assert _postgres_down(app)
     # The outage lasts until every worker noticed it (a claim or a record failed), and a moment longer.
@@ -211,49 +231,23 @@ def test_workers_ride_out_a_postgres_restart_and_each_key_takes_effect_once(
     time.sleep(3)
     _alive(app)
     private_stack.run("start", "postgres")
-    wait_until(lambda: _done(app) == len(keys), timeout=180, what="every key after the Postgres restart")
-    try:
-        wait_until(lambda: all_committed(app.settings), timeout=120, what="the group to commit every offset")
-    except AssertionError as exc:
-        raise AssertionError(
-            f"{exc}: uncommitted records {uncommitted(app.settings)}\n{app.logs()}"
-        ) from None
-    app.assert_once_each(keys)
-    assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
-    _alive(app)
+    _finish_run(app, keys, "every key after the Postgres restart")
 
 
 def test_workers_ride_out_a_broker_restart_and_each_key_takes_effect_once(
     private_stack: PrivateStack, private_app: App
 ) -> None:
     app = private_app
-    keys = [f"kb{i:04d}" for i in range(300)]
-    app.enqueue_ledger(keys, copies=2, sleep=0.05)  # everything is on the broker before the restart
-    for _ in range(2):
-        app.spawn("--concurrency", "4")
-    wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")
+    keys = _start_run(app, "kb")
     private_stack.run("restart", "kafka")
-    wait_until(lambda: _done(app) == len(keys), timeout=180, what="every key after the broker restart")
-    try:
-        wait_until(lambda: all_committed(app.settings), timeout=120, what="the group to commit every offset")
-    except AssertionError as exc:
-        raise AssertionError(
-            f"{exc}: uncommitted records {uncommitted(app.settings)}\n{app.logs()}"
-        ) from None
-    app.assert_once_each(keys)
-    assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
-    _alive(app)
+    _finish_run(app, keys, "every key after the broker restart")
 
 
 def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_key_takes_effect_once(
     private_stack: PrivateStack, private_app: App
 ) -> None:
     app = private_app
-    keys = [f"ko{i:04d}" for i in range(300)]
-    app.enqueue_ledger(keys, copies=2, sleep=0.05)  # everything is on the broker before the restart
-    for _ in range(2):
-        app.spawn("--concurrency", "4")
-    wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")
+    keys = _start_run(app, "ko")
     private_stack.run("stop", "kafka")
     # Down long enough that a group session times out: that worker's partitions are lost, not revoked.
     # (Not necessarily every worker's: one caught mid-rebalance has no session to time out.)
@@ -264,16 +258,7 @@ def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_ke
     )
     _alive(app)
     private_stack.run("start", "kafka")
-    wait_until(lambda: _done(app) == len(keys), timeout=180, what="every key after the broker restart")
-    try:
-        wait_until(lambda: all_committed(app.settings), timeout=120, what="the group to commit every offset")
-    except AssertionError as exc:
-        raise AssertionError(
-            f"{exc}: uncommitted records {uncommitted(app.settings)}\n{app.logs()}"
-        ) from None
-    app.assert_once_each(keys)
-    assert app.scalar("SELECT count(*) FROM ledger") == len(keys)
-    _alive(app)
+    _finish_run(app, keys, "every key after the broker restart")
 
 
 def _released(app: App) -> Counter[str]:
