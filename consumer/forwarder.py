@@ -41,6 +41,9 @@ class Forwarder:
         self._clock = clock
         self._stop = threading.Event()
         self._held: dict[TP, float] = {}  # partition -> epoch seconds its head task is due
+        # Assigned since the last resume. librdkafka keeps a partition's pause across revoke and re-assign
+        # while a revoke forgets its hold, so a partition held before a rebalance comes back paused.
+        self._fresh: set[TP] = set()
 
     def stop(self) -> None:
         """Finish the current transaction and stop."""
@@ -60,7 +63,8 @@ class Forwarder:
         sink = Sink(self.settings, transactional_id=f"{self.group}.{self.instance_id}")
         sink.init_transactions()
         self._held.clear()
-        source = Source(self.settings, group=self.group, on_revoke=self._revoked, on_assign=lambda tps: None)
+        self._fresh.clear()
+        source = Source(self.settings, group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update)
         source.subscribe(self.topics.delay_topics)
         try:
             while not self._stop.is_set():
@@ -84,7 +88,9 @@ class Forwarder:
         due = [tp for tp, at in self._held.items() if at <= now]
         for tp in due:
             del self._held[tp]
-        source.resume(due)
+        fresh = [tp for tp in self._fresh if tp not in self._held]
+        self._fresh.clear()
+        source.resume(due + fresh)
 
     def _forward(self, sink: Sink, source: Source, records: list[Record]) -> None:
         now = self._clock()

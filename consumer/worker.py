@@ -227,6 +227,11 @@ class Worker:
     def _accept(self, record: Record, *, tracked: bool = False) -> None:
         """Decode a fetched record into a task and buffer it; input that can never run goes to the DLQ."""
         tier = self.topics.priority_of(record.topic)
+        if record.tp not in self._assigned:
+            # Fetched before its partition was revoked (one consume() can return records of a partition
+            # whose revocation it also served): its new owner reads it from the committed offset. Tracking
+            # it here would leave a stale entry that swallows the partition's records if it comes back.
+            return
         if not tracked:
             try:
                 self._tracker.track(record.tp, record.offset)
@@ -579,9 +584,13 @@ class Worker:
 
     # ---------------------------------------------------------------------------------------- rebalances
     def _assigned_cb(self, tps: list[TP]) -> None:
+        """Start newly assigned partitions from a clean slate; partitions kept through the rebalance are
+        not in `tps` (incremental assignment) and keep their buffered, held and running work."""
+        self._tracker.forget(tps)  # the partition is read again from its committed offset
         for tp in tps:
             self._generation[tp] = self._generation.get(tp, 0) + 1
             self._assigned.add(tp)
+            self._paused.discard(tp)
         # librdkafka keeps a partition's pause across revoke and re-assign: one paused before it was revoked
         # (or lost) comes back paused. Flow control resumes fresh partitions explicitly, or they would stall.
         self._fresh |= set(tps)
@@ -590,9 +599,12 @@ class Worker:
 
     def _revoked_cb(self, tps: list[TP]) -> None:
         """Finish in-flight tasks of revoked partitions within a bound, commit, and drop their buffers."""
+        # Only the revoked partitions' work is dropped: retained partitions keep their buffered, held,
+        # undecoded and running tasks, their pending offsets and their pause state (invariant 8).
         revoked = set(tps)
         dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
         self._held = [h for h in self._held if h.task.record.tp not in revoked]
+        self._undecoded = [r for r in self._undecoded if r.tp not in revoked]
         deadline = time.monotonic() + self.config.revoke_timeout
         while time.monotonic() < deadline and any(t.record.tp in revoked for t in self._running.values()):
             self._collect(block=0.1)

@@ -14,7 +14,11 @@ from producer.durations import DEFAULT_DELAY_TIERS, parse_duration
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 #: librdkafka settings the project sets itself; passing them through TASKQ_KAFKA_* would break a guarantee.
-_RESERVED_KAFKA = frozenset({"bootstrap.servers", "enable.idempotence", "acks", "enable.auto.commit"})
+_RESERVED_KAFKA = frozenset(
+    {"bootstrap.servers", "enable.idempotence", "acks", "enable.auto.commit", "group.protocol"}
+)
+#: Kafka's consumer group protocols: the broker-driven one (KIP-848) and the classic join/sync one.
+GROUP_PROTOCOLS = ("consumer", "classic")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +36,8 @@ class Settings:
     delay_tiers: tuple[timedelta, ...] = DEFAULT_DELAY_TIERS
     #: Consumer group of the workers; the producer's depth limits read its committed offsets.
     worker_group: str = ""
+    #: Kafka's group protocol: "consumer" (KIP-848, Kafka 4.0+ brokers) or "classic" (older brokers).
+    group_protocol: str = "consumer"
 
     def __post_init__(self) -> None:
         if not _NAMESPACE.match(self.namespace):
@@ -48,6 +54,10 @@ class Settings:
             raise ValueError("bootstrap_servers must name at least one broker (host:port)")
         if not self.delay_tiers or any(t <= timedelta(0) for t in self.delay_tiers):
             raise ValueError(f"delay_tiers must be positive durations, got {self.delay_tiers!r}")
+        if self.group_protocol not in GROUP_PROTOCOLS:
+            raise ValueError(
+                f"group_protocol must be one of {', '.join(GROUP_PROTOCOLS)}, got {self.group_protocol!r}"
+            )
         reserved = _RESERVED_KAFKA & set(self.kafka)
         if reserved:
             raise ValueError(
@@ -70,6 +80,7 @@ class Settings:
             ("namespace", "TASKQ_NAMESPACE"),
             ("database_schema", "TASKQ_DATABASE_SCHEMA"),
             ("worker_group", "TASKQ_WORKER_GROUP"),
+            ("group_protocol", "TASKQ_GROUP_PROTOCOL"),
         ):
             if env.get(var):
                 values[name] = env[var]

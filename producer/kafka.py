@@ -199,12 +199,23 @@ class Source:
             "enable.auto.offset.store": False,
             "auto.offset.reset": "earliest",
             "isolation.level": "read_committed",
-            "partition.assignment.strategy": "cooperative-sticky",
-            "session.timeout.ms": 15000,
-            "heartbeat.interval.ms": 1000,
             "max.poll.interval.ms": 300000,
             "queued.max.messages.kbytes": 16384,
         }
+        # Every tier's partitions are spread over the members, topic by topic (range), so a second worker
+        # takes half of a busy tier instead of the idle ones: a count-balancing assignor (sticky, uniform)
+        # can leave one member every partition of the loaded tier. With KIP-848 the broker assigns and
+        # rebalances are incremental (members keep what does not move); the session timeout is the
+        # broker's (group.consumer.session.timeout.ms). Classic range rebalances revoke everything.
+        if settings.group_protocol == "consumer":
+            conf |= {"group.protocol": "consumer", "group.remote.assignor": "range"}
+        else:
+            conf |= {
+                "group.protocol": "classic",
+                "partition.assignment.strategy": "range",
+                "session.timeout.ms": 15000,
+                "heartbeat.interval.ms": 1000,
+            }
         conf.update(overrides)
         self._c = Consumer(conf)
         self._on_assign = on_assign

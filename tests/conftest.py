@@ -104,8 +104,11 @@ def ns() -> str:
 
 
 @pytest.fixture
-def settings(base_settings: Settings, ns: str) -> Iterator[Settings]:
-    """Settings in the test's own namespace, with its topics created and its database schema migrated."""
+def settings(base_settings: Settings, ns: str, request: pytest.FixtureRequest) -> Iterator[Settings]:
+    """Settings in the test's own namespace, with its topics created and its database schema migrated.
+
+    Topics get 3 partitions each, or what a `@pytest.mark.partitions(n)` on the test asks for.
+    """
     s = Settings.from_env(
         {
             "TASKQ_BOOTSTRAP_SERVERS": base_settings.bootstrap_servers,
@@ -115,7 +118,8 @@ def settings(base_settings: Settings, ns: str) -> Iterator[Settings]:
         namespace=ns,
         database_schema=ns,
     )
-    create_topics(s, partitions=3)
+    marker = request.node.get_closest_marker("partitions")
+    create_topics(s, partitions=marker.args[0] if marker else 3)
     db = Database(s.database_url, schema=s.database_schema)
     db.migrate()
     yield s

@@ -1,0 +1,156 @@
+"""Scaling out (invariant 8): workers that join, leave or die mid-run never stall a tier, and every member of
+the group runs a fair share of the busy tier.
+
+Each round loads one tier (`normal`, 6 partitions) with Ledger tasks, changes the group's membership while
+they run, and checks that every task took effect exactly once, every offset was committed, and, in each
+stretch of the run between membership changes, every member ran at least a fifth of what completed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from producer.producer import TaskSpec
+from tests.acceptance.conftest import App
+from tests.acceptance.helpers import WorkerProcess, all_committed, wait_until
+
+#: Only a stall breaks this: the slowest round (a kill -9) needs the session timeout plus one lease.
+STALL = 90.0
+#: Each member's least share of the tasks completed while it belonged to the group.
+FAIR = 1 / 5
+#: The cases, repeated: rebalances are timing-dependent, so one lucky round proves little.
+ROUNDS = [
+    *(("together", r) for r in range(3)),
+    *(("join", r) for r in range(3)),
+    *(("join_and_leave", r) for r in range(2)),
+    *(("kill_9", r) for r in range(2)),
+    # Brokers older than Kafka 4.0 run the classic protocol, where range rebalances revoke everything.
+    ("join_classic", 0),
+]
+
+
+class Round:
+    """One round's load, its workers, and the ledger rows completed between membership changes."""
+
+    def __init__(self, app: App, tasks: int, sleep: float, protocol: str = "consumer") -> None:
+        self.app = app
+        self.protocol = protocol
+        self.keys = [f"r{i:05d}" for i in range(tasks)]
+        specs = [
+            TaskSpec(
+                task_type=app.type("Ledger"),
+                payload={"key": k, "amount": i, "sleep": sleep},
+                idempotency_key=f"ledger:{k}",
+                priority="normal",
+            )
+            for i, k in enumerate(self.keys)
+        ]
+        for start in range(0, len(specs), 500):
+            app.producer.enqueue_many(specs[start : start + 500])
+        app.producer.flush(60)
+
+    def spawn(self) -> WorkerProcess:
+        return self.app.spawn("--concurrency", "4", TASKQ_GROUP_PROTOCOL=self.protocol)
+
+    def done(self) -> int:
+        return int(self.app.scalar("SELECT count(*) FROM ledger"))
+
+    def seq(self) -> int:
+        return int(self.app.scalar("SELECT COALESCE(max(seq), 0) FROM ledger"))
+
+    def wait(self, check: Callable[[], object], what: str) -> None:
+        """wait_until, up to STALL, with the workers' logs in the failure."""
+        try:
+            wait_until(check, timeout=STALL, what=what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.app.logs()}") from None
+
+    def wait_done(self, n: int, what: str) -> None:
+        self.wait(lambda: self.done() >= n, f"{what} ({n} tasks done)")
+
+    def wait_busy_tier(self, *workers: WorkerProcess, after: dict[WorkerProcess, int] | None = None) -> int:
+        """Wait until each worker was assigned partitions of the busy tier (more times than `after` says)."""
+        after = after or {}
+        for w in workers:
+            self.wait(
+                lambda w=w: assignments(w) > after.get(w, 0),
+                f"{w.log.name} to be assigned partitions of the busy tier",
+            )
+        return self.seq()
+
+    def assert_fair(self, start: int, end: int, members: list[WorkerProcess], what: str) -> None:
+        """Each member ran at least FAIR of the tasks completed with seq in (start, end]."""
+        rows = self.app.query("SELECT worker FROM ledger WHERE seq > %s AND seq <= %s", start, end)
+        by_worker = Counter(r["worker"] for r in rows)
+        total = len(rows)
+        assert total >= 50, f"{what}: only {total} tasks completed in the stretch; the round is too short"
+        for w in members:
+            share = by_worker[w.proc.pid] / total
+            assert share >= FAIR, (
+                f"{what}: {w.log.name} ran {by_worker[w.proc.pid]} of {total} tasks ({share:.0%}), "
+                f"less than {FAIR:.0%}; by pid: {dict(by_worker)}\n{self.app.logs()}"
+            )
+
+    def assert_exactly_once(self) -> None:
+        self.wait_done(len(self.keys), "every task")
+        self.wait(lambda: all_committed(self.app.settings), "every offset committed")
+        self.app.assert_once_each(self.keys)
+        assert self.done() == len(self.keys)
+
+
+def assignments(worker: WorkerProcess) -> int:
+    """How many times the worker logged an assignment that includes partitions of the busy tier."""
+    return len(re.findall(r"assigned [^\n]*\.normal\[", worker.output()))
+
+
+@pytest.mark.partitions(6)
+@pytest.mark.parametrize(("case", "round_"), ROUNDS, ids=[f"{c}-{r}" for c, r in ROUNDS])
+def test_membership_changes_never_stall_a_tier_and_share_it_fairly(app: App, case: str, round_: int) -> None:
+    if case == "together":
+        # Two workers started at once: each gets half of the busy tier from the start.
+        r = Round(app, tasks=600, sleep=0.02)
+        a, b = r.spawn(), r.spawn()
+        start = r.wait_busy_tier(a, b)
+        r.assert_exactly_once()
+        r.assert_fair(start, r.seq(), [a, b], "two workers started together")
+    elif case in ("join", "join_classic"):
+        # A second worker joins while the first is busy: the first keeps running what it keeps.
+        r = Round(app, tasks=1200, sleep=0.02, protocol="classic" if case == "join_classic" else "consumer")
+        a = r.spawn()
+        r.wait_done(60, "the first worker to be busy")
+        b = r.spawn()
+        start = r.wait_busy_tier(b)
+        r.assert_exactly_once()
+        r.assert_fair(start, r.seq(), [a, b], "after a second worker joined")
+    elif case == "join_and_leave":
+        # A third worker joins mid-run, then one of the first two leaves (SIGTERM) mid-run.
+        r = Round(app, tasks=1500, sleep=0.05)
+        a, b = r.spawn(), r.spawn()
+        r.wait_busy_tier(a, b)
+        r.wait_done(100, "two workers to be busy")
+        c = r.spawn()
+        start = r.wait_busy_tier(c)
+        r.wait_done(r.done() + 250, "three workers to share the tier")
+        seen = {w: assignments(w) for w in (b, c)}
+        end = r.seq()
+        a.terminate()
+        assert a.wait(60) == 0, a.output()[-3000:]
+        r.assert_fair(start, end, [a, b, c], "with three workers")
+        start = r.wait_busy_tier(b, c, after=seen)
+        r.assert_exactly_once()
+        r.assert_fair(start, r.seq(), [b, c], "after one of three left")
+    else:
+        # kill -9 of one of two workers: the survivor takes its partitions over after the session timeout.
+        r = Round(app, tasks=800, sleep=0.05)
+        a, b = r.spawn(), r.spawn()
+        start = r.wait_busy_tier(a, b)
+        r.wait_done(r.done() + 200, "two workers to share the tier")
+        end = r.seq()
+        a.kill()
+        r.assert_fair(start, end, [a, b], "before the kill")
+        r.assert_exactly_once()
+        assert b.proc.poll() is None, b.output()[-3000:]

@@ -1,0 +1,126 @@
+"""The worker's revoke and assign path, without services: what a rebalance drops is only what it revokes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from consumer.executor import Outcome
+from consumer.handlers import Handlers
+from consumer.worker import Worker, WorkerConfig
+from producer.config import Settings
+from producer.envelope import Envelope
+from producer.kafka import TP, Record
+from schemas import avro
+
+NS = "unit"
+SCHEMA = {"type": "record", "name": "Job", "namespace": NS, "fields": [{"name": "n", "type": "long"}]}
+KEPT: TP = (f"{NS}.normal", 0)
+MOVED: TP = (f"{NS}.normal", 1)
+SCHEMA_ID = 7
+
+
+class RecordingSource:
+    """Stands in for the Kafka consumer where the worker loop calls it: pauses, resumes and commits."""
+
+    def __init__(self) -> None:
+        self.paused: set[TP] = set()
+        self.commits: list[dict[TP, int]] = []
+
+    def pause(self, tps: Any) -> None:
+        self.paused |= set(tps)
+
+    def resume(self, tps: Any) -> None:
+        self.paused -= set(tps)
+
+    def commit(self, offsets: dict[TP, int]) -> None:
+        self.commits.append(dict(offsets))
+
+
+def record(tp: TP, offset: int) -> Record:
+    env = Envelope(
+        task_id=f"id-{tp[1]}-{offset}",
+        task_type=f"{NS}.Job",
+        idempotency_key=f"k-{tp[1]}-{offset}",
+        priority="normal",
+    )
+    value = avro.frame(SCHEMA_ID, avro.encode(avro.parse(SCHEMA), {"n": offset}))
+    return Record(tp[0], tp[1], offset, None, value, env.to_headers(), 0)
+
+
+@pytest.fixture
+def worker() -> Worker:
+    handlers = Handlers()
+
+    @handlers.task(f"{NS}.Job", schema=SCHEMA)
+    def job(payload: dict[str, Any], ctx: Any) -> None:
+        pass
+
+    w = Worker(handlers, Settings(namespace=NS), WorkerConfig(forwarder=False))
+    w.registry._by_id[SCHEMA_ID] = avro.parse(SCHEMA)  # the writer schema, as if fetched once
+    w._source = RecordingSource()  # type: ignore[assignment]
+    return w
+
+
+def buffered(w: Worker) -> list[tuple[TP, int]]:
+    """(partition, offset) of every task waiting in the worker's buffers."""
+    return sorted((t.record.tp, t.record.offset) for tier in w._scheduler._buffers.values() for t in tier)
+
+
+def test_a_revoke_keeps_the_retained_partitions_buffered_running_and_paused_work(worker: Worker) -> None:
+    w = worker
+    w._assigned_cb([KEPT, MOVED])
+    for offset in range(5):
+        w._accept(record(KEPT, offset))
+        w._accept(record(MOVED, offset))
+    running = w._scheduler.pop()  # the head of KEPT is running on a slot
+    assert running is not None and running.record.tp == KEPT
+    running.recorded = True  # its completion was recorded in the handler's transaction
+    w._running[id(running)] = running
+    w._source.pause([KEPT])  # type: ignore[union-attr]
+    w._paused.add(KEPT)
+    generation = w._generation[KEPT]
+
+    w._revoked_cb([MOVED])
+
+    assert buffered(w) == [(KEPT, o) for o in range(1, 5)], "buffered tasks of the kept partition"
+    assert w._tracker.pending(KEPT) == 5 and w._tracker.pending(MOVED) == 0
+    assert KEPT in w._paused and KEPT in w._assigned and MOVED not in w._assigned
+    assert w._generation[KEPT] == generation
+    # The kept partition's running task still counts when it reports, and its offset commits.
+    w._outcomes.put((running, Outcome(ok=True)))
+    w._collect(block=0.0)
+    w._commit()
+    assert w._source.commits[-1] == {KEPT: 1}  # type: ignore[union-attr]
+
+
+def test_records_fetched_before_a_revoke_are_dropped_and_read_again_if_the_partition_returns(
+    worker: Worker,
+) -> None:
+    w = worker
+    w._assigned_cb([KEPT, MOVED])
+    w._accept(record(MOVED, 0))
+    w._revoked_cb([MOVED])
+    # One consume() call can serve the revocation and still return records of the revoked partition.
+    w._accept(record(MOVED, 1))
+    assert buffered(w) == [] and w._tracker.pending(MOVED) == 0
+    # The partition comes back (a later rebalance) and is read again from its committed offset: every
+    # record is buffered and tracked, none is mistaken for a redelivery of something already held.
+    w._assigned_cb([MOVED])
+    for offset in range(3):
+        w._accept(record(MOVED, offset))
+    assert buffered(w) == [(MOVED, o) for o in range(3)]
+    assert w._tracker.pending(MOVED) == 3
+
+
+def test_a_partition_assigned_again_is_resumed_even_if_it_was_paused_when_revoked(worker: Worker) -> None:
+    w = worker
+    w._assigned_cb([KEPT])
+    w._flow_control()
+    w._source.pause([KEPT])  # type: ignore[union-attr]
+    w._paused.add(KEPT)
+    w._revoked_cb([KEPT])
+    w._assigned_cb([KEPT])  # librdkafka kept the pause across revoke and re-assign
+    w._flow_control()
+    assert KEPT not in w._source.paused  # type: ignore[union-attr]
