@@ -64,7 +64,9 @@ class Forwarder:
         sink.init_transactions()
         self._held.clear()
         self._fresh.clear()
-        source = Source(self.settings, group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update)
+        source = Source(
+            self.settings, group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update
+        )
         source.subscribe(self.topics.delay_topics)
         try:
             while not self._stop.is_set():
