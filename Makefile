@@ -18,8 +18,8 @@ help:
 	@echo "make stack-down    stop them (data kept in .stack/)"
 	@echo "make stack-status  show what runs"
 	@echo "make test          venv + stack + pytest tests   (PYTEST_ARGS=... to pass more)"
-	@echo "make demo          venv + stack + python -m consumer.demo"
-	@echo "make lint          ruff check + mypy over schemas producer consumer"
+	@echo "make demo          venv + stack + python -m taskq.demo"
+	@echo "make lint          ruff check + mypy over taskq"
 	@echo "make bench         venv + stack + taskq bench produce"
 
 # The stamp is rebuilt whenever pyproject.toml changes, so new dependencies get installed.
@@ -47,14 +47,14 @@ test: $(VENV)/.installed lint
 	stack_env="$$($(STACK) up)"; eval "$$stack_env"; $(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
-	stack_env="$$($(STACK) up)"; eval "$$stack_env"; $(PY) -m consumer.demo
+	stack_env="$$($(STACK) up)"; eval "$$stack_env"; $(PY) -m taskq.demo
 
 bench: $(VENV)/.installed
 	stack_env="$$($(STACK) up)"; eval "$$stack_env"; $(VENV)/bin/taskq bench produce
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check schemas producer consumer
-	$(VENV)/bin/mypy schemas producer consumer
+	$(VENV)/bin/ruff check taskq
+	$(VENV)/bin/mypy taskq
 
 clean-venv:
 	rm -rf $(VENV)

@@ -19,11 +19,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from producer.admin import create_topics  # noqa: E402
-from producer.config import Settings  # noqa: E402
-from producer.db import Database  # noqa: E402
-from producer.kafka import Admin  # noqa: E402
-from schemas import Registry  # noqa: E402
+from taskq._core.db import Database  # noqa: E402
+from taskq._core.kafka import Admin  # noqa: E402
+from taskq._core.settings import Settings  # noqa: E402
+from taskq.producer.admin import create_topics  # noqa: E402
+from taskq.schemas import Registry  # noqa: E402
 
 _VARS = ("TASKQ_BOOTSTRAP_SERVERS", "TASKQ_SCHEMA_REGISTRY_URL", "TASKQ_DATABASE_URL")
 
@@ -133,7 +133,7 @@ def settings(base_settings: Settings, ns: str, request: pytest.FixtureRequest) -
 
 
 def _all_topics(s: Settings) -> list[str]:
-    from producer.envelope import Topics
+    from taskq._core.envelope import Topics
 
     t = Topics(s.namespace, s.delay_tiers)
     return [*t.priority_topics, *t.delay_topics, t.dlq]

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from producer.config import Settings
-from producer.db import Database
-from producer.envelope import PRIORITIES
-from producer.producer import TaskProducer, TaskSpec
-from schemas import Registry
+from taskq._core.db import Database
+from taskq._core.envelope import PRIORITIES
+from taskq._core.settings import Settings
+from taskq.producer.producer import TaskProducer, TaskSpec
+from taskq.schemas import Registry
 from tests.acceptance.helpers import WorkerProcess
 from tests.apps.app import CREATE_LEDGER, schemas
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from producer.config import Settings
-from producer.envelope import Topics
-from producer.kafka import Admin, Source
+from taskq._core.envelope import Topics
+from taskq._core.kafka import Admin, Source
+from taskq._core.settings import Settings
 
 T = TypeVar("T")
 
@@ -70,13 +70,20 @@ class WorkerProcess:
     """`taskq worker` in a subprocess, its output in a log file."""
 
     def __init__(
-        self, env: dict[str, str], log: Path, *args: str, command: tuple[str, ...] | None = None
+        self,
+        env: dict[str, str],
+        log: Path,
+        *args: str,
+        command: tuple[str, ...] | None = None,
+        taskq: tuple[str, ...] = (sys.executable, "-m", "taskq.cli"),
+        cwd: Path | None = None,
     ) -> None:
         self.log = log
         self._out = log.open("wb")
         argv = command if command is not None else ("worker", "tests.apps.app:handlers", *args)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "consumer.cli", *argv],
+            [*taskq, *argv],
+            cwd=cwd,
             env=env,
             stdout=self._out,
             stderr=subprocess.STDOUT,

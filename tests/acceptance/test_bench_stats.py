@@ -13,12 +13,12 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from producer.config import Settings
-from producer.db import Database
-from producer.envelope import Topics
-from producer.kafka import Admin, Sink
-from producer.producer import TaskProducer
-from schemas import Registry
+from taskq._core.db import Database
+from taskq._core.envelope import Topics
+from taskq._core.kafka import Admin, Sink
+from taskq._core.settings import Settings
+from taskq.producer.producer import TaskProducer
+from taskq.schemas import Registry
 from tests.acceptance.helpers import wait_until
 
 
@@ -47,7 +47,7 @@ def _sample(metrics: str, name: str, labels: str = "") -> float | None:
 def _bench_worker(env: dict[str, str], *args: str) -> dict[str, Any]:
     """`taskq bench worker ARGS --json` as a process; its JSON report."""
     out = subprocess.run(
-        [sys.executable, "-m", "consumer.cli", "bench", "worker", *args, "--json"],
+        [sys.executable, "-m", "taskq.cli", "bench", "worker", *args, "--json"],
         env=env,
         capture_output=True,
         text=True,
@@ -104,7 +104,7 @@ def test_stats_serves_tier_and_dlq_depths_until_sigterm(
         [
             sys.executable,
             "-m",
-            "consumer.cli",
+            "taskq.cli",
             "--namespace",
             settings.namespace,
             "stats",

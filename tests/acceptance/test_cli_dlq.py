@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from consumer.store import IdempotencyStore
-from producer.config import Settings
-from producer.db import Database
-from producer.envelope import Envelope
-from producer.kafka import Record
-from schemas import Registry
+from taskq._core.db import Database
+from taskq._core.envelope import Envelope
+from taskq._core.kafka import Record
+from taskq._core.settings import Settings
+from taskq.consumer.store import IdempotencyStore
+from taskq.schemas import Registry
 from tests.integration.test_dlq import FIELDS, dead_letter, publish_garbage
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
@@ -28,7 +28,7 @@ def taskq(env_of: Callable[..., dict[str, str]], settings: Settings) -> Run:
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "consumer.cli", "--namespace", settings.namespace, *args],
+            [sys.executable, "-m", "taskq.cli", "--namespace", settings.namespace, *args],
             env=env_of(),
             capture_output=True,
             text=True,

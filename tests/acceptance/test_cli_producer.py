@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from producer.config import Settings
-from producer.envelope import Envelope, Topics
-from producer.kafka import Admin, Source
-from schemas import Registry
+from taskq._core.envelope import Envelope, Topics
+from taskq._core.kafka import Admin, Source
+from taskq._core.settings import Settings
+from taskq.schemas import Registry
 
 FIELDS = [{"name": "to", "type": "string"}, {"name": "n", "type": "int", "default": 0}]
 
@@ -23,7 +23,7 @@ FIELDS = [{"name": "to", "type": "string"}, {"name": "n", "type": "int", "defaul
 def taskq(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """Run `taskq ARGS...` to completion."""
     return subprocess.run(
-        [sys.executable, "-m", "consumer.cli", *args], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "taskq.cli", *args], env=env, capture_output=True, text=True, timeout=120
     )
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from producer.admin import create_topics
-from producer.config import Settings
-from producer.db import Database
-from producer.envelope import PRIORITIES, Envelope
-from producer.kafka import Admin, Source
-from schemas.errors import RegistryUnavailableError
+from taskq._core.db import Database
+from taskq._core.envelope import PRIORITIES, Envelope
+from taskq._core.kafka import Admin, Source
+from taskq._core.settings import Settings
+from taskq.producer.admin import create_topics
+from taskq.schemas.errors import RegistryUnavailableError
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import WorkerProcess, all_committed, uncommitted, wait_until
 from tests.conftest import REPO
@@ -329,8 +329,8 @@ def test_the_forwarder_releases_each_delayed_task_once_across_a_broker_restart(
 def test_a_long_lived_store_reports_a_postgres_restart_as_unavailable_and_then_reconnects(
     private_stack: PrivateStack, private_app: App
 ) -> None:
-    from consumer.store import IdempotencyStore
-    from producer.errors import StoreUnavailableError
+    from taskq._core.errors import StoreUnavailableError
+    from taskq.consumer.store import IdempotencyStore
 
     store = IdempotencyStore(private_app.db, owner="restarts-test")
     try:

@@ -9,9 +9,9 @@ import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
-from consumer.retry import RetryPolicy
-from producer.envelope import Envelope
-from producer.kafka import Admin, Source
+from taskq._core.envelope import Envelope
+from taskq._core.kafka import Admin, Source
+from taskq.consumer.retry import RetryPolicy
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import WorkerProcess, all_committed, wait_until
 
@@ -34,7 +34,7 @@ def test_a_task_failing_twice_then_succeeding_runs_three_times_with_backoff(app:
         assert gap >= shortest, f"retry {i} came after {gap:.3f}s, policy allows no less than {shortest:.3f}s"
     assert app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = 'flaky-1'") == "completed"
     stats = subprocess.run(
-        [sys.executable, "-m", "consumer.cli", "stats", "--json"],
+        [sys.executable, "-m", "taskq.cli", "stats", "--json"],
         env=app.env_of(),
         capture_output=True,
         text=True,
@@ -160,7 +160,7 @@ def test_an_always_failing_task_is_dead_lettered_then_replayed_once_after_the_fi
 
     def taskq(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "consumer.cli", "dlq", *args],
+            [sys.executable, "-m", "taskq.cli", "dlq", *args],
             env=app.env_of(),
             capture_output=True,
             text=True,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from producer.producer import TaskSpec
+from taskq.producer.producer import TaskSpec
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import WorkerProcess, all_committed, wait_until
 

@@ -7,8 +7,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from producer.envelope import PRIORITIES
-from producer.producer import TaskSpec
+from taskq._core.envelope import PRIORITIES
+from taskq.producer.producer import TaskSpec
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import all_committed, wait_until
 

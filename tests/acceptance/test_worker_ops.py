@@ -90,7 +90,7 @@ def test_db_purge_deletes_finished_records_older_than_the_ttl(app: App) -> None:
 
     def purge(older_than: str) -> int:
         out = subprocess.run(
-            [sys.executable, "-m", "consumer.cli", "db", "purge", "--older-than", older_than, "--json"],
+            [sys.executable, "-m", "taskq.cli", "db", "purge", "--older-than", older_than, "--json"],
             env=app.env_of(),
             capture_output=True,
             text=True,

@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 
-from consumer import Handlers, Reject, TaskContext
+from taskq import Handlers, Reject, TaskContext
 
 NS = os.environ.get("TASKQ_NAMESPACE", "taskq")
 handlers = Handlers()

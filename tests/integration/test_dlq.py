@@ -11,17 +11,17 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from consumer import Handlers, Reject
-from consumer.dlq import DeadLetters, DlqRecordNotFoundError
-from consumer.routing import dead_letter_record
-from consumer.store import ClaimRequest, Finished, IdempotencyStore
-from consumer.worker import Worker, WorkerConfig
-from producer.config import Settings
-from producer.db import Database
-from producer.envelope import Envelope, H, Topics
-from producer.kafka import Admin, Record, Sink, Source
-from producer.producer import TaskProducer
-from schemas import Registry
+from taskq import Handlers, Reject
+from taskq._core.db import Database
+from taskq._core.envelope import Envelope, H, Topics
+from taskq._core.kafka import Admin, Record, Sink, Source
+from taskq._core.settings import Settings
+from taskq.consumer.dlq import DeadLetters, DlqRecordNotFoundError
+from taskq.consumer.routing import dead_letter_record
+from taskq.consumer.store import ClaimRequest, Finished, IdempotencyStore
+from taskq.consumer.worker import Worker, WorkerConfig
+from taskq.producer.producer import TaskProducer
+from taskq.schemas import Registry
 from tests.acceptance.helpers import wait_until
 
 FIELDS = [{"name": "to", "type": "string"}, {"name": "n", "type": "int"}]

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from producer.config import Settings
-from producer.db import Database, migrations
-from producer.envelope import Envelope, Topics
-from producer.kafka import Sink, Source
-from schemas import IncompatibleSchemaError, Registry, avro
+from taskq._core.db import Database, migrations
+from taskq._core.envelope import Envelope, Topics
+from taskq._core.kafka import Sink, Source
+from taskq._core.settings import Settings
+from taskq.schemas import IncompatibleSchemaError, Registry, avro
 
 
 def _consume_one(settings: Settings, topic: str) -> Any:

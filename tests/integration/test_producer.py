@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
-from producer import (
+from taskq._core.envelope import PRIORITIES, Envelope, Topics
+from taskq._core.kafka import Admin, Record, Source
+from taskq.producer import (
     DeliveryError,
     InvalidPriorityError,
     InvalidTaskError,
@@ -29,10 +31,8 @@ from producer import (
     TaskSpec,
     UnknownTaskTypeError,
 )
-from producer.envelope import PRIORITIES, Envelope, Topics
-from producer.kafka import Admin, Record, Source
-from producer.ratelimit import SharedBucket
-from schemas import Registry, avro
+from taskq.producer.ratelimit import SharedBucket
+from taskq.schemas import Registry, avro
 
 FIELDS = [
     {"name": "to", "type": "string"},
@@ -360,7 +360,7 @@ def test_a_lone_producer_pays_one_database_round_trip_per_lease(
 PRODUCER_SCRIPT = textwrap.dedent(
     """
     import json, sys, time
-    from producer import RateLimit, RateLimitedError, Settings, TaskProducer
+    from taskq.producer import RateLimit, RateLimitedError, Settings, TaskProducer
 
     task_type, rate, burst, duration = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
     limit = RateLimit(rate=rate, burst=burst, priority="high", shared=True)

@@ -10,15 +10,15 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from consumer import Handlers
-from consumer.routing import DLQ_OFFSET, DLQ_REASON
-from consumer.worker import Worker, WorkerConfig
-from producer.config import Settings
-from producer.db import Database
-from producer.envelope import Envelope, Topics
-from producer.kafka import TP, Admin, Record, Sink, Source
-from producer.producer import TaskProducer, TaskSpec
-from schemas import Registry, avro
+from taskq import Handlers
+from taskq._core.db import Database
+from taskq._core.envelope import Envelope, Topics
+from taskq._core.kafka import TP, Admin, Record, Sink, Source
+from taskq._core.settings import Settings
+from taskq.consumer.routing import DLQ_OFFSET, DLQ_REASON
+from taskq.consumer.worker import Worker, WorkerConfig
+from taskq.producer.producer import TaskProducer, TaskSpec
+from taskq.schemas import Registry, avro
 from tests.acceptance.helpers import wait_until
 
 ID_FIELDS = [{"name": "id", "type": "string"}]

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from consumer.handlers import Handlers, TaskContext
+from taskq.consumer.handlers import Handlers, TaskContext
 
 handlers = Handlers()
 
@@ -62,3 +62,11 @@ def segfault(payload: Any, ctx: TaskContext) -> None:
 @handlers.task("x.Unpicklable", isolation="process")
 def unpicklable(payload: Any, ctx: TaskContext) -> Any:
     return threading.Lock()
+
+
+@handlers.task("x.Modules", isolation="process")
+def loaded_modules(payload: Any, ctx: TaskContext) -> list[str]:
+    import sys
+
+    heavy = ("taskq", "psycopg", "confluent_kafka", "prometheus_client")
+    return sorted(m for m in sys.modules if m.split(".")[0] in heavy)

@@ -3,7 +3,7 @@ from datetime import timedelta
 
 import pytest
 
-from producer.durations import DEFAULT_DELAY_TIERS, parse_duration, pick_delay_tier, tier_name
+from taskq._core.durations import DEFAULT_DELAY_TIERS, parse_duration, pick_delay_tier, tier_name
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,16 @@ from typing import Any
 import executor_handlers
 import pytest
 
-from consumer.executor import Executor, Job, Outcome, TaskCrashed, TaskFailed, TaskTimeout, bound_traceback
-from consumer.handlers import Handlers, HandlerSpec, TaskContext
+from taskq.consumer.executor import (
+    Executor,
+    Job,
+    Outcome,
+    TaskCrashed,
+    TaskFailed,
+    TaskTimeout,
+    bound_traceback,
+)
+from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
 
 HANDLERS_PATH = f"{executor_handlers.__name__}:handlers"
 WAIT = 30.0
@@ -167,7 +175,7 @@ def test_thread_timeout_is_reported_at_deadline_and_thread_keeps_its_slot(ex: Ex
     try:
         assert outcome.timed_out and not outcome.ok
         assert isinstance(outcome.error, TaskTimeout)
-        assert outcome.error_type == "consumer.executor.TaskTimeout"
+        assert outcome.error_type == "taskq.consumer.executor.TaskTimeout"
         assert outcome.message == "timed out after 0.2 s"
         assert not returned.is_set()  # reported while the handler still runs
         assert ex.running() == 1 and ex.free_slots() == 1
@@ -380,7 +388,7 @@ def test_process_segfault_is_a_crash(pex: Executor) -> None:
     pex.submit(job(process_spec("x.Segfault")), done)
     outcome = done.wait()
     assert outcome.crashed and outcome.message == "killed by signal SIGSEGV"
-    assert outcome.error_type == "consumer.executor.TaskCrashed"
+    assert outcome.error_type == "taskq.consumer.executor.TaskCrashed"
 
 
 def test_process_unpicklable_result_is_an_error(pex: Executor) -> None:
@@ -448,8 +456,8 @@ def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     script = f"""
 import os, signal, sys, threading, logging
-from consumer.executor import Executor, Job
-from consumer.handlers import TaskContext
+from taskq.consumer.executor import Executor, Job
+from taskq.consumer.handlers import TaskContext
 import executor_handlers
 ex = Executor(concurrency=1, handlers_path="executor_handlers:handlers")
 ctx = TaskContext(task_id="1", task_type="x.Sleeps", attempt=1, max_attempts=1, idempotency_key="k",
@@ -493,3 +501,14 @@ def test_task_failed_survives_pickling() -> None:
         "Traceback ...",
     )
     assert str(error) == "builtins.ValueError: bad"
+
+
+def test_a_child_process_loads_the_handlers_not_the_worker_loop_or_its_drivers(pex: Executor) -> None:
+    done = Done()
+    pex.submit(job(process_spec("x.Modules"), timeout=30), done)
+    outcome = done.wait()
+    assert outcome.ok, outcome.message
+    loaded = set(outcome.result)
+    assert "taskq.consumer.handlers" in loaded  # it did run in a child that loaded the handlers
+    for module in ("taskq.consumer.worker", "taskq.cli", "psycopg", "confluent_kafka", "prometheus_client"):
+        assert module not in loaded, f"a handler's child imported {module}: {sorted(loaded)}"

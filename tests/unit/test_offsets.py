@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from consumer.offsets import OffsetTracker
+from taskq.consumer.offsets import OffsetTracker
 
 TP = ("taskq.normal", 0)
 OTHER = ("taskq.high", 3)

@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from producer.ratelimit import TokenBucket
+from taskq.producer.ratelimit import TokenBucket
 
 
 class FakeClock:

@@ -3,7 +3,7 @@ from datetime import timedelta
 
 import pytest
 
-from consumer.retry import Retry, RetryPolicy
+from taskq.consumer.retry import Retry, RetryPolicy
 
 
 class Poison(Exception):

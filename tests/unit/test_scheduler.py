@@ -3,8 +3,8 @@ from collections import Counter
 
 import pytest
 
-from consumer.scheduler import PriorityScheduler
-from producer.envelope import DEFAULT_WEIGHTS, PRIORITIES
+from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES
+from taskq.consumer.scheduler import PriorityScheduler
 
 BIG = 10**6
 

@@ -6,13 +6,13 @@ from typing import Any
 
 import pytest
 
-from consumer.executor import Outcome
-from consumer.handlers import Handlers
-from consumer.worker import Worker, WorkerConfig
-from producer.config import Settings
-from producer.envelope import Envelope
-from producer.kafka import TP, Record
-from schemas import avro
+from taskq._core.envelope import Envelope
+from taskq._core.kafka import TP, Record
+from taskq._core.settings import Settings
+from taskq.consumer.executor import Outcome
+from taskq.consumer.handlers import Handlers
+from taskq.consumer.worker import Worker, WorkerConfig
+from taskq.schemas import avro
 
 NS = "unit"
 SCHEMA = {"type": "record", "name": "Job", "namespace": NS, "fields": [{"name": "n", "type": "long"}]}

@@ -1,0 +1,148 @@
+"""The task envelope: what travels in Kafka headers beside an Avro payload, and the tier vocabulary."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Final, Literal, get_args
+
+from taskq._core.durations import tier_name
+
+Priority = Literal["critical", "high", "normal", "low"]
+#: Priority tiers, highest first. The order is the dispatch preference of workers.
+PRIORITIES: Final[tuple[Priority, ...]] = get_args(Priority)
+#: Default weights of the worker's weighted round-robin, in PRIORITIES order.
+DEFAULT_WEIGHTS: Final[dict[Priority, int]] = {"critical": 8, "high": 4, "normal": 2, "low": 1}
+
+Headers = list[tuple[str, bytes]]
+
+
+class EnvelopeError(ValueError):
+    """A record's headers do not form a valid task envelope."""
+
+
+@dataclass(frozen=True)
+class Topics:
+    """Topic names of one namespace: four priority tiers, the delay tiers and the DLQ."""
+
+    namespace: str
+    delay_tiers: Sequence[timedelta] = ()
+
+    def tier(self, priority: Priority) -> str:
+        """The topic of a priority tier."""
+        return f"{self.namespace}.{priority}"
+
+    @property
+    def priority_topics(self) -> list[str]:
+        """The four priority topics, highest first."""
+        return [self.tier(p) for p in PRIORITIES]
+
+    def delay(self, tier: timedelta) -> str:
+        """The topic of a delay tier."""
+        return f"{self.namespace}.delay.{tier_name(tier)}"
+
+    @property
+    def delay_topics(self) -> list[str]:
+        """Every delay-tier topic, shortest first."""
+        return [self.delay(t) for t in self.delay_tiers]
+
+    @property
+    def dlq(self) -> str:
+        """The dead-letter topic."""
+        return f"{self.namespace}.dlq"
+
+    def priority_of(self, topic: str) -> Priority | None:
+        """The tier a priority topic carries, or None for any other topic."""
+        for p in PRIORITIES:
+            if topic == self.tier(p):
+                return p
+        return None
+
+
+def _ms(t: datetime) -> bytes:
+    return str(int(t.timestamp() * 1000)).encode()
+
+
+def _from_ms(raw: bytes) -> datetime:
+    return datetime.fromtimestamp(int(raw) / 1000, tz=UTC)
+
+
+def new_task_id() -> str:
+    """A fresh task id (unique per enqueue; the idempotency key, not this, decides effects)."""
+    return uuid.uuid4().hex
+
+
+H = "taskq-"  # header prefix; the envelope is the headers starting with it plus `traceparent`
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Envelope:
+    """Everything about a task except its payload; travels as Kafka headers."""
+
+    task_id: str
+    task_type: str
+    idempotency_key: str
+    priority: Priority
+    attempt: int = 1
+    max_attempts: int | None = None
+    enqueued_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    not_before: datetime | None = None
+    timeout: float | None = None
+    origin_topic: str = ""
+    traceparent: str | None = None
+
+    def to_headers(self) -> Headers:
+        """Kafka headers carrying this envelope."""
+        h: Headers = [
+            (H + "task-id", self.task_id.encode()),
+            (H + "task-type", self.task_type.encode()),
+            (H + "idempotency-key", self.idempotency_key.encode()),
+            (H + "priority", self.priority.encode()),
+            (H + "attempt", str(self.attempt).encode()),
+            (H + "enqueued-at", _ms(self.enqueued_at)),
+            (H + "origin-topic", self.origin_topic.encode()),
+        ]
+        if self.max_attempts is not None:
+            h.append((H + "max-attempts", str(self.max_attempts).encode()))
+        if self.not_before is not None:
+            h.append((H + "not-before", _ms(self.not_before)))
+        if self.timeout is not None:
+            h.append((H + "timeout", repr(float(self.timeout)).encode()))
+        if self.traceparent:
+            h.append(("traceparent", self.traceparent.encode()))
+        return h
+
+    @classmethod
+    def from_headers(cls, headers: Iterable[tuple[str, bytes | None]] | None) -> Envelope:
+        """Parse an envelope; EnvelopeError names the missing or malformed header."""
+        h = {k: v for k, v in headers or () if v is not None}
+        try:
+
+            def text(name: str) -> str:
+                raw = h.get(H + name)
+                if raw is None:
+                    raise EnvelopeError(f"header {H + name!r} is missing")
+                return raw.decode()
+
+            priority = text("priority")
+            if priority not in PRIORITIES:
+                raise EnvelopeError(f"header {H}priority is {priority!r}, not one of {', '.join(PRIORITIES)}")
+            return cls(
+                task_id=text("task-id"),
+                task_type=text("task-type"),
+                idempotency_key=text("idempotency-key"),
+                priority=priority,
+                attempt=int(text("attempt")),
+                max_attempts=int(h[H + "max-attempts"]) if H + "max-attempts" in h else None,
+                enqueued_at=_from_ms(h[H + "enqueued-at"]) if H + "enqueued-at" in h else datetime.now(UTC),
+                not_before=_from_ms(h[H + "not-before"]) if H + "not-before" in h else None,
+                timeout=float(h[H + "timeout"]) if H + "timeout" in h else None,
+                origin_topic=h.get(H + "origin-topic", b"").decode(),
+                traceparent=h["traceparent"].decode() if "traceparent" in h else None,
+            )
+        except (UnicodeDecodeError, ValueError) as exc:
+            if isinstance(exc, EnvelopeError):
+                raise
+            raise EnvelopeError(f"malformed task envelope header: {exc}") from exc

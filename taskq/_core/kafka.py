@@ -1,0 +1,431 @@
+"""The one module that talks to Kafka (confluent-kafka / librdkafka). Everything else speaks in records."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_INVALID,
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
+
+from taskq._core.errors import KafkaUnavailableError
+from taskq._core.settings import Settings
+
+log = logging.getLogger("taskq.kafka")
+
+#: Errors meaning a partition's leader is not (yet) known where asked: retried until the admin timeout.
+_LEADER_MOVING = frozenset(
+    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+)
+
+TP = tuple[str, int]
+Headers = list[tuple[str, bytes]]
+#: Called once per produced record with None or an error text, from the producer's poll.
+DeliveryCallback = Callable[[str | None, "Record | None"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One Kafka record as the rest of the code sees it."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Headers
+    timestamp_ms: int
+
+    @property
+    def tp(self) -> TP:
+        """(topic, partition)."""
+        return (self.topic, self.partition)
+
+    def header(self, name: str) -> bytes | None:
+        """The last value of a header, or None."""
+        for k, v in reversed(self.headers):
+            if k == name:
+                return v
+        return None
+
+
+def _record(msg: Message) -> Record:
+    return Record(
+        topic=msg.topic() or "",
+        partition=msg.partition() or 0,
+        offset=msg.offset() or 0,
+        key=msg.key(),
+        value=msg.value(),
+        headers=[(str(k), _bytes(v)) for k, v in _headers(msg)],
+        timestamp_ms=msg.timestamp()[1],
+    )
+
+
+def _headers(msg: Message) -> list[tuple[str, Any]]:
+    raw: Any = msg.headers() or []
+    return list(raw)
+
+
+def _bytes(value: str | bytes | None) -> bytes:
+    return value.encode() if isinstance(value, str) else (value or b"")
+
+
+def base_config(settings: Settings) -> dict[str, Any]:
+    """librdkafka settings common to every client: brokers plus the pass-through security settings."""
+    return {"bootstrap.servers": settings.bootstrap_servers, **settings.kafka}
+
+
+def _wrap(what: str, exc: KafkaException) -> KafkaUnavailableError:
+    err = exc.args[0] if exc.args else exc
+    return KafkaUnavailableError(f"{what}: {err}")
+
+
+class Sink:
+    """A Kafka producer with acks=all and idempotence; optionally transactional."""
+
+    def __init__(self, settings: Settings, *, transactional_id: str | None = None, **overrides: Any) -> None:
+        conf = base_config(settings) | {
+            # Delivery guarantee: a send is acknowledged only once every in-sync replica has it, and
+            # retries never duplicate or reorder (idempotent producer).
+            "acks": "all",
+            "enable.idempotence": True,
+            "compression.type": "lz4",
+            "linger.ms": 5,
+            "batch.num.messages": 10000,
+            "message.timeout.ms": 120000,
+        }
+        if transactional_id:
+            conf["transactional.id"] = transactional_id
+            conf["transaction.timeout.ms"] = 60000
+            conf["message.timeout.ms"] = 60000  # librdkafka requires it <= transaction.timeout.ms
+        conf.update(overrides)
+        self._p = Producer(conf)
+
+    def send(
+        self,
+        topic: str,
+        value: bytes | None,
+        *,
+        key: bytes | None,
+        headers: Headers,
+        on_delivery: DeliveryCallback | None = None,
+        partition: int | None = None,
+    ) -> None:
+        """Queue one record; `on_delivery` runs from poll()/flush() with None on success or the error."""
+        cb = None
+        if on_delivery is not None:
+
+            def cb(err: KafkaError | None, msg: Message) -> None:
+                on_delivery(None if err is None else str(err), _record(msg) if err is None else None)
+
+        kw: dict[str, Any] = {"key": key, "value": value, "headers": headers, "on_delivery": cb}
+        if partition is not None:
+            kw["partition"] = partition
+        while True:
+            try:
+                self._p.produce(topic, **kw)
+                return
+            except BufferError:
+                # The local queue is full: serve delivery reports to make room, never drop the record.
+                self._p.poll(0.05)
+            except KafkaException as exc:
+                raise _wrap(f"producing to {topic}", exc) from exc
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Serve delivery callbacks."""
+        return int(self._p.poll(timeout))
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Wait until every queued record is delivered or failed; returns how many are still queued."""
+        return int(self._p.flush(-1 if timeout is None else timeout))
+
+    def __len__(self) -> int:
+        return len(self._p)
+
+    # Transactions, for the delay forwarder.
+    def init_transactions(self, timeout: float = 60.0) -> None:
+        """Register the transactional id, fencing any older instance that used it."""
+        try:
+            self._p.init_transactions(timeout)
+        except KafkaException as exc:
+            raise _wrap("initialising transactions", exc) from exc
+
+    def begin(self) -> None:
+        """Begin a transaction."""
+        self._p.begin_transaction()
+
+    def commit_offsets_in_transaction(self, source: Source, offsets: Mapping[TP, int]) -> None:
+        """Add consumed offsets to the open transaction (atomic with the records sent in it)."""
+        tps = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
+        self._p.send_offsets_to_transaction(tps, source._c.consumer_group_metadata())
+
+    def commit(self, timeout: float = 60.0) -> None:
+        """Commit the open transaction."""
+        self._p.commit_transaction(timeout)
+
+    def abort(self, timeout: float = 60.0) -> None:
+        """Abort the open transaction."""
+        self._p.abort_transaction(timeout)
+
+
+class Source:
+    """A Kafka consumer in a group, with manual commits; callbacks get (topic, partition) tuples."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        group: str,
+        on_assign: Callable[[list[TP]], None] | None = None,
+        on_revoke: Callable[[list[TP]], None] | None = None,
+        **overrides: Any,
+    ) -> None:
+        conf = base_config(settings) | {
+            "group.id": group,
+            # Delivery guarantee: offsets are committed by taskq only after each task's outcome is durable.
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed",
+            "max.poll.interval.ms": 300000,
+            "queued.max.messages.kbytes": 16384,
+        }
+        # Every tier's partitions are spread over the members, topic by topic (range), so a second worker
+        # takes half of a busy tier instead of the idle ones: a count-balancing assignor (sticky, uniform)
+        # can leave one member every partition of the loaded tier. With KIP-848 the broker assigns and
+        # rebalances are incremental (members keep what does not move); the session timeout is the
+        # broker's (group.consumer.session.timeout.ms). Classic range rebalances revoke everything.
+        if settings.group_protocol == "consumer":
+            conf |= {"group.protocol": "consumer", "group.remote.assignor": "range"}
+        else:
+            conf |= {
+                "group.protocol": "classic",
+                "partition.assignment.strategy": "range",
+                "session.timeout.ms": 15000,
+                "heartbeat.interval.ms": 1000,
+            }
+        conf.update(overrides)
+        self._c = Consumer(conf)
+        self._on_assign = on_assign
+        self._on_revoke = on_revoke
+
+    def subscribe(self, topics: Sequence[str]) -> None:
+        """Join the group for these topics."""
+
+        def assigned(c: Consumer, parts: list[TopicPartition]) -> None:
+            if self._on_assign:
+                self._on_assign([(p.topic, p.partition) for p in parts])
+
+        def revoked(c: Consumer, parts: list[TopicPartition]) -> None:
+            if self._on_revoke:
+                self._on_revoke([(p.topic, p.partition) for p in parts])
+
+        self._c.subscribe(list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
+
+    def assign(self, tps: Iterable[tuple[str, int, int]]) -> None:
+        """Read partitions directly (no group membership) from the given offsets."""
+        self._c.assign([TopicPartition(t, p, o) for t, p, o in tps])
+
+    def poll(self, max_records: int, timeout: float) -> list[Record]:
+        """Up to max_records records; partition EOFs and transient errors are logged, fatal ones raised."""
+        try:
+            msgs = self._c.consume(max_records, timeout)
+        except KafkaException as exc:
+            raise _wrap("polling", exc) from exc
+        out = []
+        for m in msgs:
+            err = m.error()
+            if err is None:
+                out.append(_record(m))
+            elif err.code() == KafkaError._PARTITION_EOF:
+                continue
+            elif err.fatal():
+                raise KafkaUnavailableError(f"fatal consumer error: {err}")
+            else:
+                log.warning("consumer error: %s", err)
+        return out
+
+    def pause(self, tps: Iterable[TP]) -> None:
+        """Stop fetching these partitions (the group keeps them)."""
+        parts = [TopicPartition(t, p) for t, p in tps]
+        if parts:
+            self._c.pause(parts)
+
+    def resume(self, tps: Iterable[TP]) -> None:
+        """Fetch these partitions again."""
+        parts = [TopicPartition(t, p) for t, p in tps]
+        if parts:
+            self._c.resume(parts)
+
+    def seek(self, tp: TP, offset: int) -> None:
+        """Fetch a partition from this offset next."""
+        self._c.seek(TopicPartition(tp[0], tp[1], offset))
+
+    def commit(self, offsets: Mapping[TP, int]) -> None:
+        """Commit offsets synchronously (each is the next offset to consume)."""
+        if not offsets:
+            return
+        try:
+            self._c.commit(
+                offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False
+            )
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if isinstance(err, KafkaError) and err.code() == KafkaError._NO_OFFSET:
+                return
+            raise _wrap("committing offsets", exc) from exc
+
+    def committed(self, tps: Iterable[TP], timeout: float = 10.0) -> dict[TP, int]:
+        """The group's committed offsets (-1 where none)."""
+        parts = self._c.committed([TopicPartition(t, p) for t, p in tps], timeout=timeout)
+        return {(p.topic, p.partition): (p.offset if p.offset != OFFSET_INVALID else -1) for p in parts}
+
+    def lag(self) -> dict[TP, int]:
+        """Per assigned partition: the log end offset last seen in fetches minus this member's position."""
+        out: dict[TP, int] = {}
+        parts = self._c.assignment()
+        if not parts:
+            return out
+        for p in self._c.position(parts):
+            _, high = self._c.get_watermark_offsets(p, cached=True)
+            if high >= 0 and p.offset >= 0:
+                out[(p.topic, p.partition)] = max(0, high - p.offset)
+        return out
+
+    def assignment(self) -> list[TP]:
+        """The partitions this member owns."""
+        return [(p.topic, p.partition) for p in self._c.assignment()]
+
+    def member_id(self) -> str:
+        """This consumer's group member id (empty before it joined)."""
+        return str(self._c.memberid() or "")
+
+    def close(self) -> None:
+        """Leave the group and release the client."""
+        self._c.close()
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    """A topic to provision."""
+
+    name: str
+    partitions: int
+    replication: int = 1
+    config: Mapping[str, str] | None = None
+
+
+class Admin:
+    """Topic provisioning and offset look-ups."""
+
+    def __init__(self, settings: Settings, *, timeout: float = 30.0) -> None:
+        self._a = AdminClient(base_config(settings))
+        self._timeout = timeout
+
+    def create_topics(self, specs: Sequence[TopicSpec]) -> dict[str, bool]:
+        """Create topics that do not exist; returns name -> created (False: it existed already)."""
+        if not specs:
+            return {}
+        futures = self._a.create_topics(
+            [
+                NewTopic(
+                    s.name,
+                    num_partitions=s.partitions,
+                    replication_factor=s.replication,
+                    config=dict(s.config or {}),
+                )
+                for s in specs
+            ],
+            operation_timeout=self._timeout,
+            request_timeout=self._timeout,
+        )
+        created: dict[str, bool] = {}
+        for name, fut in futures.items():
+            try:
+                fut.result()
+                created[name] = True
+            except KafkaException as exc:
+                err = exc.args[0]
+                if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    created[name] = False
+                else:
+                    raise _wrap(f"creating topic {name}", exc) from exc
+        return created
+
+    def delete_topics(self, names: Sequence[str]) -> None:
+        """Delete topics (missing ones are ignored)."""
+        if not names:
+            return
+        for name, fut in self._a.delete_topics(list(names), operation_timeout=self._timeout).items():
+            try:
+                fut.result()
+            except KafkaException as exc:
+                err = exc.args[0]
+                if not (isinstance(err, KafkaError) and err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+                    raise _wrap(f"deleting topic {name}", exc) from exc
+
+    def partitions(self, topics: Sequence[str]) -> dict[str, int]:
+        """Partition counts of existing topics (missing topics are left out)."""
+        try:
+            md = self._a.list_topics(timeout=self._timeout)
+        except KafkaException as exc:
+            raise _wrap("listing topics", exc) from exc
+        return {
+            t: len(md.topics[t].partitions) for t in topics if t in md.topics and md.topics[t].error is None
+        }
+
+    def end_offsets(self, topics: Sequence[str]) -> dict[TP, int]:
+        """The log end offset (high watermark) of every partition of these topics."""
+        return self._list_offsets(topics, OffsetSpec.latest())  # type: ignore[no-untyped-call]
+
+    def start_offsets(self, topics: Sequence[str]) -> dict[TP, int]:
+        """The earliest offset still in the log of every partition."""
+        return self._list_offsets(topics, OffsetSpec.earliest())  # type: ignore[no-untyped-call]
+
+    def _list_offsets(self, topics: Sequence[str], spec: OffsetSpec) -> dict[TP, int]:
+        counts = self.partitions(topics)
+        req = {TopicPartition(t, p): spec for t, n in counts.items() for p in range(n)}
+        if not req:
+            return {}
+        deadline = time.monotonic() + self._timeout
+        backoff = 0.05
+        while True:
+            try:
+                futures = self._a.list_offsets(req, request_timeout=self._timeout)
+                return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+            except KafkaException as exc:
+                # Right after a topic is created (or a leader moves) the broker answers "not leader"
+                # for a moment; that is a state to wait out, not a failure to report.
+                err = exc.args[0] if exc.args else None
+                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_MOVING)
+                if not transient or time.monotonic() + backoff > deadline:
+                    raise _wrap("listing offsets", exc) from exc
+            time.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
+
+    def committed(self, group: str, topics: Sequence[str]) -> dict[TP, int]:
+        """A group's committed offsets on these topics (-1 where it committed nothing)."""
+        counts = self.partitions(topics)
+        parts = [TopicPartition(t, p) for t, n in counts.items() for p in range(n)]
+        if not parts:
+            return {}
+        try:
+            fut = self._a.list_consumer_group_offsets(
+                [ConsumerGroupTopicPartitions(group, parts)], request_timeout=self._timeout
+            )[group]
+            res = fut.result()
+        except KafkaException as exc:
+            raise _wrap(f"reading offsets of group {group}", exc) from exc
+        return {(p.topic, p.partition): (p.offset if p.offset >= 0 else -1) for p in res.topic_partitions}

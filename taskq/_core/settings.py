@@ -1,0 +1,101 @@
+"""Settings: where Kafka, the registry and Postgres are, and the namespace. Environment is read here only."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any
+
+from taskq._core.durations import DEFAULT_DELAY_TIERS, parse_duration
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
+#: librdkafka settings the project sets itself; passing them through TASKQ_KAFKA_* would break a guarantee.
+_RESERVED_KAFKA = frozenset(
+    {"bootstrap.servers", "enable.idempotence", "acks", "enable.auto.commit", "group.protocol"}
+)
+#: Kafka's consumer group protocols: the broker-driven one (KIP-848) and the classic join/sync one.
+GROUP_PROTOCOLS = ("consumer", "classic")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Where the services are and how topics are named; frozen and validated when created."""
+
+    bootstrap_servers: str = "127.0.0.1:19092"
+    schema_registry_url: str = "http://127.0.0.1:18081/apis/ccompat/v7"
+    database_url: str = "postgresql://postgres@127.0.0.1:15432/taskq"
+    namespace: str = "taskq"
+    #: Postgres schema holding the project's tables (tests give each namespace its own).
+    database_schema: str = "public"
+    #: Extra librdkafka properties (SASL/SSL and the like), passed through unchanged.
+    kafka: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    delay_tiers: tuple[timedelta, ...] = DEFAULT_DELAY_TIERS
+    #: Consumer group of the workers; the producer's depth limits read its committed offsets.
+    worker_group: str = ""
+    #: Kafka's group protocol: "consumer" (KIP-848, Kafka 4.0+ brokers) or "classic" (older brokers).
+    group_protocol: str = "consumer"
+
+    def __post_init__(self) -> None:
+        if not _NAMESPACE.match(self.namespace):
+            raise ValueError(
+                f"namespace {self.namespace!r} is not a valid Kafka topic prefix: "
+                "use letters, digits, '.', '_' or '-', at most 200 characters"
+            )
+        if not re.match(r"^[a-z_][a-z0-9_]{0,62}$", self.database_schema):
+            raise ValueError(
+                f"database_schema {self.database_schema!r} must be a lower-case SQL identifier "
+                "of at most 63 chars"
+            )
+        if not self.bootstrap_servers:
+            raise ValueError("bootstrap_servers must name at least one broker (host:port)")
+        if not self.delay_tiers or any(t <= timedelta(0) for t in self.delay_tiers):
+            raise ValueError(f"delay_tiers must be positive durations, got {self.delay_tiers!r}")
+        if self.group_protocol not in GROUP_PROTOCOLS:
+            raise ValueError(
+                f"group_protocol must be one of {', '.join(GROUP_PROTOCOLS)}, got {self.group_protocol!r}"
+            )
+        reserved = _RESERVED_KAFKA & set(self.kafka)
+        if reserved:
+            raise ValueError(
+                f"kafka settings {sorted(reserved)} are set by taskq itself and cannot be overridden"
+            )
+        object.__setattr__(self, "kafka", MappingProxyType(dict(self.kafka)))
+        object.__setattr__(self, "delay_tiers", tuple(sorted(set(self.delay_tiers))))
+        if not self.worker_group:
+            object.__setattr__(self, "worker_group", f"{self.namespace}.workers")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from TASKQ_* variables (overrides win); TASKQ_KAFKA_SASL_MECHANISM -> sasl.mechanism."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, var in (
+            ("bootstrap_servers", "TASKQ_BOOTSTRAP_SERVERS"),
+            ("schema_registry_url", "TASKQ_SCHEMA_REGISTRY_URL"),
+            ("database_url", "TASKQ_DATABASE_URL"),
+            ("namespace", "TASKQ_NAMESPACE"),
+            ("database_schema", "TASKQ_DATABASE_SCHEMA"),
+            ("worker_group", "TASKQ_WORKER_GROUP"),
+            ("group_protocol", "TASKQ_GROUP_PROTOCOL"),
+        ):
+            if env.get(var):
+                values[name] = env[var]
+        if env.get("TASKQ_DELAY_TIERS"):
+            values["delay_tiers"] = tuple(parse_duration(t) for t in env["TASKQ_DELAY_TIERS"].split(","))
+        kafka = {
+            var[len("TASKQ_KAFKA_") :].lower().replace("_", "."): value
+            for var, value in env.items()
+            if var.startswith("TASKQ_KAFKA_")
+        }
+        if kafka:
+            values["kafka"] = kafka
+        values.update(overrides)
+        return cls(**values)
+
+    def with_namespace(self, namespace: str) -> Settings:
+        """A copy for another namespace, with its own worker group."""
+        return replace(self, namespace=namespace, worker_group="")

@@ -1,0 +1,591 @@
+"""The `taskq` command line."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from taskq._core.durations import parse_duration
+from taskq._core.envelope import PRIORITIES
+from taskq._core.errors import TaskqError
+from taskq._core.settings import Settings
+from taskq.schemas.errors import SchemaError
+
+
+def _print(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, default=str) if args.json else text, flush=True)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {}
+    if getattr(args, "namespace", None):
+        overrides["namespace"] = args.namespace
+    return Settings.from_env(**overrides)
+
+
+# ------------------------------------------------------------------------------------------------ topics
+def cmd_topics_create(args: argparse.Namespace) -> int:
+    from taskq.producer.admin import create_topics
+
+    created = create_topics(_settings(args), partitions=args.partitions, replication=args.replication)
+    lines = [f"{'created' if new else 'exists '}  {name}" for name, new in sorted(created.items())]
+    _print(args, created, "\n".join(lines))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- schemas
+def cmd_schemas_register(args: argparse.Namespace) -> int:
+    from taskq.schemas import Registry, load_schema
+
+    out = []
+    with Registry(_settings(args).schema_registry_url) as registry:
+        for path in args.paths:
+            reg = registry.register(load_schema(path))
+            out.append(
+                {"subject": reg.subject, "version": reg.version, "id": reg.schema_id, "path": str(path)}
+            )
+    _print(
+        args,
+        out,
+        "\n".join(f"{o['subject']}  version {o['version']}  id {o['id']}  ({o['path']})" for o in out),
+    )
+    return 0
+
+
+def cmd_schemas_list(args: argparse.Namespace) -> int:
+    from taskq.schemas import Registry
+
+    rows = []
+    with Registry(_settings(args).schema_registry_url) as registry:
+        for subject in sorted(registry.subjects()):
+            latest = registry.latest(subject)
+            rows.append({"subject": subject, "latest_version": latest.version, "id": latest.schema_id})
+    _print(args, rows, "\n".join(f"{r['subject']}  v{r['latest_version']}  id {r['id']}" for r in rows))
+    return 0
+
+
+def cmd_schemas_check(args: argparse.Namespace) -> int:
+    from taskq.schemas import Registry, full_name, load_schema
+
+    results = []
+    with Registry(_settings(args).schema_registry_url) as registry:
+        for path in args.paths:
+            schema = load_schema(path)
+            results.append(
+                {"path": str(path), "subject": full_name(schema), "compatible": registry.check(schema)}
+            )
+    _print(
+        args,
+        results,
+        "\n".join(
+            f"{'compatible  ' if r['compatible'] else 'INCOMPATIBLE'}  {r['subject']}  ({r['path']})"
+            for r in results
+        ),
+    )
+    return 0 if all(r["compatible"] for r in results) else 1
+
+
+# ----------------------------------------------------------------------------------------------- enqueue
+def cmd_enqueue(args: argparse.Namespace) -> int:
+    from taskq.producer.producer import TaskProducer
+
+    try:
+        payload = json.loads(args.json_payload)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"taskq enqueue: --json is not valid JSON: {exc}") from None
+    with TaskProducer(_settings(args)) as producer:
+        receipt = producer.enqueue(
+            args.task_type,
+            payload,
+            priority=args.priority,
+            key=args.key,
+            idempotency_key=args.idempotency_key,
+            delay=parse_duration(args.delay) if args.delay else None,
+            max_attempts=args.max_attempts,
+            timeout=args.timeout,
+            wait=True,
+        )
+    data = {
+        "task_id": receipt.task_id,
+        "topic": receipt.topic,
+        "partition": receipt.partition,
+        "offset": receipt.offset,
+        "idempotency_key": receipt.idempotency_key,
+        "not_before": receipt.not_before.isoformat() if receipt.not_before else None,
+    }
+    _print(args, data, f"{receipt.task_id}  {receipt.topic}")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- bench
+def cmd_bench_produce(args: argparse.Namespace) -> int:
+    from taskq.demo import schema as demo_schema
+    from taskq.producer.admin import create_topics
+    from taskq.producer.producer import TaskProducer
+    from taskq.schemas import Registry
+
+    settings = _settings(args)
+    with Registry(settings.schema_registry_url) as registry:
+        registry.register(demo_schema("send_email"))
+    create_topics(settings)
+    n = args.count
+    latencies: list[float] = []
+    with TaskProducer(settings) as producer:
+        producer.enqueue("demo.SendEmail", {"to": "warm@example.com", "subject": "warm-up"}, wait=True)
+        started = time.perf_counter()
+        for i in range(n):
+            t0 = time.perf_counter()
+            producer.enqueue(
+                "demo.SendEmail",
+                {"to": f"user{i}@example.com", "subject": "bench", "body": "x" * args.body_bytes},
+                priority=PRIORITIES[i % 4],
+                idempotency_key=f"bench:{started}:{i}",
+            )
+            latencies.append(time.perf_counter() - t0)
+        accepted = time.perf_counter() - started
+        producer.flush()
+        acked = time.perf_counter() - started
+    latencies.sort()
+
+    def pct(p: float) -> float:
+        return latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1e6
+
+    data = {
+        "tasks": n,
+        "accept_rate_per_s": n / accepted,
+        "acked_rate_per_s": n / acked,
+        "enqueue_us": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": latencies[-1] * 1e6},
+        "mean_us": statistics.fmean(latencies) * 1e6,
+    }
+    _print(
+        args,
+        data,
+        f"{n} tasks: {data['acked_rate_per_s']:.0f} tasks/s acknowledged "
+        f"({data['accept_rate_per_s']:.0f}/s accepted); "
+        f"enqueue latency p50 {data['enqueue_us']['p50']:.0f} us, p90 {data['enqueue_us']['p90']:.0f} us, "
+        f"p99 {data['enqueue_us']['p99']:.0f} us",
+    )
+    return 0
+
+
+def cmd_bench_worker(args: argparse.Namespace) -> int:
+    from taskq.consumer.bench import bench_worker
+
+    data = bench_worker(
+        _settings(args),
+        count=args.count,
+        concurrency=args.concurrency,
+        handler=args.handler,
+        partitions=args.partitions,
+        timeout=args.timeout,
+        profile=args.profile,
+    )
+    e2e, attempt = data["enqueue_to_completion_ms"], data["attempt_to_recorded_ms"]
+    _print(
+        args,
+        data,
+        f"{data['completed']} tasks ({data['handler']}, concurrency {data['concurrency']}): "
+        f"{data['tasks_per_s']:.0f} tasks/s from worker start "
+        f"({data['tasks_per_s_after_assignment']:.0f}/s after partition assignment at "
+        f"{data['startup_s']:.2f} s); enqueue-to-completion p50 {e2e['p50']:.0f} ms, p99 {e2e['p99']:.0f} ms "
+        f"(backlog included); attempt start to recorded p50 {attempt['p50']:.1f} ms, "
+        f"p99 {attempt['p99']:.1f} ms",
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- db
+def cmd_db_migrate(args: argparse.Namespace) -> int:
+    from taskq._core.db import Database
+
+    s = _settings(args)
+    applied = Database(s.database_url, schema=s.database_schema).migrate()
+    _print(args, applied, "\n".join(f"applied {m}" for m in applied) or "up to date")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- worker
+def cmd_worker(args: argparse.Namespace) -> int:
+    from taskq._core.envelope import DEFAULT_WEIGHTS
+    from taskq.consumer.handlers import load
+    from taskq.consumer.worker import Worker, WorkerConfig
+
+    sys.path.insert(0, os.getcwd())
+    handlers = load(args.handlers)
+    weights = DEFAULT_WEIGHTS
+    if args.weights:
+        parts = args.weights.split(",")
+        if len(parts) != len(PRIORITIES):
+            raise ValueError(
+                f"--weights needs {len(PRIORITIES)} comma-separated integers (critical,high,normal,low)"
+            )
+        weights = dict(zip(PRIORITIES, (int(x) for x in parts), strict=True))
+    config = WorkerConfig(
+        concurrency=args.concurrency,
+        group=args.group,
+        weights=weights,
+        shutdown_timeout=args.shutdown_timeout,
+        metrics_port=args.metrics_port,
+        buffer_capacity=args.buffer,
+        forwarder=not args.no_forwarder,
+    )
+    worker = Worker(handlers, _settings(args), config)
+    worker.install_signal_handlers()
+    log = logging.getLogger("taskq.worker")
+    log.info("worker %s: %d handler(s), group %s", worker.worker_id, len(handlers), worker.group)
+    worker.run()
+    return 0
+
+
+def cmd_forwarder(args: argparse.Namespace) -> int:
+    import signal
+
+    from taskq.consumer.forwarder import Forwarder
+
+    forwarder = Forwarder(_settings(args))
+    signal.signal(signal.SIGTERM, lambda signum, frame: forwarder.stop())
+    signal.signal(signal.SIGINT, lambda signum, frame: forwarder.stop())
+    logging.getLogger("taskq.forwarder").info(
+        "forwarder %s: delay tiers of %s", forwarder.instance_id, forwarder.topics.namespace
+    )
+    forwarder.run()
+    return 0
+
+
+def cmd_db_purge(args: argparse.Namespace) -> int:
+    from taskq._core.db import Database
+    from taskq.consumer.store import IdempotencyStore
+
+    s = _settings(args)
+    store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
+    try:
+        n = store.purge(parse_duration(args.older_than).total_seconds())
+    finally:
+        store.close()
+    _print(args, {"purged": n}, f"purged {n} record(s) older than {args.older_than}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- dlq
+def cmd_dlq_list(args: argparse.Namespace) -> int:
+    from taskq.consumer.dlq import DeadLetters
+
+    since = parse_duration(args.since) if args.since else None
+    with DeadLetters(_settings(args)) as dlq:
+        records = dlq.list(task_type=args.type, since=since, limit=args.limit, include_replayed=args.all)
+    if args.json:
+        for r in records:  # one JSON object per record per line
+            print(json.dumps(r.to_dict(), default=str), flush=True)
+        return 0
+    rows = [("OFFSET", "FAILED AT", "TASK TYPE", "IDEMPOTENCY KEY", "ATTEMPTS", "REASON")]
+    for r in records:
+        reason = r.reason if len(r.reason) <= 60 else r.reason[:59] + "…"
+        if r.replayed_at is not None:
+            reason = f"[replayed] {reason}"
+        rows.append(
+            (
+                str(r.offset),
+                r.failed_at.isoformat(timespec="seconds"),
+                r.task_type or "-",
+                r.idempotency_key or "-",
+                str(r.attempts),
+                reason,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    print(f"{len(records)} DLQ record(s)" + ("" if args.all else " not yet replayed"))
+    return 0
+
+
+def cmd_dlq_show(args: argparse.Namespace) -> int:
+    from taskq.consumer.dlq import DeadLetters
+
+    with DeadLetters(_settings(args)) as dlq:
+        data = dlq.show(args.offset).to_dict(full=True)
+    lines = [f"DLQ record {data['offset']}"]
+    fields = "task_type task_id idempotency_key priority attempts failed_at worker reason error_type original"
+    for name in [*fields.split(), "replayed_at", "envelope_error"]:
+        lines.append(f"  {name}: {data[name]}")
+    if data["payload_error"] is None:
+        lines.append("payload:\n" + json.dumps(data["payload"], indent=2, default=str))
+    else:
+        lines.append(f"payload: cannot decode: {data['payload_error']}")
+        lines.append(f"  value (hex prefix): {data['value_hex']}")
+    lines.append("headers:")
+    lines += [f"  {k}: {v}" for k, v in data["headers"].items()]
+    if data["traceback"]:
+        lines.append("traceback:\n" + data["traceback"])
+    _print(args, data, "\n".join(lines))
+    return 0
+
+
+def cmd_dlq_replay(args: argparse.Namespace) -> int:
+    from taskq.consumer.dlq import DeadLetters
+
+    if args.all == bool(args.offsets):
+        raise ValueError("taskq dlq replay: give DLQ offsets or --all, not both")
+    with DeadLetters(_settings(args)) as dlq:
+        results = dlq.replay(args.offsets, all=args.all, task_type=args.type, force=args.force)
+    lines = []
+    for r in results:
+        if r.refused:
+            lines.append(f"refused   {r.offset}  {r.idempotency_key or '-'}: {r.refused}")
+        else:
+            note = "  (already completed: the worker will skip it)" if r.already_completed else ""
+            lines.append(f"replayed  {r.offset}  {r.idempotency_key}  -> {r.topic}{note}")
+    if args.json:
+        for r in results:
+            print(json.dumps(r.to_dict()), flush=True)
+    else:
+        print("\n".join(lines) or "nothing to replay", flush=True)
+    return 1 if any(r.refused for r in results) else 0
+
+
+# -------------------------------------------------------------------------------------------------- stats
+def cmd_stats(args: argparse.Namespace) -> int:
+    from taskq._core.db import Database
+    from taskq._core.envelope import Topics
+    from taskq._core.kafka import Admin
+    from taskq.consumer.dlq import DeadLetters
+    from taskq.consumer.store import IdempotencyStore
+    from taskq.producer.backpressure import tier_depths
+
+    s = _settings(args)
+    if args.metrics_port is not None:
+        return _serve_stats(s, args.metrics_port, args.interval)
+    tiers = tier_depths(Admin(s), Topics(s.namespace, s.delay_tiers), s.worker_group)
+    with DeadLetters(s) as dlq:
+        dlq_depth = dlq.depth()
+    store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
+    try:
+        counts = store.counts()
+        retried_tasks, retries = store.retries()
+    finally:
+        store.close()
+    data = {
+        "tiers": tiers,
+        "group": s.worker_group,
+        "dlq_depth": dlq_depth,
+        "idempotency": counts,
+        "retries": retries,
+        "retried_tasks": retried_tasks,
+    }
+    lines = [f"tier depth (not yet committed by {s.worker_group}):"]
+    lines += [f"  {p:<9} {n}" for p, n in tiers.items()]
+    lines.append(f"DLQ depth (not replayed): {dlq_depth}")
+    by_state = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    lines.append(f"idempotency records: {by_state or 'none'}")
+    lines.append(f"retries: {retries} attempt(s) beyond the first, over {retried_tasks} task(s)")
+    _print(args, data, "\n".join(lines))
+    return 0
+
+
+@functools.cache
+def _tier_depth_gauge() -> Any:
+    # Created on first use, not at import: only `taskq stats --metrics-port` exports it.
+    from prometheus_client import Gauge
+
+    return Gauge("taskq_tier_depth", "Tasks of a tier the worker group has not committed yet", ["priority"])
+
+
+def _serve_stats(s: Settings, port: int, interval: float) -> int:
+    """Serve tier and DLQ depths on /metrics, refreshed every `interval` seconds, until SIGTERM/SIGINT."""
+    import signal
+    import threading
+
+    from taskq._core.envelope import Topics
+    from taskq._core.kafka import Admin
+    from taskq.consumer.dlq import DeadLetters
+    from taskq.consumer.metrics import serve
+    from taskq.producer.backpressure import tier_depths
+
+    if interval <= 0:
+        raise ValueError(f"--interval must be > 0 seconds, got {interval}")
+    log = logging.getLogger("taskq.stats")
+    gauge = _tier_depth_gauge()
+    admin, topics = Admin(s), Topics(s.namespace, s.delay_tiers)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    with DeadLetters(s) as dlq:
+        last_ok = time.monotonic()
+
+        def refresh() -> None:
+            nonlocal last_ok
+            for tier, n in tier_depths(admin, topics, s.worker_group).items():
+                gauge.labels(tier).set(n)
+            dlq.depth()  # sets taskq_dlq_depth
+            last_ok = time.monotonic()
+
+        refresh()  # a wrong namespace or an unreachable broker fails here, before anything is served
+        # Unhealthy once several refreshes in a row failed: the gauges are stale.
+        server = serve(port, lambda: time.monotonic() - last_ok < max(3 * interval, 30.0))
+        print(f"taskq stats: serving /metrics on port {port}, refreshed every {interval:g}s", file=sys.stderr)
+        try:
+            while not stop.wait(interval):
+                try:
+                    refresh()
+                except TaskqError as exc:  # keep the last values; the next refresh may succeed
+                    log.warning("cannot refresh depths: %s", exc)
+        finally:
+            server.shutdown()
+            server.server_close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every taskq command."""
+    p = argparse.ArgumentParser(prog="taskq", description="A distributed task queue on Kafka.")
+    p.add_argument("--namespace", help="topic prefix (default: TASKQ_NAMESPACE or 'taskq')")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def leaf(
+        parent: Any, name: str, fn: Any, help: str, *, json_flag: bool = True
+    ) -> argparse.ArgumentParser:
+        sp: argparse.ArgumentParser = parent.add_parser(name, help=help, description=help)
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="print JSON")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    topics = sub.add_parser("topics", help="provision topics").add_subparsers(dest="sub", required=True)
+    sp = leaf(
+        topics, "create", cmd_topics_create, "create the priority, delay-tier and DLQ topics (idempotent)"
+    )
+    sp.add_argument("--partitions", type=int, default=6)
+    sp.add_argument("--replication", type=int, default=1)
+
+    schemas = sub.add_parser("schemas", help="task type schemas").add_subparsers(dest="sub", required=True)
+    sp = leaf(schemas, "register", cmd_schemas_register, "register .avsc files under their record names")
+    sp.add_argument("paths", nargs="+", type=Path)
+    leaf(schemas, "list", cmd_schemas_list, "list registered task types")
+    sp = leaf(
+        schemas, "check", cmd_schemas_check, "check .avsc files against the registry (exit 1 if incompatible)"
+    )
+    sp.add_argument("paths", nargs="+", type=Path)
+
+    sp = leaf(
+        sub,
+        "enqueue",
+        cmd_enqueue,
+        "enqueue one task and wait for the broker's acknowledgement",
+        json_flag=False,
+    )
+    sp.add_argument("task_type")
+    sp.add_argument(
+        "--json", dest="json_payload", required=True, metavar="PAYLOAD", help="the payload as JSON"
+    )
+    sp.add_argument("--output-json", dest="json", action="store_true", help="print the receipt as JSON")
+    sp.add_argument("--priority", default="normal", choices=PRIORITIES)
+    sp.add_argument("--key")
+    sp.add_argument("--idempotency-key")
+    sp.add_argument("--delay", help="e.g. 30s, 5m")
+    sp.add_argument("--max-attempts", type=int)
+    sp.add_argument("--timeout", type=float)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="sub", required=True)
+    sp = leaf(bench, "produce", cmd_bench_produce, "enqueue N tasks as fast as the API allows")
+    sp.add_argument("-n", "--count", type=int, default=50_000)
+    sp.add_argument("--body-bytes", type=int, default=100)
+    sp = leaf(
+        bench,
+        "worker",
+        cmd_bench_worker,
+        "time a worker running N tasks, in a namespace created for the run and deleted after it",
+    )
+    sp.add_argument("-n", "--count", type=int, default=5000)
+    sp.add_argument("--concurrency", type=int, default=4)
+    sp.add_argument(
+        "--handler",
+        choices=("noop", "transactional"),
+        default="noop",
+        help="noop: do nothing; transactional: write one row in the completion's transaction",
+    )
+    sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
+    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every completion")
+    sp.add_argument("--profile", metavar="PATH", help="write a cProfile of the worker loop's thread to PATH")
+
+    db = sub.add_parser("db", help="the Postgres store").add_subparsers(dest="sub", required=True)
+    leaf(db, "migrate", cmd_db_migrate, "apply pending migrations")
+    sp = leaf(db, "purge", cmd_db_purge, "delete completed and dead idempotency records older than the TTL")
+    sp.add_argument("--older-than", default="7d", help="TTL, e.g. 7d (default), 12h")
+
+    sp = leaf(sub, "worker", cmd_worker, "run tasks with the handlers at MODULE:ATTR", json_flag=False)
+    sp.add_argument("handlers", metavar="MODULE:ATTR")
+    sp.add_argument("--concurrency", type=int, default=4)
+    sp.add_argument("--group", help="consumer group (default: <namespace>.workers)")
+    sp.add_argument("--weights", help="critical,high,normal,low weights (default 8,4,2,1)")
+    sp.add_argument("--metrics-port", type=int, help="serve /metrics and /healthz on this port")
+    sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
+    sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
+    sp.add_argument(
+        "--no-forwarder", action="store_true", help="do not run the delay forwarder in this process"
+    )
+
+    leaf(
+        sub,
+        "forwarder",
+        cmd_forwarder,
+        "release due tasks from the delay tiers (also runs inside workers)",
+        json_flag=False,
+    )
+    dlq = sub.add_parser("dlq", help="inspect and replay the DLQ").add_subparsers(dest="sub", required=True)
+    sp = leaf(dlq, "list", cmd_dlq_list, "list DLQ records not yet replayed, oldest first")
+    sp.add_argument("--type", help="only this task type")
+    sp.add_argument("--since", help="only records that failed within this duration, e.g. 1h")
+    sp.add_argument("--limit", type=int, help="at most N records")
+    sp.add_argument("--all", action="store_true", help="include replayed records")
+    sp = leaf(dlq, "show", cmd_dlq_show, "one DLQ record: decoded payload, every header, traceback")
+    sp.add_argument("offset", type=int)
+    replay_help = "re-enqueue DLQ records with their original task id and key (exit 1 if any is refused)"
+    sp = leaf(dlq, "replay", cmd_dlq_replay, replay_help)
+    sp.add_argument("offsets", nargs="*", type=int, metavar="OFFSET")
+    sp.add_argument("--all", action="store_true", help="every record not yet replayed")
+    sp.add_argument("--type", help="with --all: only this task type")
+    sp.add_argument("--force", action="store_true", help="replay records that were replayed before")
+
+    sp = leaf(sub, "stats", cmd_stats, "tier depths, DLQ depth and idempotency records by state")
+    sp.add_argument(
+        "--metrics-port",
+        type=int,
+        help="instead of printing once, serve taskq_tier_depth and taskq_dlq_depth on /metrics until SIGTERM",
+    )
+    sp.add_argument(
+        "--interval", type=float, default=5.0, help="with --metrics-port: seconds between refreshes"
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `taskq` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose or args.command in ("worker", "forwarder") else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("httpx", "httpx2", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return int(args.fn(args))
+    except (TaskqError, SchemaError, ValueError) as exc:
+        print(f"taskq: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""The DLQ as an operator's tool: list, show and replay DLQ records, and the DLQ depth gauge.
+
+The DLQ topic has one partition, so a DLQ record is named by its offset. Reading never joins a consumer
+group and commits nothing; which records were replayed lives in Postgres (`taskq_dlq_replays`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from prometheus_client import Gauge
+
+from taskq._core.db import Database, Error, queries
+from taskq._core.envelope import Envelope, EnvelopeError, H, Topics
+from taskq._core.errors import DeliveryError, KafkaUnavailableError, StoreUnavailableError, TaskqError
+from taskq._core.kafka import Admin, Headers, Record, Sink, Source
+from taskq._core.settings import Settings
+from taskq.consumer import routing
+from taskq.consumer.store import IdempotencyStore
+from taskq.schemas import avro
+from taskq.schemas.errors import SchemaError
+from taskq.schemas.registry import Registry
+
+__all__ = ["DLQ_DEPTH", "DeadLetters", "DlqRecord", "DlqRecordNotFoundError", "ReplayResult"]
+
+DLQ_DEPTH = Gauge("taskq_dlq_depth", "DLQ records not yet replayed (set when DeadLetters.depth() runs)")
+
+#: How long a read may go without reaching the DLQ's end offset before it gives up.
+READ_TIMEOUT = 30.0
+#: How long a replay waits for the broker's acknowledgement.
+ACK_TIMEOUT = 60.0
+
+
+class DlqRecordNotFoundError(TaskqError, LookupError):
+    """No DLQ record at this offset."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DlqRecord:
+    """One DLQ record: the original key, value and headers, why it failed, and whether it was replayed.
+
+    Input that never became a task (garbage bytes, a bad envelope) is a DLQ record too: its task fields
+    are None and `envelope_error` says why.
+    """
+
+    offset: int
+    task_id: str | None
+    task_type: str | None
+    idempotency_key: str | None
+    priority: str | None
+    attempts: int
+    reason: str
+    error_type: str
+    traceback: str
+    failed_at: datetime
+    worker: str
+    topic: str
+    partition: int | None
+    original_offset: int | None
+    headers: dict[str, bytes]
+    key: bytes | None
+    value: bytes | None
+    replayed_at: datetime | None = None
+    replays: int = 0
+    envelope_error: str | None = None
+    #: The decoded payload and why it could not be decoded; filled by DeadLetters.show() only.
+    payload: Any = None
+    payload_error: str | None = None
+
+    def envelope(self) -> Envelope:
+        """The task envelope of the original headers; EnvelopeError if they do not form one."""
+        return Envelope.from_headers(self.headers.items())
+
+    def to_dict(self, *, full: bool = False) -> dict[str, Any]:
+        """A JSON-friendly summary; `full` adds every header (binary ones as hex), traceback and payload."""
+        out = {
+            "offset": self.offset,
+            "task_id": self.task_id,
+            "task_type": self.task_type,
+            "idempotency_key": self.idempotency_key,
+            "priority": self.priority,
+            "attempts": self.attempts,
+            "reason": self.reason,
+            "error_type": self.error_type,
+            "failed_at": self.failed_at.isoformat(),
+            "worker": self.worker,
+            "original": {"topic": self.topic, "partition": self.partition, "offset": self.original_offset},
+            "replayed_at": self.replayed_at.isoformat() if self.replayed_at else None,
+            "replays": self.replays,
+            "envelope_error": self.envelope_error,
+        }
+        if full:
+            out["headers"] = {k: _text(v) for k, v in self.headers.items()}
+            out["traceback"] = self.traceback
+            out["payload"] = self.payload
+            out["payload_error"] = self.payload_error
+            if self.payload_error is not None:
+                out["value_hex"] = (self.value or b"")[:64].hex()
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplayResult:
+    """What replaying one DLQ record did: re-enqueued it to `topic`, or refused and why."""
+
+    offset: int
+    task_id: str | None
+    idempotency_key: str | None
+    topic: str | None = None
+    refused: str | None = None
+    #: The key's effect already happened: the worker will skip the replayed task as a duplicate.
+    already_completed: bool = False
+    replays: int = 0
+
+    @property
+    def replayed(self) -> bool:
+        """Whether the task is back on its priority topic."""
+        return self.refused is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly form."""
+        return {
+            "offset": self.offset,
+            "task_id": self.task_id,
+            "idempotency_key": self.idempotency_key,
+            "replayed": self.replayed,
+            "topic": self.topic,
+            "refused": self.refused,
+            "already_completed": self.already_completed,
+            "replays": self.replays,
+        }
+
+
+class DeadLetters:
+    """The DLQ of one namespace: list, show and replay its records; measure its depth."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
+        self.db = Database(self.settings.database_url, schema=self.settings.database_schema)
+        self._admin = Admin(self.settings)
+        self._q = queries()
+        self._store: IdempotencyStore | None = None
+        self._sink: Sink | None = None
+        self._registry: Registry | None = None
+
+    # ------------------------------------------------------------------------------------------------ read
+    def list(
+        self,
+        *,
+        task_type: str | None = None,
+        since: timedelta | None = None,
+        limit: int | None = None,
+        include_replayed: bool = False,
+    ) -> builtins.list[DlqRecord]:
+        """DLQ records oldest first: not yet replayed (unless include_replayed), of a type, failed since."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        replayed = self._replayed()
+        cutoff = datetime.now(UTC) - since if since is not None else None
+        out: builtins.list[DlqRecord] = []
+        for raw in self._read():
+            rec = _parse(raw, replayed.get(raw.offset))
+            if rec.replayed_at is not None and not include_replayed:
+                continue
+            if task_type is not None and rec.task_type != task_type:
+                continue
+            if cutoff is not None and rec.failed_at < cutoff:
+                continue
+            if limit is not None and len(out) >= limit:
+                break
+            out.append(rec)
+        return out
+
+    def show(self, offset: int) -> DlqRecord:
+        """One DLQ record with its payload decoded through the registry; DlqRecordNotFoundError if absent."""
+        found = [r for r in self._read(offset, offset + 1) if r.offset == offset]
+        if not found:
+            raise self._not_found([offset])
+        rec = _parse(found[0], self._replayed().get(offset))
+        try:
+            schema_id, body = avro.split_frame(rec.value)
+            return replace(rec, payload=avro.decode(body, self._schemas().by_id(schema_id)))
+        except SchemaError as exc:
+            return replace(rec, payload_error=str(exc))
+
+    def depth(self) -> int:
+        """How many DLQ records were not replayed yet; also sets the taskq_dlq_depth gauge."""
+        start, end = self._bounds()
+        rows = self._query("dlq_replayed_between", {"topic": self.topics.dlq, "start": start, "end": end})
+        depth = max(0, end - start - int(rows[0]["n"]))
+        DLQ_DEPTH.set(depth)
+        return depth
+
+    # ---------------------------------------------------------------------------------------------- replay
+    def replay(
+        self,
+        offsets: Iterable[int] | None = None,
+        *,
+        all: bool = False,
+        task_type: str | None = None,
+        force: bool = False,
+    ) -> builtins.list[ReplayResult]:
+        """Re-enqueue DLQ records at their original priority with their original task id and idempotency key.
+
+        `all=True` replays every record not replayed yet (of `task_type`, if given). A record replayed before
+        is refused unless `force`; the idempotency record still prevents a second effect. Offsets that name
+        no DLQ record raise DlqRecordNotFoundError before anything is replayed.
+        """
+        wanted = sorted(set(offsets or ()))
+        if all == bool(wanted):
+            raise ValueError("replay needs either DLQ offsets or all=True")
+        if all:
+            records = self.list(task_type=task_type)
+        else:
+            if task_type is not None:
+                raise ValueError("task_type filters all=True only; name offsets or the type, not both")
+            replayed = self._replayed()
+            raws = self._read(wanted[0], wanted[-1] + 1)
+            found = {r.offset: _parse(r, replayed.get(r.offset)) for r in raws}
+            missing = [o for o in wanted if o not in found]
+            if missing:
+                raise self._not_found(missing)
+            records = [found[o] for o in wanted]
+        return [self._replay_one(rec, force=force) for rec in records]
+
+    def _replay_one(self, rec: DlqRecord, *, force: bool) -> ReplayResult:
+        result = ReplayResult(offset=rec.offset, task_id=rec.task_id, idempotency_key=rec.idempotency_key)
+        try:
+            env = rec.envelope()
+        except EnvelopeError as exc:
+            return replace(result, refused=f"not a task: {exc}")
+        topic = self.topics.tier(env.priority)
+        # The original task id and idempotency key, so the idempotency record still guards the effect;
+        # attempt 1 and no delay; the DLQ headers are dropped, other headers (not the envelope's) kept.
+        headers = replace(env, attempt=1, not_before=None).to_headers() + [
+            (k, v) for k, v in rec.headers.items() if not k.startswith(H) and k != "traceparent"
+        ]
+        params = {
+            "topic": self.topics.dlq,
+            "offset": rec.offset,
+            "task_id": env.task_id,
+            "key": env.idempotency_key,
+            "force": force,
+        }
+        # The replay row is written in a transaction that stays open until the broker acknowledged the task:
+        # a concurrent replay of the same record waits on it and is then refused, and a failed send rolls
+        # the mark back, so "replayed" in Postgres never names a task that is not back on its topic.
+        conn = self.db.connect(autocommit=False)
+        try:
+            row = conn.execute(self._q["dlq_record_replay"], params).fetchone()
+            if row is None:
+                when = f" at {rec.replayed_at.isoformat()}" if rec.replayed_at else ""
+                return replace(result, refused=f"already replayed{when}; force to replay it again")
+            # Reset before producing: a worker counts an attempt when it claims the key, and a key still
+            # dead at max attempts would be dead-lettered again at once. A completed key stays completed.
+            store = self._idempotency()
+            completed = False
+            if not store.reset_for_replay(env.idempotency_key):
+                current = store.get(env.idempotency_key)
+                completed = current is not None and current["state"] == "completed"
+            self._send(topic, rec, headers, env.task_id)
+            conn.commit()
+        except Error as exc:
+            raise StoreUnavailableError(f"recording the replay of DLQ offset {rec.offset}: {exc}") from exc
+        finally:
+            conn.close()  # without commit, closing rolls back
+        return replace(result, topic=topic, already_completed=completed, replays=int(row["replays"]))
+
+    def _send(self, topic: str, rec: DlqRecord, headers: Headers, task_id: str) -> None:
+        if self._sink is None:
+            self._sink = Sink(self.settings)
+        errors: builtins.list[str | None] = []
+        self._sink.send(
+            topic, rec.value, key=rec.key, headers=headers, on_delivery=lambda e, _: errors.append(e)
+        )
+        # Delivery guarantee: the replay counts only once the broker acknowledged the task (acks=all).
+        left = self._sink.flush(ACK_TIMEOUT)
+        if left or not errors or errors[0] is not None:
+            err = errors[0] if errors and errors[0] else f"no acknowledgement within {ACK_TIMEOUT}s"
+            what = f"replaying DLQ offset {rec.offset} to {topic}: {err}"
+            raise DeliveryError(what, failures=[(task_id, err)])
+
+    # --------------------------------------------------------------------------------------------- helpers
+    def _bounds(self) -> tuple[int, int]:
+        """(first offset still in the log, end offset) of the DLQ."""
+        tp = (self.topics.dlq, 0)
+        start = self._admin.start_offsets([self.topics.dlq])
+        if tp not in start:
+            raise TaskqError(f"the DLQ topic {self.topics.dlq} does not exist (run `taskq topics create`)")
+        return start[tp], self._admin.end_offsets([self.topics.dlq])[tp]
+
+    def _read(self, first: int | None = None, stop: int | None = None) -> builtins.list[Record]:
+        """The DLQ records with offsets in [first, stop), clipped to what the log holds."""
+        start, end = self._bounds()
+        first = start if first is None else max(first, start)
+        stop = end if stop is None else min(stop, end)
+        if first >= stop:
+            return []
+        source = Source(self.settings, group=f"{self.settings.namespace}.dlq-reader")
+        out: builtins.list[Record] = []
+        try:
+            source.assign([(self.topics.dlq, 0, first)])
+            nxt, deadline = first, time.monotonic() + READ_TIMEOUT
+            while nxt < stop:
+                batch = source.poll(500, 0.5)
+                for r in batch:
+                    if r.offset < stop:
+                        out.append(r)
+                    nxt = max(nxt, r.offset + 1)
+                if batch:
+                    deadline = time.monotonic() + READ_TIMEOUT
+                elif time.monotonic() > deadline:
+                    raise KafkaUnavailableError(
+                        f"reading {self.topics.dlq}: stuck at offset {nxt} of {stop} for {READ_TIMEOUT}s"
+                    )
+        finally:
+            source.close()
+        return out
+
+    def _replayed(self) -> dict[int, tuple[datetime, int]]:
+        rows = self._query("dlq_replayed", {"topic": self.topics.dlq})
+        return {int(r["dlq_offset"]): (r["replayed_at"], int(r["replays"])) for r in rows}
+
+    def _query(self, name: str, params: dict[str, Any]) -> builtins.list[dict[str, Any]]:
+        try:
+            with self.db.connection() as conn:
+                return list(conn.execute(self._q[name], params).fetchall())
+        except Error as exc:
+            raise StoreUnavailableError(f"DLQ replays ({name}): {exc}") from exc
+
+    def _idempotency(self) -> IdempotencyStore:
+        if self._store is None:
+            self._store = IdempotencyStore(self.db, owner="taskq-dlq")
+        return self._store
+
+    def _schemas(self) -> Registry:
+        if self._registry is None:
+            self._registry = Registry(self.settings.schema_registry_url)
+        return self._registry
+
+    def _not_found(self, offsets: builtins.list[int]) -> DlqRecordNotFoundError:
+        start, end = self._bounds()
+        held = f"offsets {start}..{end - 1}" if end > start else "no records"
+        names = ", ".join(str(o) for o in offsets)
+        return DlqRecordNotFoundError(f"no DLQ record at offset {names} in {self.topics.dlq} (holds {held})")
+
+    def close(self) -> None:
+        """Release the Kafka producer, the store connection and the registry client."""
+        if self._sink is not None:
+            self._sink.flush(ACK_TIMEOUT)
+            self._sink = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._registry is not None:
+            self._registry.close()
+            self._registry = None
+
+    def __enter__(self) -> DeadLetters:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _parse(record: Record, replayed: tuple[datetime, int] | None) -> DlqRecord:
+    """A DLQ record from its Kafka record; tolerant of missing or malformed headers."""
+    headers = dict(record.headers)
+
+    def text(name: str) -> str:
+        raw = headers.get(name)
+        return raw.decode(errors="replace") if raw is not None else ""
+
+    def number(name: str) -> int | None:
+        try:
+            return int(headers[name])
+        except (KeyError, ValueError):
+            return None
+
+    env: Envelope | None = None
+    env_error: str | None = None
+    try:
+        env = Envelope.from_headers(record.headers)
+    except EnvelopeError as exc:
+        env_error = str(exc)
+    failed_ms = number(routing.DLQ_FAILED_AT)
+    return DlqRecord(
+        offset=record.offset,
+        task_id=env.task_id if env else None,
+        task_type=env.task_type if env else None,
+        idempotency_key=env.idempotency_key if env else None,
+        priority=env.priority if env else None,
+        attempts=number(routing.DLQ_ATTEMPTS) or 0,
+        reason=text(routing.DLQ_REASON),
+        error_type=text(routing.DLQ_ERROR_TYPE),
+        traceback=text(routing.DLQ_TRACEBACK),
+        failed_at=datetime.fromtimestamp((failed_ms or record.timestamp_ms) / 1000, tz=UTC),
+        worker=text(routing.DLQ_WORKER),
+        topic=text(routing.DLQ_TOPIC),
+        partition=number(routing.DLQ_PARTITION),
+        original_offset=number(routing.DLQ_OFFSET),
+        headers=headers,
+        key=record.key,
+        value=record.value,
+        replayed_at=replayed[0] if replayed else None,
+        replays=replayed[1] if replayed else 0,
+        envelope_error=env_error,
+    )
+
+
+def _text(raw: bytes) -> str:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "hex:" + raw.hex()

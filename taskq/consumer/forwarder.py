@@ -1,0 +1,151 @@
+"""The delay forwarder: releases tasks from the delay tiers to their priority topics when they are due.
+
+Each delay-tier partition is held at its head task until that task is due (pause, seek back, resume at the
+due time) while other partitions keep flowing. Forwarding is a Kafka transaction that carries both the
+forwarded records and the consumed offsets, so a forwarder crash neither loses nor doubles a task.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from taskq._core.envelope import Envelope, EnvelopeError, Topics
+from taskq._core.errors import TaskqError
+from taskq._core.kafka import TP, Record, Sink, Source
+from taskq._core.settings import Settings
+from taskq.consumer.routing import dead_letter_record, default_worker_id
+
+log = logging.getLogger("taskq.forwarder")
+
+
+class Forwarder:
+    """Consumes the delay-tier topics in its own group and forwards due tasks, transactionally."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        instance_id: str | None = None,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.topics = Topics(settings.namespace, settings.delay_tiers)
+        self.group = f"{settings.namespace}.forwarder"
+        self.instance_id = instance_id or default_worker_id()
+        self._on_event = on_event
+        self._clock = clock
+        self._stop = threading.Event()
+        self._held: dict[TP, float] = {}  # partition -> epoch seconds its head task is due
+        # Assigned since the last resume. librdkafka keeps a partition's pause across revoke and re-assign
+        # while a revoke forgets its hold, so a partition held before a rebalance comes back paused.
+        self._fresh: set[TP] = set()
+
+    def stop(self) -> None:
+        """Finish the current transaction and stop."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Forward until stop(); a failed transaction restarts from the last committed offsets."""
+        while not self._stop.is_set():
+            try:
+                self._run_once()
+            except Exception:  # whatever failed, the committed offsets are the truth: start over from them
+                log.exception("forwarder restarting")
+                self._stop.wait(1.0)
+
+    def _run_once(self) -> None:
+        # A transactional id per instance; the group metadata sent with the offsets fences zombie instances.
+        sink = Sink(self.settings, transactional_id=f"{self.group}.{self.instance_id}")
+        sink.init_transactions()
+        self._held.clear()
+        self._fresh.clear()
+        source = Source(
+            self.settings, group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update
+        )
+        source.subscribe(self.topics.delay_topics)
+        try:
+            while not self._stop.is_set():
+                self._resume_due(source)
+                wait = 0.2
+                if self._held:
+                    wait = max(0.0, min(wait, min(self._held.values()) - self._clock()))
+                records = source.poll(500, wait)
+                if records:
+                    self._forward(sink, source, records)
+        finally:
+            source.close()
+            sink.flush(10)
+
+    def _revoked(self, tps: list[TP]) -> None:
+        for tp in tps:
+            self._held.pop(tp, None)
+
+    def _resume_due(self, source: Source) -> None:
+        now = self._clock()
+        due = [tp for tp, at in self._held.items() if at <= now]
+        for tp in due:
+            del self._held[tp]
+        fresh = [tp for tp in self._fresh if tp not in self._held]
+        self._fresh.clear()
+        source.resume(due + fresh)
+
+    def _forward(self, sink: Sink, source: Source, records: list[Record]) -> None:
+        now = self._clock()
+        offsets: dict[TP, int] = {}
+        out: list[tuple[str, Record, list[tuple[str, bytes]]]] = []
+        for record in records:
+            if record.tp in self._held:
+                continue  # fetched behind a held head: it is read again after the resume
+            try:
+                env = Envelope.from_headers(record.headers)
+            except EnvelopeError as exc:
+                dl = dead_letter_record(
+                    record,
+                    reason=f"bad envelope on a delay topic: {exc}",
+                    error_type="taskq.EnvelopeError",
+                    traceback="",
+                    attempts=0,
+                    worker_id=self.instance_id,
+                    topics=self.topics,
+                )
+                out.append((dl.topic, record, dl.headers))
+                offsets[record.tp] = record.offset + 1
+                continue
+            due = env.not_before.timestamp() if env.not_before else 0.0
+            if due > now:
+                # Hold the partition at its head task; tasks behind it wait at most about one tier longer.
+                source.pause([record.tp])
+                source.seek(record.tp, record.offset)
+                self._held[record.tp] = due
+                continue
+            target = env.origin_topic or self.topics.tier(env.priority)
+            out.append((target, record, record.headers))
+            offsets[record.tp] = record.offset + 1
+        if not offsets:
+            return
+        # Delivery guarantee: the forwarded records and the consumed offsets commit atomically.
+        sink.begin()
+        try:
+            for topic, record, headers in out:
+                sink.send(topic, record.value, key=record.key, headers=headers)
+            sink.commit_offsets_in_transaction(source, offsets)
+            sink.commit()
+        except Exception as exc:
+            try:
+                sink.abort()
+            finally:
+                raise TaskqError(f"forwarding transaction failed: {exc}") from exc
+        if self._on_event is not None:
+            self._on_event("forwarded", {"count": len(out), "offsets": offsets})
+
+
+def run_in_thread(forwarder: Forwarder) -> threading.Thread:
+    """Start a forwarder on a daemon thread (how `taskq worker` runs it)."""
+    thread = threading.Thread(target=forwarder.run, name="taskq-forwarder", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,150 @@
+"""Handlers: the functions that run tasks, registered per task type on a `Handlers` object."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from taskq.consumer.retry import RetryPolicy
+from taskq.schemas import avro
+
+Isolation = Literal["thread", "process"]
+Upcaster = Callable[[dict[str, Any], int], dict[str, Any]]
+
+
+@dataclass(kw_only=True)
+class TaskContext:
+    """What a handler knows about the task it runs."""
+
+    task_id: str
+    task_type: str
+    attempt: int
+    max_attempts: int
+    idempotency_key: str
+    priority: str
+    headers: Mapping[str, bytes]
+    logger: logging.Logger
+    #: With transactional=True: a psycopg connection in the transaction that also records the completion.
+    db: Any = None
+    #: Set when the task is picked up; a handler may check it between steps of long work.
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandlerSpec:
+    """A registered handler and how to run it."""
+
+    task_type: str
+    fn: Callable[..., Any]
+    schema: dict[str, Any] | None
+    parsed: avro.ParsedSchema | None
+    policy: RetryPolicy
+    timeout: float | None
+    transactional: bool
+    isolation: Isolation
+    upcaster: Upcaster | None = None
+    is_async: bool = field(default=False)
+
+
+class Handlers:
+    """A registry of handlers by task type; `taskq worker MODULE:ATTR` runs the one at MODULE.ATTR."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, HandlerSpec] = {}
+        #: "MODULE:ATTR" this registry was loaded from (set by the worker; process isolation needs it).
+        self.import_path: str | None = None
+
+    def task(
+        self,
+        task_type: str,
+        *,
+        schema: str | Path | Mapping[str, Any] | None = None,
+        max_attempts: int = 5,
+        timeout: float | None = None,
+        transactional: bool = False,
+        isolation: Isolation = "thread",
+        retry: RetryPolicy | None = None,
+        non_retryable: tuple[type[BaseException], ...] = (),
+        upcaster: Upcaster | None = None,
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Register `fn(payload, ctx)` (or `async def`) as the handler of a task type."""
+        if task_type in self._specs:
+            raise ValueError(f"a handler for {task_type!r} is already registered")
+        if isolation not in ("thread", "process"):
+            raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
+        if transactional and isolation == "process":
+            raise ValueError(
+                f"{task_type}: transactional=True needs isolation='thread' (the transaction is the worker's)"
+            )
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"{task_type}: timeout must be > 0 seconds, got {timeout}")
+        loaded: dict[str, Any] | None = None
+        if schema is not None:
+            loaded = dict(schema) if isinstance(schema, Mapping) else avro.load_schema(_resolve(schema))
+            if avro.full_name(loaded) != task_type:
+                raise ValueError(f"schema for {task_type!r} is the record {avro.full_name(loaded)!r}")
+        policy = retry or RetryPolicy(max_attempts=max_attempts, non_retryable=non_retryable)
+
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            is_async = inspect.iscoroutinefunction(fn)
+            if is_async and isolation == "process":
+                raise ValueError(f"{task_type}: async handlers run in the worker's event loop, not a process")
+            self._specs[task_type] = HandlerSpec(
+                task_type=task_type,
+                fn=fn,
+                schema=loaded,
+                parsed=avro.parse(loaded) if loaded is not None else None,
+                policy=policy,
+                timeout=timeout,
+                transactional=transactional,
+                isolation=isolation,
+                upcaster=upcaster,
+                is_async=is_async,
+            )
+            return fn
+
+        return register
+
+    def get(self, task_type: str) -> HandlerSpec | None:
+        """The handler of a task type, or None."""
+        return self._specs.get(task_type)
+
+    def __iter__(self) -> Iterator[HandlerSpec]:
+        return iter(self._specs.values())
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __contains__(self, task_type: object) -> bool:
+        return task_type in self._specs
+
+
+def _resolve(path: str | Path) -> Path:
+    # A relative schema path is tried as given, then next to the calling module's file.
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    for frame in inspect.stack()[2:6]:
+        candidate = Path(frame.filename).resolve().parent / p
+        if candidate.exists():
+            return candidate
+    return p
+
+
+def load(import_path: str) -> Handlers:
+    """Import MODULE:ATTR and return its Handlers."""
+    import importlib
+
+    module_name, _, attr = import_path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"expected MODULE:ATTR, got {import_path!r}")
+    module = importlib.import_module(module_name)
+    handlers = getattr(module, attr, None)
+    if not isinstance(handlers, Handlers):
+        raise ValueError(f"{import_path} is {type(handlers).__name__}, not a taskq.Handlers")
+    handlers.import_path = import_path
+    return handlers

@@ -1,0 +1,657 @@
+"""The worker: consume the priority topics in a group, run each task once, commit offsets contiguously.
+
+One thread (the loop) owns the Kafka consumer, the buffers, the offset tracker and the store connection;
+handlers run on the executor's slots and report back through a queue. A task's offset becomes committable
+only once its outcome is durable: the completion recorded in Postgres, or its retry/DLQ record acknowledged
+by the broker (invariant 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from types import FrameType
+from typing import Any
+
+from taskq._core.db import Database
+from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeError, Priority, Topics
+from taskq._core.errors import StoreUnavailableError, TaskqError
+from taskq._core.kafka import TP, Record, Sink, Source
+from taskq._core.settings import Settings
+from taskq.consumer import metrics
+from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed
+from taskq.consumer.forwarder import Forwarder, run_in_thread
+from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
+from taskq.consumer.offsets import OffsetTracker
+from taskq.consumer.retry import Reject
+from taskq.consumer.routing import Outgoing, dead_letter_record, default_worker_id, retry_record
+from taskq.consumer.scheduler import PriorityScheduler
+from taskq.consumer.store import Claim, ClaimRequest, Finished, IdempotencyStore, LeaseLostError
+from taskq.schemas import avro
+from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
+from taskq.schemas.registry import Registry
+
+log = logging.getLogger("taskq.worker")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """How a worker runs; validated when created."""
+
+    concurrency: int = 4
+    group: str | None = None
+    weights: Mapping[Priority, int] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    #: At most this many fetched tasks wait for a slot; beyond it partitions are paused (invariant 5).
+    buffer_capacity: int = 500
+    shutdown_timeout: float = 30.0
+    revoke_timeout: float = 10.0
+    commit_interval: float = 1.0
+    #: Lease of a claimed key when its task type has no timeout.
+    default_lease: float = 300.0
+    metrics_port: int | None = None
+    #: Run the delay forwarder in this process too (a thread); `taskq forwarder` runs it alone.
+    forwarder: bool = True
+    worker_id: str = field(default_factory=default_worker_id)
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.buffer_capacity < 4:
+            raise ValueError(f"buffer_capacity must be >= 4 (one task per tier), got {self.buffer_capacity}")
+        for name in ("shutdown_timeout", "revoke_timeout", "commit_interval", "default_lease"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class _Task:
+    record: Record
+    envelope: Envelope
+    spec: HandlerSpec
+    payload: Any
+    generation: int
+    attempts: int = 0
+    recorded: bool = False  # the completion was recorded inside the handler's transaction
+
+
+@dataclass(slots=True)
+class _Held:
+    task: _Task
+    due: float
+
+
+class Worker:
+    """Runs the handlers of a `Handlers` registry against a namespace's priority topics."""
+
+    def __init__(
+        self,
+        handlers: Handlers,
+        settings: Settings | None = None,
+        config: WorkerConfig | None = None,
+        *,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.handlers = handlers
+        self.settings = settings or Settings.from_env()
+        self.config = config or WorkerConfig()
+        self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
+        self.group = self.config.group or self.settings.worker_group
+        self.worker_id = self.config.worker_id
+        self._on_event = on_event
+        self._stop = threading.Event()
+        self._outcomes: queue.SimpleQueue[tuple[_Task, Outcome]] = queue.SimpleQueue()
+        self._scheduler: PriorityScheduler[_Task] = PriorityScheduler(
+            weights=self.config.weights, capacity=self.config.buffer_capacity
+        )
+        self._tracker = OffsetTracker()
+        self._generation: dict[TP, int] = {}
+        self._running: dict[int, _Task] = {}
+        self._held: list[_Held] = []
+        self._undecoded: list[Record] = []
+        self._finished: list[tuple[_Task, Finished]] = []
+        self._paused: set[TP] = set()
+        self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
+        self._assigned: set[TP] = set()
+        self.heartbeat = metrics.Heartbeat()
+        self.db = Database(self.settings.database_url, schema=self.settings.database_schema)
+        self.store = IdempotencyStore(self.db, owner=self.worker_id)
+        self.registry = Registry(self.settings.schema_registry_url)
+        self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
+        self._sink = Sink(self.settings)
+        self._source: Source | None = None
+        self._last_commit = 0.0
+        self._last_lag = 0.0
+        self._registry_retry_at = 0.0
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def stop(self) -> None:
+        """Ask the loop to shut down gracefully (what SIGTERM does)."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: graceful shutdown; a second signal exits at once."""
+
+        def handle(signum: int, frame: FrameType | None) -> None:
+            if self._stop.is_set():
+                log.warning("second signal: exiting now")
+                import os
+
+                os._exit(128 + signum)
+            log.info(
+                "signal %s: stopping (finishing in-flight tasks, up to %ss)",
+                signum,
+                self.config.shutdown_timeout,
+            )
+            self._stop.set()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def run(self) -> None:
+        """Consume until stop() or a signal, then shut down gracefully."""
+        self.db.migrate()
+        server = None
+        if self.config.metrics_port is not None:
+            server = metrics.serve(self.config.metrics_port, self.heartbeat.healthy)
+        self._source = Source(
+            self.settings, group=self.group, on_assign=self._assigned_cb, on_revoke=self._revoked_cb
+        )
+        self._source.subscribe(self.topics.priority_topics)
+        forwarder = None
+        if self.config.forwarder:
+            forwarder = Forwarder(self.settings, instance_id=self.worker_id)
+            forwarder_thread = run_in_thread(forwarder)
+        self._emit("started", {"worker_id": self.worker_id, "group": self.group})
+        try:
+            while not self._stop.is_set():
+                self._tick()
+            self._shutdown()
+        finally:
+            if forwarder is not None:
+                forwarder.stop()
+                forwarder_thread.join(timeout=15)
+            self._source.close()
+            self._source = None
+            self.executor.shutdown(timeout=1.0)
+            self.store.close()
+            self.registry.close()
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+            self._emit("stopped", {"worker_id": self.worker_id})
+
+    def _emit(self, event: str, data: dict[str, Any]) -> None:
+        if self._on_event is not None:
+            self._on_event(event, data)
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def _tick(self) -> None:
+        self.heartbeat.beat()
+        assert self._source is not None
+        busy = bool(self._running or self._held or len(self._scheduler) or self._undecoded)
+        waiting = len(self._scheduler) + len(self._held) + len(self._undecoded)
+        room = max(1, min(500, self.config.buffer_capacity - waiting))
+        # Poll even when full: it serves rebalance callbacks and keeps the group membership alive. With work
+        # in hand the poll must not block: a finished task would wait for it before being recorded.
+        records = self._source.poll(room, 0.0 if busy else 0.25)
+        for record in self._undecoded_ready():
+            self._accept(record, tracked=True)
+        for record in records:
+            self._accept(record)
+        self._flow_control()
+        self._release_held()
+        self._dispatch()
+        self._collect(block=0.0)
+        self._record_finished()
+        self._sink.poll(0)
+        if time.monotonic() - self._last_commit >= self.config.commit_interval:
+            self._commit()
+        self._observe()
+        if busy and not records:
+            # Nothing new from Kafka: sleep until a running task reports (wakes at once), not a fixed tick.
+            self._collect(block=0.005 if self.executor.free_slots() else 0.05)
+
+    def _undecoded_ready(self) -> list[Record]:
+        if not self._undecoded or time.monotonic() < self._registry_retry_at:
+            return []
+        pending, self._undecoded = self._undecoded, []
+        return pending
+
+    def _accept(self, record: Record, *, tracked: bool = False) -> None:
+        """Decode a fetched record into a task and buffer it; input that can never run goes to the DLQ."""
+        tier = self.topics.priority_of(record.topic)
+        if record.tp not in self._assigned:
+            # Fetched before its partition was revoked (one consume() can return records of a partition
+            # whose revocation it also served): its new owner reads it from the committed offset. Tracking
+            # it here would leave a stale entry that swallows the partition's records if it comes back.
+            return
+        if not tracked:
+            try:
+                self._tracker.track(record.tp, record.offset)
+            except ValueError:
+                return  # a redelivery of an offset this assignment already holds
+        try:
+            envelope = Envelope.from_headers(record.headers)
+        except EnvelopeError as exc:
+            self._dead_letter_raw(record, f"bad envelope: {exc}", "taskq.EnvelopeError", attempts=0)
+            return
+        spec = self.handlers.get(envelope.task_type)
+        if spec is None:
+            self._dead_letter_raw(
+                record,
+                f"unknown task type {envelope.task_type!r}: no handler registered",
+                "taskq.UnknownTaskType",
+                0,
+            )
+            return
+        try:
+            schema_id, body = avro.split_frame(record.value)
+            writer = self.registry.cached(schema_id)
+            if writer is None:
+                if time.monotonic() < self._registry_retry_at:
+                    # The registry failed a moment ago: wait for the retry instead of asking per record.
+                    raise RegistryUnavailableError("registry unavailable a moment ago; retrying shortly")
+                writer = self.registry.by_id(schema_id)
+            payload = avro.decode(body, writer, spec.parsed)
+        except SchemaNotFoundError as exc:
+            self._dead_letter_raw(record, f"unknown schema id: {exc}", "taskq.UnknownSchema", 0)
+            return
+        except DecodeError as exc:
+            self._dead_letter_raw(record, f"undecodable payload: {exc}", "taskq.DecodeError", 0)
+            return
+        except SchemaError as exc:
+            # The registry is down or failing: not the task's fault. Hold it (its offset stays uncommitted).
+            if not self._undecoded:
+                log.warning("registry unavailable, holding undecoded tasks: %s", exc)
+            self._undecoded.append(record)
+            self._registry_retry_at = time.monotonic() + 1.0
+            return
+        if spec.upcaster is not None:
+            try:
+                payload = spec.upcaster(payload, schema_id)
+            except Exception as exc:  # an upcaster that raises rejects the payload
+                error_type = f"{type(exc).__module__}.{type(exc).__name__}"
+                self._dead_letter_raw(record, f"upcaster failed: {exc}", error_type, 0)
+                return
+        task = _Task(record, envelope, spec, payload, self._generation.get(record.tp, 0))
+        self._scheduler.push(tier or envelope.priority, task)
+
+    def _flow_control(self) -> None:
+        """Pause the partitions of saturated tiers, resume the others (bounded memory, no starvation)."""
+        assert self._source is not None
+        to_pause, to_resume = [], []
+        # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
+        # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
+        full = len(self._scheduler) + len(self._held) >= self.config.buffer_capacity
+        held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
+        for tp in self._assigned:
+            tier = self.topics.priority_of(tp[0])
+            if tier is None:
+                continue
+            over = full and held[tier] + self._scheduler.depth(tier) >= self._scheduler.reserve(tier)
+            if self._scheduler.saturated(tier) or over or self._stop.is_set():
+                if tp not in self._paused:
+                    to_pause.append(tp)
+            elif tp in self._paused or tp in self._fresh:
+                to_resume.append(tp)
+        self._source.pause(to_pause)
+        self._source.resume(to_resume)
+        self._paused |= set(to_pause)
+        self._paused -= set(to_resume)
+        self._fresh.clear()
+
+    def _release_held(self) -> None:
+        now = time.monotonic()
+        due = [h for h in self._held if h.due <= now]
+        if not due:
+            return
+        self._held = [h for h in self._held if h.due > now]
+        for h in due:
+            self._claim_and_run([h.task])
+
+    def _dispatch(self) -> None:
+        free = self.executor.free_slots()
+        batch: list[_Task] = []
+        while len(batch) < free:
+            task = self._scheduler.pop()
+            if task is None:
+                break
+            batch.append(task)
+        if batch:
+            self._claim_and_run(batch)
+
+    def _lease_seconds(self, task: _Task) -> float:
+        timeout = task.spec.timeout or task.envelope.timeout
+        # A lease outlives the attempt it covers; past it another worker may take the key over.
+        return timeout * 1.5 + 5 if timeout else self.config.default_lease
+
+    def _claim_and_run(self, batch: list[_Task]) -> None:
+        """Claim the batch's keys in one round trip, then run, skip or hold each task."""
+        try:
+            claims = self.store.claim(
+                [
+                    ClaimRequest(
+                        t.envelope.idempotency_key,
+                        t.envelope.task_id,
+                        t.envelope.task_type,
+                        self._lease_seconds(t),
+                    )
+                    for t in batch
+                ]
+            )
+        except StoreUnavailableError as exc:
+            log.warning("store unavailable, holding %d task(s): %s", len(batch), exc)
+            self._held.extend(_Held(t, time.monotonic() + 1.0) for t in batch)
+            return
+        for task, claim in zip(batch, claims, strict=True):
+            self._handle_claim(task, claim)
+
+    def _handle_claim(self, task: _Task, claim: Claim) -> None:
+        if claim.outcome == "completed":
+            metrics.DUPLICATES.labels(task.envelope.task_type).inc()
+            self._emit("duplicate", {"task_id": task.envelope.task_id, "key": task.envelope.idempotency_key})
+            self._done(task)
+            return
+        if claim.outcome in ("running", "duplicate"):
+            # Leased by a live worker (or a copy in this batch): look again soon, at latest when it expires.
+            self._held.append(_Held(task, time.monotonic() + max(0.2, min(claim.lease_left, 1.0))))
+            return
+        task.attempts = claim.attempts
+        max_attempts = task.envelope.max_attempts or task.spec.policy.max_attempts
+        if task.attempts > max_attempts:
+            # A poison pill: earlier attempts never reported (they killed their worker). Never run it again.
+            self._finish_dead(
+                task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill"
+            )
+            return
+        self._start(task)
+
+    def _start(self, task: _Task) -> None:
+        env = task.envelope
+        headers = {k: v for k, v in task.record.headers}
+        ctx = TaskContext(
+            task_id=env.task_id,
+            task_type=env.task_type,
+            attempt=task.attempts,
+            max_attempts=env.max_attempts or task.spec.policy.max_attempts,
+            idempotency_key=env.idempotency_key,
+            priority=env.priority,
+            headers=headers,
+            logger=logging.getLogger(f"taskq.task.{env.task_type}"),
+        )
+        call = None
+        if task.spec.transactional:
+            spec, store = task.spec, self.store
+
+            def call() -> Any:
+                with store.transaction(env.idempotency_key, task.attempts) as conn:
+                    ctx.db = conn
+                    result = spec.fn(task.payload, ctx)
+                task.recorded = True
+                return result
+
+        timeout = task.spec.timeout or env.timeout
+        self._running[id(task)] = task
+        metrics.STARTED.labels(env.task_type).inc()
+        self._emit(
+            "started_task", {"task_id": env.task_id, "key": env.idempotency_key, "attempt": task.attempts}
+        )
+        self.executor.submit(
+            Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call),
+            lambda outcome: self._outcomes.put((task, outcome)),
+        )
+
+    def _collect(self, block: float) -> None:
+        """Turn reported outcomes into records to write (batched by _record_finished)."""
+        deadline = time.monotonic() + block
+        while True:
+            try:
+                remaining = deadline - time.monotonic()
+                task, outcome = (
+                    self._outcomes.get(timeout=remaining) if remaining > 0 else self._outcomes.get_nowait()
+                )
+            except queue.Empty:
+                return
+            self._running.pop(id(task), None)
+            self._outcome(task, outcome)
+            block = 0.0
+            deadline = time.monotonic()
+
+    def _outcome(self, task: _Task, outcome: Outcome) -> None:
+        env, spec = task.envelope, task.spec
+        metrics.PROCESSING.labels(env.task_type).observe(outcome.seconds)
+        if outcome.ok:
+            metrics.SUCCEEDED.labels(env.task_type).inc()
+            metrics.END_TO_END.labels(env.task_type).observe(
+                max(0.0, (datetime.now(UTC) - env.enqueued_at).total_seconds())
+            )
+            if task.recorded:
+                self._done(task)
+                self._emit("completed", {"task_id": env.task_id, "key": env.idempotency_key})
+            else:
+                self._finished.append(
+                    (task, Finished(env.idempotency_key, task.attempts, "completed", result=outcome.result))
+                )
+            return
+        metrics.FAILED.labels(env.task_type).inc()
+        error = outcome.error or Exception(outcome.message)
+        if isinstance(error, TaskFailed) and isinstance(error.__cause__, Exception):
+            error = error.__cause__  # a process-isolated handler's own exception, when it survived pickling
+        if isinstance(error, LeaseLostError):
+            log.warning("task %s: %s", env.task_id, error)
+            self._done(task)  # the worker that took the lease over decides this key
+            return
+        message = f"{outcome.error_type}: {outcome.message}"
+        self._emit("failed", {"task_id": env.task_id, "key": env.idempotency_key, "error": message})
+        policy = spec.policy
+        if env.max_attempts is not None:
+            policy = replace(policy, max_attempts=env.max_attempts)
+        delay = None if isinstance(error, Reject) else policy.next_delay(task.attempts, error)
+        if delay is None:
+            reason = (
+                "rejected by handler" if isinstance(error, Reject) else f"failed {task.attempts} attempt(s)"
+            )
+            self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
+            return
+        now = datetime.now(UTC)
+        out = retry_record(
+            task.record,
+            replace(env, attempt=task.attempts),
+            delay,
+            self.topics,
+            self.settings.delay_tiers,
+            now,
+        )
+        metrics.RETRIED.labels(env.task_type).inc()
+        self._finished.append((task, Finished(env.idempotency_key, task.attempts, "failed", error=message)))
+        self._publish(task, out)
+
+    def _finish_dead(self, task: _Task, reason: str, error_type: str, traceback: str = "") -> None:
+        out = dead_letter_record(
+            task.record,
+            reason=reason,
+            error_type=error_type,
+            traceback=traceback,
+            attempts=task.attempts,
+            worker_id=self.worker_id,
+            topics=self.topics,
+        )
+        metrics.DEAD_LETTERED.labels(error_type.rsplit(".", 1)[-1][:40]).inc()
+        self._emit(
+            "dead_lettered",
+            {"task_id": task.envelope.task_id, "key": task.envelope.idempotency_key, "reason": reason},
+        )
+        self._finished.append(
+            (task, Finished(task.envelope.idempotency_key, task.attempts, "dead", error=reason))
+        )
+        self._publish(task, out)
+
+    def _dead_letter_raw(self, record: Record, reason: str, error_type: str, attempts: int) -> None:
+        """Input that never becomes a task: straight to the DLQ, offset done once the broker has it."""
+        log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
+        metrics.DEAD_LETTERED.labels(error_type.rsplit(".", 1)[-1][:40]).inc()
+        self._emit("dead_lettered", {"topic": record.topic, "offset": record.offset, "reason": reason})
+        out = dead_letter_record(
+            record,
+            reason=reason,
+            error_type=error_type,
+            traceback="",
+            attempts=attempts,
+            worker_id=self.worker_id,
+            topics=self.topics,
+        )
+        generation = self._generation.get(record.tp, 0)
+        self._send(out, lambda: self._offset_done(record, generation))
+
+    def _publish(self, task: _Task, out: Outgoing) -> None:
+        # Delivery guarantee: the offset is done only when the broker acknowledged the retry/DLQ record.
+        self._send(out, lambda: self._done(task))
+
+    def _send(self, out: Outgoing, on_acked: Callable[[], None]) -> None:
+        def delivered(err: str | None, _: Record | None) -> None:
+            if err is not None:
+                log.error("publishing to %s failed (%s); sending again", out.topic, err)
+                self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
+                return
+            on_acked()
+
+        self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
+
+    def _record_finished(self) -> None:
+        """Write completions and failures in one round trip; completed tasks' offsets become committable."""
+        if not self._finished:
+            return
+        batch, self._finished = self._finished, []
+        try:
+            lost = self.store.finish([f for _, f in batch])
+        except StoreUnavailableError as exc:
+            log.warning("store unavailable, will record %d outcome(s) again: %s", len(batch), exc)
+            self._finished = batch + self._finished
+            return
+        for task, fin in batch:
+            if fin.idempotency_key in lost:
+                log.warning("lease of %s was taken over; its outcome was not recorded", fin.idempotency_key)
+            if fin.state == "completed":
+                self._done(task)
+                self._emit("completed", {"task_id": task.envelope.task_id, "key": fin.idempotency_key})
+            # failed/dead: the offset waits for the retry/DLQ record's acknowledgement (_publish)
+
+    def _done(self, task: _Task) -> None:
+        self._offset_done(task.record, task.generation)
+
+    def _offset_done(self, record: Record, generation: int) -> None:
+        if self._generation.get(record.tp) == generation and record.tp in self._assigned:
+            self._tracker.done(record.tp, record.offset)
+
+    def _commit(self, tps: set[TP] | None = None) -> None:
+        assert self._source is not None
+        offsets = self._tracker.committable()
+        if tps is not None:
+            offsets = {tp: o for tp, o in offsets.items() if tp in tps}
+        self._last_commit = time.monotonic()
+        if not offsets:
+            return
+        try:
+            self._source.commit(offsets)
+        except TaskqError as exc:
+            log.warning("commit failed, will retry: %s", exc)
+            return
+        self._tracker.mark_committed(offsets)
+        self._emit("committed", {"offsets": offsets})
+
+    def _observe(self) -> None:
+        metrics.IN_FLIGHT.set(len(self._running))
+        metrics.SLOT_UTILISATION.set(self.executor.running() / self.config.concurrency)
+        for p in PRIORITIES:
+            metrics.BUFFERED.labels(p).set(self._scheduler.depth(p))
+        now = time.monotonic()
+        if self._source is not None and now - self._last_lag >= 5.0:
+            self._last_lag = now
+            lag = dict.fromkeys(PRIORITIES, 0)
+            for tp, n in self._source.lag().items():
+                tier = self.topics.priority_of(tp[0])
+                if tier is not None:
+                    lag[tier] += n
+            for tier, n in lag.items():
+                metrics.LAG.labels(tier).set(n)
+
+    # ---------------------------------------------------------------------------------------- rebalances
+    def _assigned_cb(self, tps: list[TP]) -> None:
+        """Start newly assigned partitions from a clean slate; partitions kept through the rebalance are
+        not in `tps` (incremental assignment) and keep their buffered, held and running work."""
+        self._tracker.forget(tps)  # the partition is read again from its committed offset
+        for tp in tps:
+            self._generation[tp] = self._generation.get(tp, 0) + 1
+            self._assigned.add(tp)
+            self._paused.discard(tp)
+        # librdkafka keeps a partition's pause across revoke and re-assign: one paused before it was revoked
+        # (or lost) comes back paused. Flow control resumes fresh partitions explicitly, or they would stall.
+        self._fresh |= set(tps)
+        log.info("assigned %s", ", ".join(f"{t}[{p}]" for t, p in tps))
+        self._emit("assigned", {"partitions": tps})
+
+    def _revoked_cb(self, tps: list[TP]) -> None:
+        """Finish in-flight tasks of revoked partitions within a bound, commit, and drop their buffers."""
+        # Only the revoked partitions' work is dropped: retained partitions keep their buffered, held,
+        # undecoded and running tasks, their pending offsets and their pause state (invariant 8).
+        revoked = set(tps)
+        dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
+        self._held = [h for h in self._held if h.task.record.tp not in revoked]
+        self._undecoded = [r for r in self._undecoded if r.tp not in revoked]
+        deadline = time.monotonic() + self.config.revoke_timeout
+        while time.monotonic() < deadline and any(t.record.tp in revoked for t in self._running.values()):
+            self._collect(block=0.1)
+            self._record_finished()
+            self._sink.poll(0.01)
+        self._record_finished()
+        self._sink.flush(5.0)
+        try:
+            self._commit(revoked)
+        except Exception as exc:  # a lost partition cannot be committed; its new owner redoes the rest
+            log.warning("commit on revoke failed: %s", exc)
+        self._tracker.forget(revoked)
+        for tp in revoked:
+            self._assigned.discard(tp)
+            self._paused.discard(tp)
+            self._generation[tp] = self._generation.get(tp, 0) + 1
+        log.info(
+            "revoked %s (%d buffered task(s) dropped)", ", ".join(f"{t}[{p}]" for t, p in tps), len(dropped)
+        )
+        self._emit("revoked", {"partitions": tps, "dropped": len(dropped)})
+
+    # ------------------------------------------------------------------------------------------ shutdown
+    def _shutdown(self) -> None:
+        """Stop fetching, let in-flight tasks finish up to the timeout, record, commit, leave the group."""
+        assert self._source is not None
+        self._source.pause(list(self._assigned))
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        while self._running and time.monotonic() < deadline:
+            self._collect(block=0.1)
+            self._record_finished()
+            self._sink.poll(0.01)
+            self.heartbeat.beat()
+        self._record_finished()
+        self._sink.flush(10.0)
+        self._commit()
+        abandoned = list(self._running.values())
+        if abandoned:
+            # Their attempts end with this process: free the keys now rather than at lease expiry.
+            log.warning(
+                "shutting down with %d task(s) unfinished; they will run again elsewhere", len(abandoned)
+            )
+            try:
+                self.store.finish(
+                    [
+                        Finished(t.envelope.idempotency_key, t.attempts, "failed", error="worker shut down")
+                        for t in abandoned
+                    ]
+                )
+            except StoreUnavailableError as exc:
+                log.warning("could not free unfinished keys (their leases will expire): %s", exc)

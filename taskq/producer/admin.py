@@ -1,0 +1,30 @@
+"""Provisioning: the priority, delay-tier and DLQ topics of a namespace."""
+
+from __future__ import annotations
+
+from taskq._core.envelope import Topics
+from taskq._core.kafka import Admin, TopicSpec
+from taskq._core.settings import Settings
+
+#: DLQ records wait for an operator: keep them 30 days (overridable).
+DLQ_RETENTION_MS = 30 * 24 * 3600 * 1000
+
+
+def topic_specs(settings: Settings, *, partitions: int = 6, replication: int = 1) -> list[TopicSpec]:
+    """Every topic a namespace needs."""
+    if partitions < 1 or replication < 1:
+        raise ValueError(f"partitions and replication must be >= 1, got {partitions} and {replication}")
+    topics = Topics(settings.namespace, settings.delay_tiers)
+    # min.insync.replicas below replication keeps acks=all writable with one broker down.
+    config = {"min.insync.replicas": str(max(1, min(2, replication - 1)))}
+    specs = [TopicSpec(t, partitions, replication, config) for t in topics.priority_topics]
+    specs += [TopicSpec(t, partitions, replication, config) for t in topics.delay_topics]
+    specs.append(TopicSpec(topics.dlq, 1, replication, {**config, "retention.ms": str(DLQ_RETENTION_MS)}))
+    return specs
+
+
+def create_topics(settings: Settings, *, partitions: int = 6, replication: int = 1) -> dict[str, bool]:
+    """Create the namespace's topics that are missing (idempotent); returns topic -> created now."""
+    return Admin(settings).create_topics(
+        topic_specs(settings, partitions=partitions, replication=replication)
+    )

@@ -1,0 +1,193 @@
+"""Avro payloads in the Confluent wire format: magic byte 0, 4-byte big-endian schema id, Avro body."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import fastavro
+import fastavro.validation
+from fastavro.types import Schema as ParsedSchema
+
+from taskq.schemas.errors import DecodeError, PayloadValidationError, SchemaFileError
+
+_HEADER = struct.Struct(">bI")
+MAGIC = 0
+
+__all__ = [
+    "MAGIC",
+    "ParsedSchema",
+    "canonical_json",
+    "decode",
+    "encode",
+    "frame",
+    "full_name",
+    "load_schema",
+    "parse",
+    "split_frame",
+    "validate",
+]
+
+
+def load_schema(path: str | Path) -> dict[str, Any]:
+    """Read an .avsc file; SchemaFileError names the file and the problem."""
+    p = Path(path)
+    try:
+        schema = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SchemaFileError(f"cannot read schema file {p}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise SchemaFileError(f"schema file {p} is not JSON: {exc}") from exc
+    parse(schema, source=str(p))
+    if not isinstance(schema, dict) or schema.get("type") != "record":
+        raise SchemaFileError(f"schema file {p} must hold an Avro record (a task type is a record)")
+    return schema
+
+
+def parse(schema: Mapping[str, Any] | str, *, source: str = "schema") -> ParsedSchema:
+    """Parse an Avro schema (a dict or its JSON text) with fastavro."""
+    try:
+        raw = json.loads(schema) if isinstance(schema, str) else dict(schema)
+        return fastavro.parse_schema(raw)
+    except (
+        json.JSONDecodeError,
+        fastavro.schema.SchemaParseException,
+        ValueError,
+        KeyError,
+        TypeError,
+    ) as exc:
+        raise SchemaFileError(f"{source} is not a valid Avro schema: {exc}") from exc
+
+
+def full_name(schema: Mapping[str, Any] | str) -> str:
+    """The full name (namespace.name) of a record schema: a task type and its registry subject."""
+    s = json.loads(schema) if isinstance(schema, str) else schema
+    name = str(s.get("name", ""))
+    ns = s.get("namespace")
+    return name if "." in name or not ns else f"{ns}.{name}"
+
+
+def canonical_json(schema: Mapping[str, Any] | str) -> str:
+    """The schema as compact JSON text, as sent to the registry."""
+    s = json.loads(schema) if isinstance(schema, str) else schema
+    return json.dumps(s, separators=(",", ":"), sort_keys=False)
+
+
+def validate(parsed: ParsedSchema, payload: Any, *, task_type: str = "") -> None:
+    """Check a payload against a parsed schema; PayloadValidationError names the field and the problem."""
+    label = task_type or "task"
+    if isinstance(parsed, dict) and parsed.get("type") == "record" and not isinstance(payload, Mapping):
+        raise PayloadValidationError(
+            f"invalid payload for {label}: expected an object (mapping), got {type(payload).__name__}",
+            task_type=task_type,
+        )
+    named = parsed.get("__named_schemas", {}) if isinstance(parsed, dict) else {}
+    problem = _record_problem(parsed, payload, "", named)
+    if problem is not None:
+        field, text = problem
+        raise PayloadValidationError(f"invalid payload for {label}: {text}", task_type=task_type, field=field)
+    try:
+        fastavro.validation.validate(payload, parsed, raise_errors=True, strict=True)
+    except fastavro.validation.ValidationError as exc:
+        problems = list(exc.errors) if getattr(exc, "errors", None) else []
+        first = problems[0] if problems else None
+        field = str(getattr(first, "field", "") or "")
+        root = parsed.get("name", "") if isinstance(parsed, dict) else ""
+        if root and field.startswith(root + "."):
+            field = field[len(root) + 1 :]
+        if first is not None and hasattr(first, "datum"):
+            # A union reports one problem per branch: the value is expected to be any of them.
+            expected = [_type_label(p.schema) for p in problems if getattr(p, "field", None) == first.field]
+            alternatives = " or ".join(dict.fromkeys(expected))
+            problem_text = f"field {field!r} is {first.datum!r}, expected {alternatives}"
+        else:
+            problem_text = str(exc).strip()
+        raise PayloadValidationError(
+            f"invalid payload for {label}: {problem_text}", task_type=task_type, field=field
+        ) from None
+
+
+def _record_problem(schema: Any, value: Any, path: str, named: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(field path, problem) for the first unknown or missing field of a record, at any depth; else None."""
+    if isinstance(schema, str):
+        schema = named.get(schema, schema)
+    if isinstance(schema, list):  # a union: look into the one record branch a mapping can be
+        branches = [named.get(b, b) if isinstance(b, str) else b for b in schema]
+        records = [s for s in branches if isinstance(s, dict) and s.get("type") == "record"]
+        return _record_problem(records[0], value, path, named) if len(records) == 1 else None
+    if not isinstance(schema, dict):
+        return None
+    kind = schema.get("type")
+    if kind == "array" and isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := _record_problem(schema["items"], item, f"{path}[{i}]", named)) is not None:
+                return found
+    elif kind == "map" and isinstance(value, Mapping):
+        for k, item in value.items():
+            if (found := _record_problem(schema["values"], item, f"{path}[{k!r}]", named)) is not None:
+                return found
+    elif kind == "record" and isinstance(value, Mapping):
+        fields = {f["name"]: f for f in schema["fields"]}
+        # Unknown keys would be dropped silently by the Avro writer: losing data the caller meant to send.
+        for name in value:
+            if name not in fields:
+                where = f"{path}.{name}" if path else str(name)
+                return where, f"field {where!r} is not in the schema (fields: {', '.join(fields)})"
+        for name, f in fields.items():
+            where = f"{path}.{name}" if path else name
+            if name not in value:
+                if "default" not in f:
+                    return where, f"required field {where!r} is missing"
+            elif (found := _record_problem(f["type"], value[name], where, named)) is not None:
+                return found
+    return None
+
+
+def _type_label(schema: Any) -> str:
+    if isinstance(schema, list):
+        return " or ".join(_type_label(s) for s in schema)
+    if isinstance(schema, dict):
+        return str(schema.get("logicalType") or schema.get("name") or schema.get("type"))
+    return str(schema)
+
+
+def encode(parsed: ParsedSchema, payload: Any) -> bytes:
+    """The Avro binary body of a payload (no framing); the payload must be valid."""
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, parsed, payload)
+    return buf.getvalue()
+
+
+def frame(schema_id: int, body: bytes) -> bytes:
+    """Prefix an Avro body with the Confluent magic byte and schema id."""
+    return _HEADER.pack(MAGIC, schema_id) + body
+
+
+def split_frame(value: bytes | None) -> tuple[int, bytes]:
+    """The schema id and Avro body of a Confluent-framed value; DecodeError for anything else."""
+    if value is None:
+        raise DecodeError("the record has no value (a tombstone), not a Confluent-framed Avro payload")
+    if len(value) < _HEADER.size:
+        raise DecodeError(f"value of {len(value)} bytes is too short for the Confluent wire format")
+    magic, schema_id = _HEADER.unpack_from(value)
+    if magic != MAGIC:
+        raise DecodeError(f"value starts with byte {magic & 0xFF:#04x}, not the Confluent magic byte 0x00")
+    return schema_id, value[_HEADER.size :]
+
+
+def decode(body: bytes, writer: ParsedSchema, reader: ParsedSchema | None = None) -> Any:
+    """Decode an Avro body written with `writer` into `reader` (Avro schema resolution)."""
+    buf = io.BytesIO(body)
+    try:
+        datum = fastavro.schemaless_reader(buf, writer, reader)
+    except fastavro.read.SchemaResolutionError as exc:
+        raise DecodeError(f"payload cannot be resolved into the reader schema: {exc}") from exc
+    except (EOFError, ValueError, IndexError, UnicodeDecodeError, struct.error, OverflowError) as exc:
+        raise DecodeError(f"Avro body does not match its writer schema: {type(exc).__name__}: {exc}") from exc
+    if buf.tell() != len(body):
+        raise DecodeError(f"Avro body has {len(body) - buf.tell()} trailing bytes after the record")
+    return datum

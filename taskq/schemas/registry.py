@@ -1,0 +1,203 @@
+"""The one module that talks to the schema registry (Confluent REST API, e.g. Apicurio ccompat)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+from taskq.schemas import avro
+from taskq.schemas.errors import (
+    IncompatibleSchemaError,
+    RegistryUnavailableError,
+    SchemaError,
+    SchemaNotFoundError,
+)
+
+T = TypeVar("T")
+#: Packages whose exceptions mean the HTTP transport failed (confluent-kafka's client has used each).
+_TRANSPORT_MODULES = frozenset({"httpx", "httpx2", "httpcore", "requests", "urllib3"})
+#: Confluent error codes meaning "no such subject / version / schema".
+_NOT_FOUND = {40401, 40402, 40403, 404}
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredSchema:
+    """One version of a subject: its registry id, version number and parsed Avro schema."""
+
+    subject: str
+    schema_id: int
+    version: int
+    schema: dict[str, Any]
+    parsed: avro.ParsedSchema
+
+
+class Registry:
+    """A small client for the registry: register, look up by subject or id, check compatibility; cached."""
+
+    def __init__(
+        self, url: str, *, config: Mapping[str, Any] | None = None, latest_ttl: float = 30.0
+    ) -> None:
+        self.url = url
+        self._client = SchemaRegistryClient({"url": url, **(config or {})})
+        self._latest_ttl = latest_ttl
+        self._lock = threading.Lock()
+        self._by_id: dict[int, avro.ParsedSchema] = {}
+        self._latest: dict[str, tuple[float, RegisteredSchema]] = {}
+
+    def close(self) -> None:
+        """Close the HTTP connections."""
+        self._client.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except SchemaRegistryError as exc:
+            if exc.error_code in _NOT_FOUND or exc.http_status_code == 404:
+                raise SchemaNotFoundError(f"{what}: {exc.error_message}") from exc
+            if exc.http_status_code == 409 or exc.error_code == 409:
+                raise IncompatibleSchemaError(f"{what}: {exc.error_message}") from exc
+            if exc.http_status_code >= 500 or exc.http_status_code < 0:
+                raise RegistryUnavailableError(
+                    f"{what}: registry at {self.url} failed: {exc.error_message}"
+                ) from exc
+            raise SchemaError(f"{what}: {exc.error_message} (HTTP {exc.http_status_code})") from exc
+        except (OSError, ConnectionError, TimeoutError) as exc:
+            raise RegistryUnavailableError(f"{what}: registry at {self.url} unreachable: {exc}") from exc
+        except Exception as exc:  # the client raises its HTTP library's own errors for transport failures
+            if type(exc).__module__.split(".")[0] in _TRANSPORT_MODULES:
+                raise RegistryUnavailableError(f"{what}: registry at {self.url} unreachable: {exc}") from exc
+            raise
+
+    def register(
+        self, schema: Mapping[str, Any], *, compatibility: str | None = "BACKWARD"
+    ) -> RegisteredSchema:
+        """Register a record schema under its full name; IncompatibleSchemaError if the registry refuses."""
+        subject = avro.full_name(schema)
+        avro.parse(schema, source=f"schema of {subject}")
+        if compatibility:
+            self._ensure_compatibility(subject, compatibility)
+        text = avro.canonical_json(schema)
+        rs = self._call(
+            f"registering {subject}",
+            lambda: self._client.register_schema_full_response(subject, Schema(text, "AVRO")),
+        )
+        looked = self._call(
+            f"looking up {subject}", lambda: self._client.lookup_schema(subject, Schema(text, "AVRO"))
+        )
+        with self._lock:
+            self._latest.pop(subject, None)
+        return self._registered(subject, _int(rs.schema_id or looked.schema_id), _int(looked.version), text)
+
+    def _ensure_compatibility(self, subject: str, level: str) -> None:
+        try:
+            current = self._call(
+                f"reading compatibility of {subject}", lambda: self._client.get_compatibility(subject)
+            )
+        except SchemaNotFoundError:
+            current = None
+        if current != level:
+            self._call(
+                f"setting compatibility of {subject}",
+                lambda: self._client.set_compatibility(subject_name=subject, level=level),
+            )
+
+    def check(self, schema: Mapping[str, Any]) -> bool:
+        """Whether the schema may become the next version of its subject (True for a new subject)."""
+        subject = avro.full_name(schema)
+        text = avro.canonical_json(schema)
+        try:
+            return bool(
+                self._call(
+                    f"checking {subject}",
+                    lambda: self._client.test_compatibility(subject, Schema(text, "AVRO")),
+                )
+            )
+        except SchemaNotFoundError:
+            return True
+
+    def latest(self, subject: str) -> RegisteredSchema:
+        """The latest version of a subject, cached for a short while; SchemaNotFoundError if unregistered."""
+        now = time.monotonic()
+        with self._lock:
+            hit = self._latest.get(subject)
+        if hit and now - hit[0] < self._latest_ttl:
+            return hit[1]
+        rs = self._call(f"looking up task type {subject}", lambda: self._client.get_latest_version(subject))
+        reg = self._registered(subject, _int(rs.schema_id), _int(rs.version), rs.schema.schema_str or "")
+        with self._lock:
+            self._latest[subject] = (now, reg)
+        return reg
+
+    def lookup(self, schema: Mapping[str, Any]) -> RegisteredSchema:
+        """The registered version identical to this schema; SchemaNotFoundError if it was never registered."""
+        subject = avro.full_name(schema)
+        text = avro.canonical_json(schema)
+        rs = self._call(
+            f"looking up {subject}", lambda: self._client.lookup_schema(subject, Schema(text, "AVRO"))
+        )
+        return self._registered(subject, _int(rs.schema_id), _int(rs.version), text)
+
+    def cached(self, schema_id: int) -> avro.ParsedSchema | None:
+        """The parsed schema of an id if this client already has it, without asking the registry."""
+        with self._lock:
+            return self._by_id.get(schema_id)
+
+    def by_id(self, schema_id: int) -> avro.ParsedSchema:
+        """The parsed writer schema of a registry id (ids never change, so cached forever)."""
+        with self._lock:
+            hit = self._by_id.get(schema_id)
+        if hit is not None:
+            return hit
+        s = self._call(f"fetching schema id {schema_id}", lambda: self._client.get_schema(schema_id))
+        parsed = avro.parse(s.schema_str or "", source=f"schema id {schema_id}")
+        with self._lock:
+            self._by_id[schema_id] = parsed
+        return parsed
+
+    def delete_subject(self, subject: str) -> None:
+        """Delete a subject and all its versions for good (soft delete, then permanent)."""
+        def delete(permanent: bool) -> list[int]:
+            return list(self._client.delete_subject(subject, permanent=permanent))
+
+        for permanent in (False, True):
+            try:
+                self._call(f"deleting {subject}", lambda: delete(permanent))  # noqa: B023 - called at once
+            except SchemaNotFoundError:
+                if permanent:
+                    return
+        with self._lock:
+            self._latest.pop(subject, None)
+
+    def subjects(self) -> list[str]:
+        """Every subject in the registry."""
+        return list(self._call("listing subjects", self._client.get_subjects))
+
+    def versions(self, subject: str) -> list[int]:
+        """The version numbers of a subject."""
+        return list(self._call(f"listing versions of {subject}", lambda: self._client.get_versions(subject)))
+
+    def _registered(self, subject: str, schema_id: int, version: int, text: str) -> RegisteredSchema:
+        parsed = avro.parse(text, source=f"{subject} v{version}")
+        with self._lock:
+            self._by_id.setdefault(schema_id, parsed)
+        return RegisteredSchema(subject, schema_id, version, json.loads(text), parsed)
+
+
+def _int(value: int | None) -> int:
+    # The client types ids and versions as optional; a registry answer without them is malformed.
+    if value is None:
+        raise SchemaError("the registry answered without a schema id or version")
+    return value

@@ -1,0 +1,64 @@
+"""One import name: the public API of `taskq`, imported lazily, so each kind of process loads only its part."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import taskq
+import taskq.schemas
+from tests.conftest import REPO
+
+
+def loaded_after(code: str) -> set[str]:
+    """Modules of taskq and its drivers that a fresh interpreter has loaded after running `code`."""
+    probe = (
+        f"{code}\nimport json, sys\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('taskq', 'psycopg', 'confluent_kafka', 'prometheus_client'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True, timeout=60
+    )
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+@pytest.mark.parametrize("package", [taskq, taskq.schemas])
+def test_every_public_name_resolves_from_its_module(package: object) -> None:
+    exports = package._EXPORTS  # type: ignore[attr-defined]
+    assert set(package.__all__) - {"__version__"} == set(exports)  # type: ignore[attr-defined]
+    for name, module in exports.items():
+        value = getattr(package, name)
+        assert value is getattr(sys.modules[module], name)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        package.Nope  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_the_version_is_a_string() -> None:
+    assert isinstance(taskq.__version__, str) and taskq.__version__.count(".") == 2
+
+
+def test_importing_taskq_loads_nothing_until_a_name_is_used() -> None:
+    assert loaded_after("import taskq") == {"taskq", "taskq._core", "taskq._core.lazy"}
+
+
+def test_a_producer_only_service_loads_no_worker_code() -> None:
+    for code in ("import taskq.producer", "import taskq; taskq.TaskProducer; taskq.TaskqError"):
+        loaded = loaded_after(code)
+        assert "taskq.producer.producer" in loaded
+        assert not {m for m in loaded if m.startswith("taskq.consumer")}, (code, sorted(loaded))
+
+
+def test_a_handler_module_loads_no_worker_loop_and_no_drivers() -> None:
+    loaded = loaded_after("from taskq import Handlers, Reject, Retry, TaskContext")
+    assert "taskq.consumer.handlers" in loaded
+    for module in ("taskq.consumer.worker", "taskq.consumer.executor", "psycopg", "confluent_kafka"):
+        assert module not in loaded, sorted(loaded)
+
+
+def test_the_enqueue_command_loads_no_worker_code() -> None:
+    loaded = loaded_after("import taskq.cli")
+    assert not {m for m in loaded if m.startswith("taskq.consumer")}, sorted(loaded)
