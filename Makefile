@@ -19,7 +19,7 @@ help:
 	@echo "make stack-status  show what runs"
 	@echo "make test          venv + stack + pytest tests   (PYTEST_ARGS=... to pass more)"
 	@echo "make demo          venv + stack + python -m taskq.demo"
-	@echo "make lint          ruff check + mypy over taskq"
+	@echo "make lint          ruff check + mypy over taskq and compose/_stack.py"
 	@echo "make bench         venv + stack + taskq bench produce"
 
 # The stamp is rebuilt whenever pyproject.toml changes, so new dependencies get installed.
@@ -53,8 +53,8 @@ bench: $(VENV)/.installed
 	stack_env="$$($(STACK) up)"; eval "$$stack_env"; $(VENV)/bin/taskq bench produce
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check taskq
-	$(VENV)/bin/mypy taskq
+	$(VENV)/bin/ruff check taskq compose/_stack.py compose/stack
+	$(VENV)/bin/mypy taskq compose/_stack.py
 
 clean-venv:
 	rm -rf $(VENV)

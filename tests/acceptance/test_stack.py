@@ -66,3 +66,10 @@ def test_status_of_a_stack_that_never_ran(tmp_path: Path) -> None:
     assert all(
         f"{name}" in done.stdout and "stopped" in done.stdout for name in ("postgres", "kafka", "registry")
     )
+
+
+def test_a_bad_setting_is_named(tmp_path: Path) -> None:
+    done = _stack(tmp_path, "env", TASKQ_STACK_TIMEOUT="soon")
+    assert done.returncode == 1
+    assert "TASKQ_STACK_TIMEOUT='soon'" in done.stderr, done.stderr
+    assert done.stdout == ""

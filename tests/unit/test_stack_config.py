@@ -1,0 +1,148 @@
+"""compose/_stack.py reads its environment in `main` (StackConfig.from_env), never at import."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.conftest import REPO
+
+SOURCE = REPO / "compose" / "_stack.py"
+
+BOGUS = {
+    "TASKQ_STACK_DIR": "/nonexistent/bogus-state",
+    "TASKQ_STACK_TIMEOUT": "not-a-number",
+    "TASKQ_STACK_KAFKA_PORT": "not-a-port",
+    "TASKQ_STACK_KAFKA_CONTROLLER_PORT": "not-a-port",
+    "TASKQ_STACK_REGISTRY_PORT": "not-a-port",
+    "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT": "not-a-port",
+    "TASKQ_STACK_POSTGRES_PORT": "not-a-port",
+}
+
+PORTS = {
+    "TASKQ_STACK_KAFKA_PORT": "29092",
+    "TASKQ_STACK_KAFKA_CONTROLLER_PORT": "29093",
+    "TASKQ_STACK_REGISTRY_PORT": "28081",
+    "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT": "28082",
+    "TASKQ_STACK_POSTGRES_PORT": "25432",
+}
+
+
+class _NoEnviron(Mapping[str, str]):
+    """Stands in for os.environ: any read fails the test."""
+
+    def __getitem__(self, key: str) -> str:
+        raise AssertionError(f"os.environ[{key!r}] read at import")
+
+    def __iter__(self) -> Iterator[str]:
+        raise AssertionError("os.environ iterated at import")
+
+    def __len__(self) -> int:
+        raise AssertionError("len(os.environ) at import")
+
+
+def _load(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SOURCE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look the module up while building classes
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def stack(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return _load(monkeypatch, "_stack_under_test")
+
+
+def test_importing_with_bogus_settings_does_not_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in BOGUS.items():
+        monkeypatch.setenv(name, value)
+    module = _load(monkeypatch, "_stack_bogus")
+    for old_global in ("STATE", "CACHE", "LOGS", "RUN", "TIMEOUT"):
+        assert not hasattr(module, old_global)
+    with pytest.raises(module.StackError, match="TASKQ_STACK_TIMEOUT='not-a-number'"):
+        module.StackConfig.from_env(os.environ)
+
+
+def test_importing_reads_no_environment(monkeypatch: pytest.MonkeyPatch, stack: ModuleType) -> None:
+    # `stack` has loaded the module once, so its standard-library imports are cached; load it again with
+    # an os.environ that fails on any read.
+    with monkeypatch.context() as m:
+        m.setattr(os, "environ", _NoEnviron())
+        module = _load(m, "_stack_no_environ")
+    assert callable(module.main)
+
+
+def test_config_comes_from_the_mapping_given(tmp_path: Path, stack: ModuleType) -> None:
+    environ = {
+        **PORTS,
+        "TASKQ_STACK_DIR": str(tmp_path / "state"),
+        "TASKQ_STACK_TIMEOUT": "7.5",
+        "TASKQ_STACK_JAVA": "/opt/jdk17/bin/java",
+        "TASKQ_STACK_JAVA21": "/opt/jdk21/bin/java",
+        "TASKQ_STACK_M2": str(tmp_path / "m2"),
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+        "JAVA_HOME": "/opt/jdk",
+        "HOME": str(tmp_path / "home"),
+        "PATH": "/nowhere",
+    }
+    cfg = stack.StackConfig.from_env(environ)
+    assert cfg.repo == REPO
+    assert cfg.state == (tmp_path / "state").resolve()
+    assert (cfg.logs, cfg.run) == (cfg.state / "logs", cfg.state / "run")
+    assert cfg.cache == tmp_path / "xdg" / "kafka-taskq"
+    assert cfg.m2 == tmp_path / "m2"
+    assert cfg.timeout == 7.5
+    assert (cfg.kafka_port, cfg.kafka_controller_port) == (29092, 29093)
+    assert (cfg.registry_port, cfg.registry_management_port, cfg.postgres_port) == (28081, 28082, 25432)
+    assert (cfg.java, cfg.java21, cfg.java_home) == ("/opt/jdk17/bin/java", "/opt/jdk21/bin/java", "/opt/jdk")
+    assert cfg.path == "/nowhere"
+    assert dict(cfg.environ) == environ
+    with pytest.raises(AttributeError):
+        cfg.timeout = 1.0  # frozen
+
+    # The services take their ports and paths from it.
+    s = stack.Stack(cfg)
+    assert [s.postgres.port, s.kafka.port, s.registry.port] == [25432, 29092, 28081]
+    assert s.kafka.ports() == [29092, 29093] and s.registry.ports() == [28081, 28082]
+    assert s.postgres.record_path == cfg.state / "run" / "postgres.json"
+    assert s.kafka.libs.is_relative_to(tmp_path / "xdg" / "kafka-taskq")
+    assert s.registry.home.parent == tmp_path / "xdg" / "kafka-taskq"
+
+
+def test_defaults(tmp_path: Path, stack: ModuleType) -> None:
+    cfg = stack.StackConfig.from_env({"HOME": str(tmp_path)}, repo=tmp_path / "repo")
+    assert cfg.state == (tmp_path / "repo" / ".stack").resolve()
+    assert cfg.compose == tmp_path / "repo" / "compose"
+    assert cfg.cache == tmp_path / ".cache" / "kafka-taskq"
+    assert cfg.m2 == tmp_path / ".m2" / "repository"
+    assert cfg.timeout == 180.0
+    assert (cfg.postgres_port, cfg.kafka_port, cfg.kafka_controller_port) == (15432, 19092, 19093)
+    assert (cfg.registry_port, cfg.registry_management_port) == (18081, 18082)
+    assert (cfg.java, cfg.java21, cfg.java_home) == (None, None, None)
+
+
+@pytest.mark.parametrize("name", ["TASKQ_STACK_POSTGRES_PORT", "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT"])
+def test_a_bad_port_is_named(stack: ModuleType, name: str) -> None:
+    with pytest.raises(stack.StackError, match=f"{name}='x' is not a port number"):
+        stack.StackConfig.from_env({"HOME": "/", name: "x"})
+
+
+def test_main_reads_the_environ_it_is_given(
+    tmp_path: Path, stack: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    environ = {**os.environ, **PORTS, "TASKQ_STACK_DIR": str(tmp_path / "state")}
+    assert stack.main(["env"], environ) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        "export TASKQ_BOOTSTRAP_SERVERS=127.0.0.1:29092",
+        "export TASKQ_SCHEMA_REGISTRY_URL=http://127.0.0.1:28081/apis/ccompat/v7",
+        "export TASKQ_DATABASE_URL=postgresql://postgres@127.0.0.1:25432/taskq",
+    ]
