@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from confluent_kafka import (
     OFFSET_INVALID,
@@ -87,6 +88,15 @@ def base_config(settings: Settings) -> dict[str, Any]:
     return {"bootstrap.servers": settings.bootstrap_servers, **settings.kafka}
 
 
+@contextmanager
+def _errors(what: str) -> Iterator[None]:
+    """Turn the client's errors into the project's, keeping the original as __cause__."""
+    try:
+        yield
+    except KafkaException as exc:
+        raise _wrap(what, exc) from exc
+
+
 def _wrap(what: str, exc: KafkaException) -> KafkaUnavailableError:
     err = exc.args[0] if exc.args else exc
     return KafkaUnavailableError(f"{what}: {err}")
@@ -154,30 +164,36 @@ class Sink:
     def __len__(self) -> int:
         return len(self._p)
 
-    # Transactions, for the delay forwarder.
+    # Transactions, for the delay forwarder. Every client error is wrapped: a failed transaction surfaces
+    # as KafkaUnavailableError (with the client's error as __cause__), never as confluent's exception.
     def init_transactions(self, timeout: float = 60.0) -> None:
         """Register the transactional id, fencing any older instance that used it."""
-        try:
-            self._p.init_transactions(timeout)
-        except KafkaException as exc:
-            raise _wrap("initialising transactions", exc) from exc
+        self._transactional("initialising transactions", lambda: self._p.init_transactions(timeout))
 
     def begin(self) -> None:
         """Begin a transaction."""
-        self._p.begin_transaction()
+        self._transactional("beginning a transaction", self._p.begin_transaction)
 
-    def commit_offsets_in_transaction(self, source: Source, offsets: Mapping[TP, int]) -> None:
+    def commit_offsets_in_transaction(self, source: RecordSource, offsets: Mapping[TP, int]) -> None:
         """Add consumed offsets to the open transaction (atomic with the records sent in it)."""
         tps = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
-        self._p.send_offsets_to_transaction(tps, source._c.consumer_group_metadata())
+        metadata = source.group_metadata()
+        self._transactional(
+            "adding offsets to the transaction", lambda: self._p.send_offsets_to_transaction(tps, metadata)
+        )
 
     def commit(self, timeout: float = 60.0) -> None:
         """Commit the open transaction."""
-        self._p.commit_transaction(timeout)
+        self._transactional("committing the transaction", lambda: self._p.commit_transaction(timeout))
 
     def abort(self, timeout: float = 60.0) -> None:
         """Abort the open transaction."""
-        self._p.abort_transaction(timeout)
+        self._transactional("aborting the transaction", lambda: self._p.abort_transaction(timeout))
+
+    @staticmethod
+    def _transactional(what: str, call: Callable[[], object]) -> None:
+        with _errors(what):
+            call()
 
 
 class Source:
@@ -232,11 +248,13 @@ class Source:
             if self._on_revoke:
                 self._on_revoke([(p.topic, p.partition) for p in parts])
 
-        self._c.subscribe(list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
+        with _errors("subscribing"):
+            self._c.subscribe(list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
 
     def assign(self, tps: Iterable[tuple[str, int, int]]) -> None:
         """Read partitions directly (no group membership) from the given offsets."""
-        self._c.assign([TopicPartition(t, p, o) for t, p, o in tps])
+        with _errors("assigning partitions"):
+            self._c.assign([TopicPartition(t, p, o) for t, p, o in tps])
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
         """Up to max_records records; partition EOFs and transient errors are logged, fatal ones raised."""
@@ -261,17 +279,20 @@ class Source:
         """Stop fetching these partitions (the group keeps them)."""
         parts = [TopicPartition(t, p) for t, p in tps]
         if parts:
-            self._c.pause(parts)
+            with _errors("pausing partitions"):
+                self._c.pause(parts)
 
     def resume(self, tps: Iterable[TP]) -> None:
         """Fetch these partitions again."""
         parts = [TopicPartition(t, p) for t, p in tps]
         if parts:
-            self._c.resume(parts)
+            with _errors("resuming partitions"):
+                self._c.resume(parts)
 
     def seek(self, tp: TP, offset: int) -> None:
         """Fetch a partition from this offset next."""
-        self._c.seek(TopicPartition(tp[0], tp[1], offset))
+        with _errors(f"seeking {tp[0]}[{tp[1]}] to {offset}"):
+            self._c.seek(TopicPartition(tp[0], tp[1], offset))
 
     def commit(self, offsets: Mapping[TP, int]) -> None:
         """Commit offsets synchronously (each is the next offset to consume)."""
@@ -289,20 +310,25 @@ class Source:
 
     def committed(self, tps: Iterable[TP], timeout: float = 10.0) -> dict[TP, int]:
         """The group's committed offsets (-1 where none)."""
-        parts = self._c.committed([TopicPartition(t, p) for t, p in tps], timeout=timeout)
+        with _errors("reading committed offsets"):
+            parts = self._c.committed([TopicPartition(t, p) for t, p in tps], timeout=timeout)
         return {(p.topic, p.partition): (p.offset if p.offset != OFFSET_INVALID else -1) for p in parts}
 
     def lag(self) -> dict[TP, int]:
         """Per assigned partition: the log end offset last seen in fetches minus this member's position."""
         out: dict[TP, int] = {}
-        parts = self._c.assignment()
-        if not parts:
-            return out
-        for p in self._c.position(parts):
-            _, high = self._c.get_watermark_offsets(p, cached=True)
-            if high >= 0 and p.offset >= 0:
-                out[(p.topic, p.partition)] = max(0, high - p.offset)
+        with _errors("measuring lag"):
+            parts = self._c.assignment()
+            for p in self._c.position(parts) if parts else []:
+                _, high = self._c.get_watermark_offsets(p, cached=True)
+                if high >= 0 and p.offset >= 0:
+                    out[(p.topic, p.partition)] = max(0, high - p.offset)
         return out
+
+    def group_metadata(self) -> object:
+        """This member's group metadata, which a transaction's offsets carry (fences zombie members)."""
+        with _errors("reading the group metadata"):
+            return self._c.consumer_group_metadata()
 
     def assignment(self) -> list[TP]:
         """The partitions this member owns."""
@@ -429,3 +455,97 @@ class Admin:
         except KafkaException as exc:
             raise _wrap(f"reading offsets of group {group}", exc) from exc
         return {(p.topic, p.partition): (p.offset if p.offset >= 0 else -1) for p in res.topic_partitions}
+
+
+# ------------------------------------------------------------------------------------------------ the seam
+# What the rest of the code needs of Kafka. `KafkaBroker` gives the real clients above; `taskq.testing`
+# gives in-memory ones with the same semantics (partitions, offsets, commits, pause, transactions).
+
+
+class RecordSource(Protocol):
+    """A consumer in a group (or reading assigned partitions), with manual commits."""
+
+    def subscribe(self, topics: Sequence[str]) -> None: ...
+    def assign(self, tps: Iterable[tuple[str, int, int]]) -> None: ...
+    def poll(self, max_records: int, timeout: float) -> list[Record]: ...
+    def pause(self, tps: Iterable[TP]) -> None: ...
+    def resume(self, tps: Iterable[TP]) -> None: ...
+    def seek(self, tp: TP, offset: int) -> None: ...
+    def commit(self, offsets: Mapping[TP, int]) -> None: ...
+    def lag(self) -> dict[TP, int]: ...
+    def group_metadata(self) -> object: ...
+    def assignment(self) -> list[TP]: ...
+    def close(self) -> None: ...
+
+
+class RecordSink(Protocol):
+    """A producer with acks=all and idempotence; transactional when it was made with an id."""
+
+    def send(
+        self,
+        topic: str,
+        value: bytes | None,
+        *,
+        key: bytes | None,
+        headers: Headers,
+        on_delivery: DeliveryCallback | None = None,
+        partition: int | None = None,
+    ) -> None: ...
+    def poll(self, timeout: float = 0.0) -> int: ...
+    def flush(self, timeout: float | None = None) -> int: ...
+    def __len__(self) -> int: ...
+    def init_transactions(self, timeout: float = 60.0) -> None: ...
+    def begin(self) -> None: ...
+    def commit_offsets_in_transaction(self, source: RecordSource, offsets: Mapping[TP, int]) -> None: ...
+    def commit(self, timeout: float = 60.0) -> None: ...
+    def abort(self, timeout: float = 60.0) -> None: ...
+
+
+class TopicAdmin(Protocol):
+    """Topic provisioning and offset look-ups."""
+
+    def create_topics(self, specs: Sequence[TopicSpec]) -> dict[str, bool]: ...
+    def delete_topics(self, names: Sequence[str]) -> None: ...
+    def partitions(self, topics: Sequence[str]) -> dict[str, int]: ...
+    def end_offsets(self, topics: Sequence[str]) -> dict[TP, int]: ...
+    def start_offsets(self, topics: Sequence[str]) -> dict[TP, int]: ...
+    def committed(self, group: str, topics: Sequence[str]) -> dict[TP, int]: ...
+
+
+class Broker(Protocol):
+    """Where sources, sinks and the admin come from: Kafka itself, or an in-memory broker in tests."""
+
+    def source(
+        self,
+        *,
+        group: str,
+        on_assign: Callable[[list[TP]], None] | None = None,
+        on_revoke: Callable[[list[TP]], None] | None = None,
+    ) -> RecordSource: ...
+    def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> RecordSink: ...
+    def admin(self) -> TopicAdmin: ...
+
+
+class KafkaBroker:
+    """The real broker: librdkafka clients configured from one Settings."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def source(
+        self,
+        *,
+        group: str,
+        on_assign: Callable[[list[TP]], None] | None = None,
+        on_revoke: Callable[[list[TP]], None] | None = None,
+    ) -> Source:
+        """A consumer in `group`."""
+        return Source(self.settings, group=group, on_assign=on_assign, on_revoke=on_revoke)
+
+    def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> Sink:
+        """A producer (transactional with an id)."""
+        return Sink(self.settings, transactional_id=transactional_id, **overrides)
+
+    def admin(self) -> Admin:
+        """The admin client."""
+        return Admin(self.settings)

@@ -15,7 +15,7 @@ from typing import Any
 
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
 from taskq._core.errors import TaskqError
-from taskq._core.kafka import TP, Record, Sink, Source
+from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSink, RecordSource
 from taskq._core.settings import Settings
 from taskq.consumer.routing import dead_letter_record, default_worker_id
 
@@ -30,10 +30,12 @@ class Forwarder:
         settings: Settings,
         *,
         instance_id: str | None = None,
+        broker: Broker | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
+        self.broker: Broker = broker or KafkaBroker(settings)
         self.topics = Topics(settings.namespace, settings.delay_tiers)
         self.group = f"{settings.namespace}.forwarder"
         self.instance_id = instance_id or default_worker_id()
@@ -44,6 +46,7 @@ class Forwarder:
         # Assigned since the last resume. librdkafka keeps a partition's pause across revoke and re-assign
         # while a revoke forgets its hold, so a partition held before a rebalance comes back paused.
         self._fresh: set[TP] = set()
+        self._clients: tuple[RecordSink, RecordSource] | None = None
 
     def stop(self) -> None:
         """Finish the current transaction and stop."""
@@ -53,31 +56,45 @@ class Forwarder:
         """Forward until stop(); a failed transaction restarts from the last committed offsets."""
         while not self._stop.is_set():
             try:
-                self._run_once()
+                self.start()
+                while not self._stop.is_set():
+                    self.step()
             except Exception:  # whatever failed, the committed offsets are the truth: start over from them
                 log.exception("forwarder restarting")
                 self._stop.wait(1.0)
+            finally:
+                self.close()
 
-    def _run_once(self) -> None:
+    def start(self) -> None:
+        """Open the transactional producer and join the group (`run` does it; tests may step by hand)."""
         # A transactional id per instance; the group metadata sent with the offsets fences zombie instances.
-        sink = Sink(self.settings, transactional_id=f"{self.group}.{self.instance_id}")
+        sink = self.broker.sink(transactional_id=f"{self.group}.{self.instance_id}")
         sink.init_transactions()
         self._held.clear()
         self._fresh.clear()
-        source = Source(
-            self.settings, group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update
-        )
+        source = self.broker.source(group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update)
+        self._clients = (sink, source)
         source.subscribe(self.topics.delay_topics)
-        try:
-            while not self._stop.is_set():
-                self._resume_due(source)
-                wait = 0.2
-                if self._held:
-                    wait = max(0.0, min(wait, min(self._held.values()) - self._clock()))
-                records = source.poll(500, wait)
-                if records:
-                    self._forward(sink, source, records)
-        finally:
+
+    def step(self, wait: float = 0.2) -> int:
+        """Release what is due and forward one batch; returns how many records it forwarded."""
+        assert self._clients is not None, "start() first"
+        sink, source = self._clients
+        self._resume_due(source)
+        if self._held:
+            wait = max(0.0, min(wait, min(self._held.values()) - self._clock()))
+        records = source.poll(500, wait)
+        return self._forward(sink, source, records) if records else 0
+
+    def next_due(self) -> float | None:
+        """When the earliest held task is due (the clock's time), or None when nothing is held."""
+        return min(self._held.values(), default=None)
+
+    def close(self) -> None:
+        """Leave the group and release the producer."""
+        if self._clients is not None:
+            sink, source = self._clients
+            self._clients = None
             source.close()
             sink.flush(10)
 
@@ -85,7 +102,7 @@ class Forwarder:
         for tp in tps:
             self._held.pop(tp, None)
 
-    def _resume_due(self, source: Source) -> None:
+    def _resume_due(self, source: RecordSource) -> None:
         now = self._clock()
         due = [tp for tp, at in self._held.items() if at <= now]
         for tp in due:
@@ -94,7 +111,7 @@ class Forwarder:
         self._fresh.clear()
         source.resume(due + fresh)
 
-    def _forward(self, sink: Sink, source: Source, records: list[Record]) -> None:
+    def _forward(self, sink: RecordSink, source: RecordSource, records: list[Record]) -> int:
         now = self._clock()
         offsets: dict[TP, int] = {}
         out: list[tuple[str, Record, list[tuple[str, bytes]]]] = []
@@ -127,7 +144,7 @@ class Forwarder:
             out.append((target, record, record.headers))
             offsets[record.tp] = record.offset + 1
         if not offsets:
-            return
+            return 0
         # Delivery guarantee: the forwarded records and the consumed offsets commit atomically.
         sink.begin()
         try:
@@ -142,6 +159,7 @@ class Forwarder:
                 raise TaskqError(f"forwarding transaction failed: {exc}") from exc
         if self._on_event is not None:
             self._on_event("forwarded", {"count": len(out), "offsets": offsets})
+        return len(out)
 
 
 def run_in_thread(forwarder: Forwarder) -> threading.Thread:

@@ -14,16 +14,17 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from taskq._core.db import Database
 from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeError, Priority, Topics
 from taskq._core.errors import StoreUnavailableError, TaskqError
-from taskq._core.kafka import TP, Record, Sink, Source
+from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.settings import Settings
 from taskq.consumer import metrics
 from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed
@@ -36,9 +37,20 @@ from taskq.consumer.scheduler import PriorityScheduler
 from taskq.consumer.store import Claim, ClaimRequest, Finished, IdempotencyStore, LeaseLostError
 from taskq.schemas import avro
 from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
-from taskq.schemas.registry import Registry
+from taskq.schemas.registry import Registry, SchemaRegistry
 
 log = logging.getLogger("taskq.worker")
+
+
+class TaskStore(Protocol):
+    """What the worker needs of the idempotency store: `IdempotencyStore`, or `taskq.testing`'s fake."""
+
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
+    def finish(self, finished: Sequence[Finished]) -> set[str]: ...
+    def transaction(
+        self, idempotency_key: str, attempts: int, result: Any = None
+    ) -> AbstractContextManager[Any]: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,8 +108,13 @@ class Worker:
         settings: Settings | None = None,
         config: WorkerConfig | None = None,
         *,
+        broker: Broker | None = None,
+        store: TaskStore | None = None,
+        registry: SchemaRegistry | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """Parts not given are the real ones from `settings`: Kafka, the Postgres store, the registry."""
         self.handlers = handlers
         self.settings = settings or Settings.from_env()
         self.config = config or WorkerConfig()
@@ -120,12 +137,19 @@ class Worker:
         self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
         self._assigned: set[TP] = set()
         self.heartbeat = metrics.Heartbeat()
-        self.db = Database(self.settings.database_url, schema=self.settings.database_schema)
-        self.store = IdempotencyStore(self.db, owner=self.worker_id)
-        self.registry = Registry(self.settings.schema_registry_url)
+        self._clock = clock
+        self.broker: Broker = broker or KafkaBroker(self.settings)
+        self._database = None
+        if store is None:
+            self._database = Database(self.settings.database_url, schema=self.settings.database_schema)
+            store = IdempotencyStore(self._database, owner=self.worker_id)
+        self.store: TaskStore = store
+        self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
-        self._sink = Sink(self.settings)
-        self._source: Source | None = None
+        self._sink = self.broker.sink()
+        self._source: RecordSource | None = None
+        self._forwarder: tuple[Forwarder, threading.Thread] | None = None
+        self._server: Any = None
         self._last_commit = 0.0
         self._last_lag = 0.0
         self._registry_retry_at = 0.0
@@ -156,36 +180,70 @@ class Worker:
 
     def run(self) -> None:
         """Consume until stop() or a signal, then shut down gracefully."""
-        self.db.migrate()
-        server = None
-        if self.config.metrics_port is not None:
-            server = metrics.serve(self.config.metrics_port, self.heartbeat.healthy)
-        self._source = Source(
-            self.settings, group=self.group, on_assign=self._assigned_cb, on_revoke=self._revoked_cb
-        )
-        self._source.subscribe(self.topics.priority_topics)
-        forwarder = None
-        if self.config.forwarder:
-            forwarder = Forwarder(self.settings, instance_id=self.worker_id)
-            forwarder_thread = run_in_thread(forwarder)
-        self._emit("started", {"worker_id": self.worker_id, "group": self.group})
+        self.start()
         try:
             while not self._stop.is_set():
                 self._tick()
             self._shutdown()
         finally:
-            if forwarder is not None:
-                forwarder.stop()
-                forwarder_thread.join(timeout=15)
+            self.close()
+
+    def start(self) -> None:
+        """Join the group and start the metrics server and the forwarder; `run` does it, tests may too."""
+        if self._database is not None:
+            self._database.migrate()
+        if self.config.metrics_port is not None:
+            self._server = metrics.serve(self.config.metrics_port, self.heartbeat.healthy)
+        self._source = self.broker.source(
+            group=self.group, on_assign=self._assigned_cb, on_revoke=self._revoked_cb
+        )
+        self._source.subscribe(self.topics.priority_topics)
+        if self.config.forwarder:
+            forwarder = Forwarder(self.settings, instance_id=self.worker_id, broker=self.broker)
+            self._forwarder = (forwarder, run_in_thread(forwarder))
+        self._emit("started", {"worker_id": self.worker_id, "group": self.group})
+
+    def step(self) -> None:
+        """One turn of the loop: fetch, dispatch, record outcomes, commit when due."""
+        self._tick()
+
+    def idle(self) -> bool:
+        """Nothing buffered, held, running or waiting to be recorded, acknowledged or committed."""
+        return not (
+            self._running
+            or self._held
+            or self._undecoded
+            or self._finished
+            or len(self._scheduler)
+            or len(self._sink)
+            or self._tracker.in_flight()
+            or self._tracker.committable()
+        )
+
+    def waiting_until(self) -> float | None:
+        """When the worker has nothing to do but wait for held tasks: the clock time the first is due."""
+        if self._running or len(self._scheduler) or self._undecoded or self._finished or not self._held:
+            return None
+        return min(h.due for h in self._held)
+
+    def close(self) -> None:
+        """Leave the group and release every client (after `start`)."""
+        if self._forwarder is not None:
+            forwarder, thread = self._forwarder
+            forwarder.stop()
+            thread.join(timeout=15)
+            self._forwarder = None
+        if self._source is not None:
             self._source.close()
             self._source = None
-            self.executor.shutdown(timeout=1.0)
-            self.store.close()
-            self.registry.close()
-            if server is not None:
-                server.shutdown()
-                server.server_close()
-            self._emit("stopped", {"worker_id": self.worker_id})
+        self.executor.shutdown(timeout=1.0)
+        self.store.close()
+        self.registry.close()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self._emit("stopped", {"worker_id": self.worker_id})
 
     def _emit(self, event: str, data: dict[str, Any]) -> None:
         if self._on_event is not None:
@@ -211,7 +269,7 @@ class Worker:
         self._collect(block=0.0)
         self._record_finished()
         self._sink.poll(0)
-        if time.monotonic() - self._last_commit >= self.config.commit_interval:
+        if self._clock() - self._last_commit >= self.config.commit_interval:
             self._commit()
         self._observe()
         if busy and not records:
@@ -219,7 +277,7 @@ class Worker:
             self._collect(block=0.005 if self.executor.free_slots() else 0.05)
 
     def _undecoded_ready(self) -> list[Record]:
-        if not self._undecoded or time.monotonic() < self._registry_retry_at:
+        if not self._undecoded or self._clock() < self._registry_retry_at:
             return []
         pending, self._undecoded = self._undecoded, []
         return pending
@@ -255,7 +313,7 @@ class Worker:
             schema_id, body = avro.split_frame(record.value)
             writer = self.registry.cached(schema_id)
             if writer is None:
-                if time.monotonic() < self._registry_retry_at:
+                if self._clock() < self._registry_retry_at:
                     # The registry failed a moment ago: wait for the retry instead of asking per record.
                     raise RegistryUnavailableError("registry unavailable a moment ago; retrying shortly")
                 writer = self.registry.by_id(schema_id)
@@ -271,7 +329,7 @@ class Worker:
             if not self._undecoded:
                 log.warning("registry unavailable, holding undecoded tasks: %s", exc)
             self._undecoded.append(record)
-            self._registry_retry_at = time.monotonic() + 1.0
+            self._registry_retry_at = self._clock() + 1.0
             return
         if spec.upcaster is not None:
             try:
@@ -308,7 +366,7 @@ class Worker:
         self._fresh.clear()
 
     def _release_held(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         due = [h for h in self._held if h.due <= now]
         if not due:
             return
@@ -348,7 +406,7 @@ class Worker:
             )
         except StoreUnavailableError as exc:
             log.warning("store unavailable, holding %d task(s): %s", len(batch), exc)
-            self._held.extend(_Held(t, time.monotonic() + 1.0) for t in batch)
+            self._held.extend(_Held(t, self._clock() + 1.0) for t in batch)
             return
         for task, claim in zip(batch, claims, strict=True):
             self._handle_claim(task, claim)
@@ -361,7 +419,7 @@ class Worker:
             return
         if claim.outcome in ("running", "duplicate"):
             # Leased by a live worker (or a copy in this batch): look again soon, at latest when it expires.
-            self._held.append(_Held(task, time.monotonic() + max(0.2, min(claim.lease_left, 1.0))))
+            self._held.append(_Held(task, self._clock() + max(0.2, min(claim.lease_left, 1.0))))
             return
         task.attempts = claim.attempts
         max_attempts = task.envelope.max_attempts or task.spec.policy.max_attempts
@@ -410,10 +468,10 @@ class Worker:
 
     def _collect(self, block: float) -> None:
         """Turn reported outcomes into records to write (batched by _record_finished)."""
-        deadline = time.monotonic() + block
+        deadline = self._clock() + block
         while True:
             try:
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self._clock()
                 task, outcome = (
                     self._outcomes.get(timeout=remaining) if remaining > 0 else self._outcomes.get_nowait()
                 )
@@ -422,7 +480,7 @@ class Worker:
             self._running.pop(id(task), None)
             self._outcome(task, outcome)
             block = 0.0
-            deadline = time.monotonic()
+            deadline = self._clock()
 
     def _outcome(self, task: _Task, outcome: Outcome) -> None:
         env, spec = task.envelope, task.spec
@@ -555,7 +613,7 @@ class Worker:
         offsets = self._tracker.committable()
         if tps is not None:
             offsets = {tp: o for tp, o in offsets.items() if tp in tps}
-        self._last_commit = time.monotonic()
+        self._last_commit = self._clock()
         if not offsets:
             return
         try:
@@ -571,7 +629,7 @@ class Worker:
         metrics.SLOT_UTILISATION.set(self.executor.running() / self.config.concurrency)
         for p in PRIORITIES:
             metrics.BUFFERED.labels(p).set(self._scheduler.depth(p))
-        now = time.monotonic()
+        now = self._clock()
         if self._source is not None and now - self._last_lag >= 5.0:
             self._last_lag = now
             lag = dict.fromkeys(PRIORITIES, 0)
@@ -605,8 +663,8 @@ class Worker:
         dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
         self._held = [h for h in self._held if h.task.record.tp not in revoked]
         self._undecoded = [r for r in self._undecoded if r.tp not in revoked]
-        deadline = time.monotonic() + self.config.revoke_timeout
-        while time.monotonic() < deadline and any(t.record.tp in revoked for t in self._running.values()):
+        deadline = self._clock() + self.config.revoke_timeout
+        while self._clock() < deadline and any(t.record.tp in revoked for t in self._running.values()):
             self._collect(block=0.1)
             self._record_finished()
             self._sink.poll(0.01)
@@ -631,8 +689,8 @@ class Worker:
         """Stop fetching, let in-flight tasks finish up to the timeout, record, commit, leave the group."""
         assert self._source is not None
         self._source.pause(list(self._assigned))
-        deadline = time.monotonic() + self.config.shutdown_timeout
-        while self._running and time.monotonic() < deadline:
+        deadline = self._clock() + self.config.shutdown_timeout
+        while self._running and self._clock() < deadline:
             self._collect(block=0.1)
             self._record_finished()
             self._sink.poll(0.01)

@@ -8,13 +8,12 @@ from collections.abc import Mapping
 
 from taskq._core.envelope import PRIORITIES, Priority, Topics
 from taskq._core.errors import QueueFullError, TaskqError
-from taskq._core.kafka import Admin
-from taskq._core.settings import Settings
+from taskq._core.kafka import TopicAdmin
 
 log = logging.getLogger("taskq.backpressure")
 
 
-def tier_depths(admin: Admin, topics: Topics, group: str) -> dict[Priority, int]:
+def tier_depths(admin: TopicAdmin, topics: Topics, group: str) -> dict[Priority, int]:
     """Per tier: end offsets minus the group's committed offsets (or the log start if none)."""
     names = topics.priority_topics
     end = admin.end_offsets(names)
@@ -35,15 +34,21 @@ class DepthMonitor:
     """Keeps each tier's depth fresh from a background thread, so enqueue() never waits on the broker."""
 
     def __init__(
-        self, settings: Settings, topics: Topics, limits: Mapping[str, int], *, refresh: float = 2.0
+        self,
+        admin: TopicAdmin,
+        group: str,
+        topics: Topics,
+        limits: Mapping[str, int],
+        *,
+        refresh: float = 2.0,
     ) -> None:
         for priority, limit in limits.items():
             if not isinstance(limit, int) or limit < 0:
                 raise ValueError(f"depth limit of tier {priority!r} must be an integer >= 0, got {limit!r}")
         self._limits = dict(limits)
-        self._admin = Admin(settings)
+        self._admin = admin
         self._topics = topics
-        self._group = settings.worker_group
+        self._group = group
         self._refresh = refresh
         self._depths: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)
         self._stop = threading.Event()

@@ -31,14 +31,14 @@ from taskq._core.errors import (
     RateLimitedError,
     UnknownTaskTypeError,
 )
-from taskq._core.kafka import Record, Sink
+from taskq._core.kafka import Broker, KafkaBroker, Record
 from taskq._core.settings import Settings
 from taskq.producer import metrics
 from taskq.producer.backpressure import DepthMonitor
 from taskq.producer.ratelimit import RateLimit, RateLimiter
 from taskq.schemas import avro
 from taskq.schemas.errors import PayloadValidationError, SchemaNotFoundError
-from taskq.schemas.registry import Registry
+from taskq.schemas.registry import Registry, SchemaRegistry
 
 log = logging.getLogger("taskq.producer")
 
@@ -117,7 +117,8 @@ class TaskProducer:
         settings: Settings | None = None,
         *,
         schemas: Mapping[str, str | Path | Mapping[str, Any]] | Iterable[str | Path] = (),
-        registry: Registry | None = None,
+        registry: SchemaRegistry | None = None,
+        broker: Broker | None = None,
         rate_limits: Sequence[RateLimit] = (),
         depth_limits: Mapping[str, int] | None = None,
         depth_refresh: float = 2.0,
@@ -130,8 +131,9 @@ class TaskProducer:
         self.settings = settings or Settings.from_env()
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
         self._owns_registry = registry is None
-        self.registry = registry or Registry(self.settings.schema_registry_url)
-        self._sink = Sink(self.settings, **dict(kafka_config or {}))
+        self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
+        self.broker: Broker = broker or KafkaBroker(self.settings)
+        self._sink = self.broker.sink(**dict(kafka_config or {}))
         self._max_payload = max_payload_bytes
         self._auto_register = auto_register
         self._on_delivery = on_delivery
@@ -160,7 +162,13 @@ class TaskProducer:
         if depth_limits:
             for p in depth_limits:
                 self._check_priority(p)
-            self._depth = DepthMonitor(self.settings, self.topics, depth_limits, refresh=depth_refresh)
+            self._depth = DepthMonitor(
+                self.broker.admin(),
+                self.settings.worker_group,
+                self.topics,
+                depth_limits,
+                refresh=depth_refresh,
+            )
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> TaskProducer:

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
@@ -36,6 +36,20 @@ class RegisteredSchema:
     version: int
     schema: dict[str, Any]
     parsed: avro.ParsedSchema
+
+
+class SchemaRegistry(Protocol):
+    """What producers and workers need of a registry: `Registry`, or `taskq.testing`'s in-memory one."""
+
+    def register(
+        self, schema: Mapping[str, Any], *, compatibility: str | None = "BACKWARD"
+    ) -> RegisteredSchema: ...
+    def check(self, schema: Mapping[str, Any]) -> bool: ...
+    def latest(self, subject: str) -> RegisteredSchema: ...
+    def lookup(self, schema: Mapping[str, Any]) -> RegisteredSchema: ...
+    def cached(self, schema_id: int) -> avro.ParsedSchema | None: ...
+    def by_id(self, schema_id: int) -> avro.ParsedSchema: ...
+    def close(self) -> None: ...
 
 
 class Registry:

@@ -1,0 +1,70 @@
+"""The contract suite: each test runs against the in-memory fakes of `taskq.testing` and against the real
+services, so a fake that drifts from the real semantics fails here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from taskq._core.db import Database
+from taskq._core.kafka import Broker, KafkaBroker, TopicSpec
+from taskq._core.settings import Settings
+from taskq.consumer.store import IdempotencyStore
+from taskq.schemas.registry import Registry
+from taskq.testing import InMemoryBroker, InMemoryRegistry, InMemoryStore
+
+
+@pytest.fixture(params=["memory", "real"])
+def kind(request: pytest.FixtureRequest) -> str:
+    """Which implementation the test runs against."""
+    return str(request.param)
+
+
+def _settings(request: pytest.FixtureRequest) -> Settings:
+    settings: Settings = request.getfixturevalue("settings")  # the real stack, in the test's namespace
+    return settings
+
+
+@dataclass
+class Kafka:
+    """A broker and a topic of 3 partitions on it."""
+
+    broker: Broker
+    topic: str
+    ns: str
+
+
+@pytest.fixture
+def kafka(kind: str, ns: str, request: pytest.FixtureRequest) -> Kafka:
+    broker: Broker = InMemoryBroker() if kind == "memory" else KafkaBroker(_settings(request))
+    topic = f"{ns}.contract"
+    broker.admin().create_topics([TopicSpec(topic, 3)])
+    return Kafka(broker, topic, ns)
+
+
+@pytest.fixture
+def stores(kind: str, request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
+    """Two stores over one table, as two workers (owners 'a' and 'b') see it."""
+    if kind == "memory":
+        a = InMemoryStore(owner="a")
+        yield a, InMemoryStore(owner="b", rows=a.rows)
+        return
+    s = _settings(request)
+    db = Database(s.database_url, schema=s.database_schema)
+    a, b = IdempotencyStore(db, owner="a"), IdempotencyStore(db, owner="b")
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def registry(kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A schema registry; the real one's subjects of the test namespace are deleted after the test."""
+    if kind == "memory":
+        yield InMemoryRegistry()
+        return
+    with Registry(_settings(request).schema_registry_url) as r:
+        yield r

@@ -1,0 +1,80 @@
+"""The idempotency store's rules, the same for InMemoryStore and the Postgres IdempotencyStore."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError
+from tests.acceptance.helpers import wait_until
+
+
+def req(key: str, lease: float = 30.0) -> ClaimRequest:
+    return ClaimRequest(key, f"id-{key}", "contract.Task", lease)
+
+
+def test_a_new_key_is_claimed_once_and_a_leased_key_is_held(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    (first,) = a.claim([req("k")])
+    assert (first.outcome, first.attempts) == ("claimed", 1)
+    (second,) = b.claim([req("k")])
+    assert second.outcome == "running" and 0 < second.lease_left <= 30
+    # The same key twice in one batch: the second copy is a duplicate, never a second claim.
+    assert [c.outcome for c in a.claim([req("d"), req("d")])] == ["claimed", "duplicate"]
+
+
+def test_only_the_lease_holder_completes_and_a_completed_key_is_skipped(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    a.claim([req("k")])
+    assert b.finish([Finished("k", 1, "completed")]) == {"k"}  # not b's lease
+    assert a.finish([Finished("k", 2, "completed")]) == {"k"}  # not the current attempt
+    assert a.finish([Finished("k", 1, "completed", result={"ok": True})]) == set()
+    (again,) = b.claim([req("k")])
+    assert (again.outcome, again.attempts) == ("completed", 1)
+    row = a.get("k")
+    assert row is not None and row["state"] == "completed" and row["result"] == {"ok": True}
+
+
+def test_a_failed_attempt_is_claimed_again_with_the_next_attempt_number(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    a.claim([req("k")])
+    assert a.finish([Finished("k", 1, "failed", error="boom")]) == set()
+    (retry,) = b.claim([req("k")])
+    assert (retry.outcome, retry.attempts) == ("claimed", 2)
+    assert b.finish([Finished("k", 2, "dead", error="boom again")]) == set()
+    assert a.get("k")["state"] == "dead"
+    assert a.reset_for_replay("k") is True and a.reset_for_replay("k") is False
+    (replayed,) = a.claim([req("k")])
+    assert (replayed.outcome, replayed.attempts) == ("claimed", 1)
+    assert a.counts() == {"running": 1}
+    assert a.retries() == (0, 0)
+
+
+def test_an_expired_lease_is_taken_over_and_the_late_attempt_records_nothing(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    a.claim([req("k", lease=0.05)])
+    wait_until(lambda: b.claim([req("k")])[0].outcome == "claimed", timeout=10, what="the lease to expire")
+    assert a.finish([Finished("k", 1, "completed")]) == {"k"}
+    assert b.get("k")["attempts"] == 2 and b.get("k")["lease_owner"] == "b"
+
+
+def test_a_transaction_records_the_completion_only_while_the_lease_holds(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    a.claim([req("t")])
+    with a.transaction("t", 1, result=None):
+        pass
+    assert a.get("t")["state"] == "completed"
+    a.claim([req("lost", lease=0.05)])
+    wait_until(lambda: b.claim([req("lost")])[0].outcome == "claimed", timeout=10, what="a takeover")
+    with pytest.raises(LeaseLostError), a.transaction("lost", 1):
+        pass
+    assert b.get("lost")["state"] == "running"
+
+
+def test_purge_forgets_old_finished_keys_only(stores: tuple[Any, Any]) -> None:
+    a, _ = stores
+    a.claim([req("done"), req("busy")])
+    a.finish([Finished("done", 1, "completed")])
+    assert a.purge(0) == 1  # finished before now
+    assert a.get("done") is None and a.get("busy") is not None

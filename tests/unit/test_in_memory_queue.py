@@ -1,0 +1,39 @@
+"""A test as a user writes one: handlers, InMemoryQueue, no services, well under a second."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from taskq import Handlers, Reject, TaskContext
+from taskq.testing import InMemoryQueue
+
+SEND = {"type": "record", "name": "Send", "namespace": "shop", "fields": [{"name": "to", "type": "string"}]}
+
+
+def test_one_effect_per_key_a_retry_and_a_dead_letter_without_services() -> None:
+    handlers = Handlers()
+    sent: list[str] = []
+    attempts: Counter[str] = Counter()
+
+    @handlers.task("shop.Send", schema=SEND, max_attempts=3, timeout=5)
+    def send(payload: dict[str, Any], ctx: TaskContext) -> None:
+        attempts[payload["to"]] += 1
+        if payload["to"] == "flaky" and ctx.attempt == 1:
+            raise ConnectionError("mail server busy")
+        if payload["to"] == "nobody":
+            raise Reject("no such address")
+        sent.append(payload["to"])
+
+    with InMemoryQueue(handlers) as q:
+        q.producer.enqueue("shop.Send", {"to": "a@example.com"}, idempotency_key="welcome:a")
+        q.producer.enqueue("shop.Send", {"to": "a@example.com"}, idempotency_key="welcome:a")  # a duplicate
+        q.producer.enqueue("shop.Send", {"to": "flaky"}, idempotency_key="welcome:flaky")
+        q.producer.enqueue("shop.Send", {"to": "nobody"}, idempotency_key="welcome:nobody")
+        q.run_until_idle()
+
+        assert sorted(sent) == ["a@example.com", "flaky"]  # one effect per key
+        assert attempts["flaky"] == 2  # retried once, through a delay tier, fast-forwarded
+        assert sorted(c.idempotency_key for c in q.completed) == ["welcome:a", "welcome:flaky"]
+        (dead,) = q.dead_letters
+        assert dead.idempotency_key == "welcome:nobody" and "no such address" in dead.reason
