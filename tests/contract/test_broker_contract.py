@@ -12,7 +12,9 @@ from tests.contract.conftest import Kafka
 def produce(kafka: Kafka, n: int, *, keys: int = 10) -> None:
     sink = kafka.broker.sink()
     for i in range(n):
-        sink.send(kafka.topic, f"v{i}".encode(), key=f"k{i % keys}".encode(), headers=[("i", str(i).encode())])
+        sink.send(
+            kafka.topic, f"v{i}".encode(), key=f"k{i % keys}".encode(), headers=[("i", str(i).encode())]
+        )
     assert sink.flush(30) == 0
 
 

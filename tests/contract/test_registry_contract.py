@@ -25,7 +25,9 @@ def test_versions_evolve_backward_and_ids_are_stable(registry: Any, ns: str) -> 
     assert registry.check(with_default)
     v2 = registry.register(with_default)
     assert v2.version == 2 and v2.schema_id != v1.schema_id
-    required = record(ns, ID, {"name": "note", "type": "string", "default": ""}, {"name": "qty", "type": "int"})
+    required = record(
+        ns, ID, {"name": "note", "type": "string", "default": ""}, {"name": "qty", "type": "int"}
+    )
     assert not registry.check(required)
     with pytest.raises(IncompatibleSchemaError):
         registry.register(required)

@@ -1,0 +1,173 @@
+"""The worker's own logic on the in-memory fakes: redelivery, a poison pill, a lost lease, flow control."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from taskq import Handlers, TaskContext
+from taskq._core.settings import Settings
+from taskq.consumer.store import ClaimRequest
+from taskq.consumer.worker import Worker, WorkerConfig
+from taskq.producer.admin import topic_specs
+from taskq.producer.producer import TaskProducer
+from taskq.testing import Clock, InMemoryBroker, InMemoryQueue, InMemoryRegistry, InMemoryStore
+
+JOB = {"type": "record", "name": "Job", "namespace": "unit", "fields": [{"name": "n", "type": "long"}]}
+
+
+class Parts:
+    """Fakes shared by several workers of one group, and a producer over them."""
+
+    def __init__(self, handlers: Handlers) -> None:
+        self.settings = Settings(namespace="unit")
+        self.clock = Clock()
+        self.broker = InMemoryBroker()
+        self.broker.admin().create_topics(topic_specs(self.settings, partitions=2))
+        self.registry = InMemoryRegistry()
+        self.registry.register(JOB)
+        self.rows: dict[str, Any] = {}
+        self.producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
+        self.handlers = handlers
+        self.completed: dict[str, int] = {}  # completions per worker
+
+    def worker(self, name: str, **config: Any) -> Worker:
+        store = InMemoryStore(owner=name, clock=self.clock.time, rows=self.rows)
+        w = Worker(
+            self.handlers,
+            self.settings,
+            WorkerConfig(**{"worker_id": name, "forwarder": False, "commit_interval": 0.001, **config}),
+            broker=self.broker,
+            store=store,
+            registry=self.registry,
+            clock=self.clock.monotonic,
+            on_event=lambda event, _: self._count(name, event),
+        )
+        w.start()
+        return w
+
+    def _count(self, worker: str, event: str) -> None:
+        if event == "completed":
+            self.completed[worker] = self.completed.get(worker, 0) + 1
+
+
+def run(worker: Worker, until: Callable[[], bool], what: str) -> None:
+    """Step the worker's loop until `until()` holds."""
+    deadline = time.monotonic() + 30
+    while not until():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        worker.step()
+
+
+def test_a_task_redelivered_after_its_completion_is_skipped_not_run_again() -> None:
+    handlers, runs = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        runs.append(payload["n"])
+
+    parts = Parts(handlers)
+    parts.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="once")
+    parts.producer.flush()
+    first = parts.worker("a", commit_interval=3600)  # never commits on its own
+    run(first, lambda: "once" in parts.rows and parts.rows["once"].state == "completed", "the first run")
+    assert first._source is not None
+    first._source.close()  # dies before committing: the record is delivered again
+    second = parts.worker("b")
+    topics = second.topics.priority_topics
+    run(
+        second, lambda: second.idle() and not parts.broker.uncommitted(second.group, topics), "the redelivery"
+    )
+    assert runs == [1]
+    second.close()
+
+
+def test_a_task_whose_attempts_never_reported_is_dead_lettered_as_a_poison_pill() -> None:
+    handlers, runs = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB, max_attempts=2)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        runs.append(payload["n"])
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        # Two earlier attempts claimed the key and killed their workers (leases long expired).
+        for _ in range(2):
+            q.store.claim([ClaimRequest("pill", "t", "unit.Job", 0.0)])
+        q.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="pill")
+        q.run_until_idle()
+        assert runs == []
+        (dead,) = q.dead_letters
+        assert dead.error_type == "taskq.PoisonPill" and dead.attempts == 3
+
+
+def test_an_attempt_that_lost_its_lease_records_nothing_and_the_new_holder_decides() -> None:
+    handlers = Handlers()
+
+    @handlers.task("unit.Job", schema=JOB, transactional=True, timeout=1)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        # Meanwhile the lease expires and another worker takes the key over.
+        q.clock.advance(60)
+        (claim,) = InMemoryStore(owner="other", clock=q.clock.time, rows=q.store.rows).claim(
+            [ClaimRequest(ctx.idempotency_key, ctx.task_id, ctx.task_type, 30)]
+        )
+        assert claim.outcome == "claimed"
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        q.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="taken")
+        q.run_until_idle()
+        assert q.completed == []
+        row = q.store.get("taken")
+        assert row is not None and row["state"] == "running" and row["lease_owner"] == "other"
+
+
+def test_a_saturated_tier_is_paused_and_resumed_with_memory_bounded() -> None:
+    handlers, release = Handlers(), threading.Event()
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        release.wait(10)
+
+    parts = Parts(handlers)
+    for i in range(200):
+        parts.producer.enqueue("unit.Job", {"n": i}, priority="normal")
+    parts.producer.flush()
+    w = parts.worker("a", concurrency=1, buffer_capacity=8)
+    for _ in range(20):
+        w.step()
+        assert len(w._scheduler) + len(w._held) <= 8 + 1  # the bound, plus what one poll may add
+    normal = {tp for tp in w._assigned if tp[0] == "unit.normal"}
+    assert normal and normal <= w._paused
+    release.set()
+    run(w, lambda: len(parts.rows) == 200 and w.idle(), "every task")
+    assert not normal & w._paused
+    w.close()
+
+
+def test_a_second_worker_takes_half_of_each_tier_and_every_task_runs_once() -> None:
+    handlers, runs = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        runs.append((payload["n"], ctx.task_id))
+
+    parts = Parts(handlers)
+    for i in range(300):
+        parts.producer.enqueue("unit.Job", {"n": i}, priority="normal", idempotency_key=f"k{i}")
+    parts.producer.flush()
+    a = parts.worker("a", concurrency=2, buffer_capacity=40)
+    run(a, lambda: len(runs) >= 20, "the first worker to be busy")
+    b = parts.worker("b", concurrency=2, buffer_capacity=40)  # joins: partitions of normal move to it
+    topics = a.topics.priority_topics
+
+    def both() -> bool:
+        b.step()
+        return a.idle() and b.idle() and not parts.broker.uncommitted(a.group, topics)
+
+    run(a, both, "every task with two workers")
+    assert sorted(n for n, _ in runs) == list(range(300))  # each once: nothing dropped, nothing doubled
+    assert {tp[0] for tp in a._assigned} == {tp[0] for tp in b._assigned} == set(topics)  # per tier
+    assert parts.completed["b"] >= 60, parts.completed  # the joiner ran a share of the busy tier
+    a.close()
+    b.close()
