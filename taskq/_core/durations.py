@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Final
 
+from taskq._core.errors import ConfigurationError
+
 __all__ = ["DEFAULT_DELAY_TIERS", "parse_duration", "pick_delay_tier", "tier_name"]
 
 #: Delay tiers, one delay topic each (`<ns>.delay.<tier_name>`), shortest first.
@@ -25,6 +27,7 @@ _PART: Final = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _NUMBER: Final = re.compile(r"\d+(?:\.\d+)?")
 
 
+
 def parse_duration(text: str) -> timedelta:
     """Parse "250ms", "5s", "2m", "1h", "1d", "1h30m", or a bare number of seconds."""
     stripped = text.strip()
@@ -38,7 +41,7 @@ def parse_duration(text: str) -> timedelta:
         total += float(match[1]) * _UNIT_SECONDS[match[2]]
         pos = match.end()
     if pos == 0 or pos != len(stripped):
-        raise ValueError(
+        raise ConfigurationError(
             f"invalid duration {text!r}: expected e.g. '250ms', '5s', '2m', '1h', '1d', '1h30m' or seconds"
         )
     return timedelta(seconds=total)
@@ -48,7 +51,9 @@ def tier_name(delay: timedelta) -> str:
     """Name a delay compactly in its largest whole unit: "1s", "30s", "2m", "1h", "90m", "250ms"."""
     millis, remainder = divmod(delay, timedelta(milliseconds=1))
     if delay <= timedelta(0) or remainder:
-        raise ValueError(f"a delay tier must be a positive whole number of milliseconds, got {delay!r}")
+        raise ConfigurationError(
+            f"a delay tier must be a positive whole number of milliseconds, got {delay!r}"
+        )
     for unit, unit_millis in (("h", 3_600_000), ("m", 60_000), ("s", 1000)):
         if millis % unit_millis == 0:
             return f"{millis // unit_millis}{unit}"
@@ -58,7 +63,7 @@ def tier_name(delay: timedelta) -> str:
 def pick_delay_tier(delay: timedelta, tiers: Sequence[timedelta]) -> timedelta:
     """Return the smallest tier >= delay, or the largest tier when none is long enough."""
     if not tiers:
-        raise ValueError("no delay tiers configured")
+        raise ConfigurationError("no delay tiers configured")
     # A tier shorter than the delay is never picked while a longer one exists; when none fits, the
     # forwarder of the largest tier holds the task until its not-before time, so it never runs early.
     fitting = [tier for tier in tiers if tier >= delay]

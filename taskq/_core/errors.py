@@ -1,4 +1,4 @@
-"""Errors of the producer package; each class docstring is its default message."""
+"""The project's errors under one root, TaskqError; each class docstring is its default message."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ class TaskqError(Exception):
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or "").strip())
+
+
+class ConfigurationError(TaskqError, ValueError):
+    """A setting or argument is invalid; the message names it and the limit it broke."""
 
 
 class UnknownTaskTypeError(TaskqError, LookupError):

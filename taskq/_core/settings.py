@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from taskq._core.durations import DEFAULT_DELAY_TIERS, parse_duration
+from taskq._core.errors import ConfigurationError
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 #: librdkafka settings the project sets itself; passing them through TASKQ_KAFKA_* would break a guarantee.
@@ -41,26 +42,26 @@ class Settings:
 
     def __post_init__(self) -> None:
         if not _NAMESPACE.match(self.namespace):
-            raise ValueError(
+            raise ConfigurationError(
                 f"namespace {self.namespace!r} is not a valid Kafka topic prefix: "
                 "use letters, digits, '.', '_' or '-', at most 200 characters"
             )
         if not re.match(r"^[a-z_][a-z0-9_]{0,62}$", self.database_schema):
-            raise ValueError(
+            raise ConfigurationError(
                 f"database_schema {self.database_schema!r} must be a lower-case SQL identifier "
                 "of at most 63 chars"
             )
         if not self.bootstrap_servers:
-            raise ValueError("bootstrap_servers must name at least one broker (host:port)")
+            raise ConfigurationError("bootstrap_servers must name at least one broker (host:port)")
         if not self.delay_tiers or any(t <= timedelta(0) for t in self.delay_tiers):
-            raise ValueError(f"delay_tiers must be positive durations, got {self.delay_tiers!r}")
+            raise ConfigurationError(f"delay_tiers must be positive durations, got {self.delay_tiers!r}")
         if self.group_protocol not in GROUP_PROTOCOLS:
-            raise ValueError(
+            raise ConfigurationError(
                 f"group_protocol must be one of {', '.join(GROUP_PROTOCOLS)}, got {self.group_protocol!r}"
             )
         reserved = _RESERVED_KAFKA & set(self.kafka)
         if reserved:
-            raise ValueError(
+            raise ConfigurationError(
                 f"kafka settings {sorted(reserved)} are set by taskq itself and cannot be overridden"
             )
         object.__setattr__(self, "kafka", MappingProxyType(dict(self.kafka)))

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from taskq._core.db import Database
 from taskq._core.envelope import PRIORITIES, Topics
-from taskq._core.errors import TaskqError
+from taskq._core.errors import ConfigurationError, TaskqError
 from taskq._core.kafka import Admin
 from taskq._core.settings import Settings
 from taskq.consumer.handlers import Handlers, TaskContext
@@ -72,9 +72,9 @@ def bench_worker(
 ) -> dict[str, Any]:
     """Enqueue `count` tasks over the four tiers, time a Worker running them all, drop the namespace."""
     if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
+        raise ConfigurationError(f"count must be >= 1, got {count}")
     if handler not in BENCH_HANDLERS:
-        raise ValueError(f"handler must be one of {', '.join(BENCH_HANDLERS)}, got {handler!r}")
+        raise ConfigurationError(f"handler must be one of {', '.join(BENCH_HANDLERS)}, got {handler!r}")
     stamp = int(time.time() * 1000)
     # Topic names allow '-', Avro names and SQL identifiers do not: the record and the schema use '_'.
     s = replace(settings.with_namespace(f"bench-{stamp}"), database_schema=f"bench_{stamp}")

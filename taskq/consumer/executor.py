@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from taskq._core.errors import TaskqError
+from taskq._core.errors import ConfigurationError, TaskqError
 from taskq.consumer.handlers import HandlerSpec, TaskContext, load
 
 __all__ = ["Executor", "Job", "Outcome", "TaskCrashed", "TaskFailed", "TaskTimeout"]
@@ -281,9 +281,11 @@ class Executor:
         self, *, concurrency: int, handlers_path: str | None = None, process_start_timeout: float = 60.0
     ) -> None:
         if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+            raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
         if process_start_timeout <= 0:
-            raise ValueError(f"process_start_timeout must be > 0 seconds, got {process_start_timeout}")
+            raise ConfigurationError(
+                f"process_start_timeout must be > 0 seconds, got {process_start_timeout}"
+            )
         self._concurrency = concurrency
         self._handlers_path = handlers_path
         self._start_timeout = process_start_timeout
@@ -312,7 +314,9 @@ class Executor:
         spec = job.spec
         in_process = spec.isolation == "process" and job.call is None and not spec.is_async
         if in_process and self._handlers_path is None:
-            raise ValueError(f"{spec.task_type}: isolation='process' needs the executor's handlers_path")
+            raise ConfigurationError(
+                f"{spec.task_type}: isolation='process' needs the executor's handlers_path"
+            )
         attempt = _Attempt(job, on_done)
         with self._cond:
             if self._closed:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from taskq._core.errors import ConfigurationError
 from taskq.consumer.retry import RetryPolicy
 from taskq.schemas import avro
 
@@ -73,26 +74,28 @@ class Handlers:
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register `fn(payload, ctx)` (or `async def`) as the handler of a task type."""
         if task_type in self._specs:
-            raise ValueError(f"a handler for {task_type!r} is already registered")
+            raise ConfigurationError(f"a handler for {task_type!r} is already registered")
         if isolation not in ("thread", "process"):
-            raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
+            raise ConfigurationError(f"isolation must be 'thread' or 'process', got {isolation!r}")
         if transactional and isolation == "process":
-            raise ValueError(
+            raise ConfigurationError(
                 f"{task_type}: transactional=True needs isolation='thread' (the transaction is the worker's)"
             )
         if timeout is not None and timeout <= 0:
-            raise ValueError(f"{task_type}: timeout must be > 0 seconds, got {timeout}")
+            raise ConfigurationError(f"{task_type}: timeout must be > 0 seconds, got {timeout}")
         loaded: dict[str, Any] | None = None
         if schema is not None:
             loaded = dict(schema) if isinstance(schema, Mapping) else avro.load_schema(_resolve(schema))
             if avro.full_name(loaded) != task_type:
-                raise ValueError(f"schema for {task_type!r} is the record {avro.full_name(loaded)!r}")
+                raise ConfigurationError(f"schema for {task_type!r} is the record {avro.full_name(loaded)!r}")
         policy = retry or RetryPolicy(max_attempts=max_attempts, non_retryable=non_retryable)
 
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
             is_async = inspect.iscoroutinefunction(fn)
             if is_async and isolation == "process":
-                raise ValueError(f"{task_type}: async handlers run in the worker's event loop, not a process")
+                raise ConfigurationError(
+                    f"{task_type}: async handlers run in the worker's event loop, not a process"
+                )
             self._specs[task_type] = HandlerSpec(
                 task_type=task_type,
                 fn=fn,
@@ -141,10 +144,10 @@ def load(import_path: str) -> Handlers:
 
     module_name, _, attr = import_path.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"expected MODULE:ATTR, got {import_path!r}")
+        raise ConfigurationError(f"expected MODULE:ATTR, got {import_path!r}")
     module = importlib.import_module(module_name)
     handlers = getattr(module, attr, None)
     if not isinstance(handlers, Handlers):
-        raise ValueError(f"{import_path} is {type(handlers).__name__}, not a taskq.Handlers")
+        raise ConfigurationError(f"{import_path} is {type(handlers).__name__}, not a taskq.Handlers")
     handlers.import_path = import_path
     return handlers

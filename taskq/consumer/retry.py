@@ -7,9 +7,12 @@ import random
 from dataclasses import dataclass
 from datetime import timedelta
 
+from taskq._core.errors import ConfigurationError
+
 __all__ = ["Reject", "Retry", "RetryPolicy"]
 
 _RNG = random.Random()
+
 
 
 class Retry(Exception):
@@ -22,7 +25,7 @@ class Retry(Exception):
         if isinstance(delay, int | float):
             delay = timedelta(seconds=delay)
         if delay is not None and delay < timedelta(0):
-            raise ValueError(f"Retry delay must be >= 0, got {delay!r}")
+            raise ConfigurationError(f"Retry delay must be >= 0, got {delay!r}")
         super().__init__(reason or "retry requested")
         self.delay = delay
         self.reason = reason
@@ -50,20 +53,20 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+            raise ConfigurationError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.base <= timedelta(0):
-            raise ValueError(f"base must be > 0, got {self.base!r}")
+            raise ConfigurationError(f"base must be > 0, got {self.base!r}")
         if self.cap < self.base:
-            raise ValueError(f"cap must be >= base ({self.base!r}), got {self.cap!r}")
+            raise ConfigurationError(f"cap must be >= base ({self.base!r}), got {self.cap!r}")
         if not 0 <= self.jitter < 1:
-            raise ValueError(f"jitter must be in [0, 1), got {self.jitter}")
+            raise ConfigurationError(f"jitter must be in [0, 1), got {self.jitter}")
 
     def next_delay(
         self, attempt: int, error: BaseException, *, rng: random.Random | None = None
     ) -> timedelta | None:
         """Delay before the next attempt after attempt `attempt` (1-based) failed; None means dead-letter."""
         if attempt < 1:
-            raise ValueError(f"attempt is 1-based, got {attempt}")
+            raise ConfigurationError(f"attempt is 1-based, got {attempt}")
         if attempt >= self.max_attempts or isinstance(error, self.non_retryable):
             return None
         if isinstance(error, Retry) and error.delay is not None:

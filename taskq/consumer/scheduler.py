@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Priority
+from taskq._core.errors import ConfigurationError
 
 __all__ = ["PriorityScheduler"]
 
@@ -39,16 +40,18 @@ class PriorityScheduler(Generic[T]):
     def __init__(self, *, weights: Mapping[Priority, int] = DEFAULT_WEIGHTS, capacity: int) -> None:
         for tier in PRIORITIES:
             if tier not in weights:
-                raise ValueError(f"weight of tier {tier!r} missing")
+                raise ConfigurationError(f"weight of tier {tier!r} missing")
             weight = weights[tier]
             if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
-                raise ValueError(f"weight of tier {tier!r} must be an int >= 1, got {weight!r}")
+                raise ConfigurationError(f"weight of tier {tier!r} must be an int >= 1, got {weight!r}")
         unknown = set(weights) - set(PRIORITIES)
         if unknown:
-            raise ValueError(f"unknown tiers in weights: {sorted(unknown)}; tiers are {list(PRIORITIES)}")
+            raise ConfigurationError(
+                f"unknown tiers in weights: {sorted(unknown)}; tiers are {list(PRIORITIES)}"
+            )
         # One task per tier at least, or an empty tier could not be fetched without exceeding capacity.
         if not isinstance(capacity, int) or capacity < len(PRIORITIES):
-            raise ValueError(
+            raise ConfigurationError(
                 f"capacity must be an int >= {len(PRIORITIES)} (one task per tier), got {capacity!r}"
             )
         self._weights: dict[Priority, int] = {tier: weights[tier] for tier in PRIORITIES}

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from taskq._core.db import Database
 from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeError, Priority, Topics
-from taskq._core.errors import StoreUnavailableError, TaskqError
+from taskq._core.errors import ConfigurationError, StoreUnavailableError, TaskqError
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.settings import Settings
 from taskq.consumer import metrics
@@ -74,12 +74,14 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+            raise ConfigurationError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.buffer_capacity < 4:
-            raise ValueError(f"buffer_capacity must be >= 4 (one task per tier), got {self.buffer_capacity}")
+            raise ConfigurationError(
+                f"buffer_capacity must be >= 4 (one task per tier), got {self.buffer_capacity}"
+            )
         for name in ("shutdown_timeout", "revoke_timeout", "commit_interval", "default_lease"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)

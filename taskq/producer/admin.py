@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from taskq._core.envelope import Topics
+from taskq._core.errors import ConfigurationError
 from taskq._core.kafka import Admin, TopicSpec
 from taskq._core.settings import Settings
 
@@ -13,7 +14,9 @@ DLQ_RETENTION_MS = 30 * 24 * 3600 * 1000
 def topic_specs(settings: Settings, *, partitions: int = 6, replication: int = 1) -> list[TopicSpec]:
     """Every topic a namespace needs."""
     if partitions < 1 or replication < 1:
-        raise ValueError(f"partitions and replication must be >= 1, got {partitions} and {replication}")
+        raise ConfigurationError(
+            f"partitions and replication must be >= 1, got {partitions} and {replication}"
+        )
     topics = Topics(settings.namespace, settings.delay_tiers)
     # min.insync.replicas below replication keeps acks=all writable with one broker down.
     config = {"min.insync.replicas": str(max(1, min(2, replication - 1)))}

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Mapping
 
 from taskq._core.envelope import PRIORITIES, Priority, Topics
-from taskq._core.errors import QueueFullError, TaskqError
+from taskq._core.errors import ConfigurationError, QueueFullError, TaskqError
 from taskq._core.kafka import TopicAdmin
 
 log = logging.getLogger("taskq.backpressure")
@@ -44,7 +44,9 @@ class DepthMonitor:
     ) -> None:
         for priority, limit in limits.items():
             if not isinstance(limit, int) or limit < 0:
-                raise ValueError(f"depth limit of tier {priority!r} must be an integer >= 0, got {limit!r}")
+                raise ConfigurationError(
+                    f"depth limit of tier {priority!r} must be an integer >= 0, got {limit!r}"
+                )
         self._limits = dict(limits)
         self._admin = admin
         self._topics = topics
