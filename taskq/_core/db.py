@@ -1,18 +1,26 @@
-"""The one module that talks to Postgres (psycopg 3): connections, named queries, migrations."""
+"""The one module that talks to Postgres (psycopg 3): a connector running named queries, and migrations."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import TypeAlias, TypeVar
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from taskq._core.errors import StoreUnavailableError
+
+#: One result row: column name -> value.
+Row: TypeAlias = DictRow
+#: A connection whose rows are `Row`s.
+Connection: TypeAlias = psycopg.Connection[Row]
+_Cursor: TypeAlias = psycopg.Cursor[Row]
+T = TypeVar("T")
 
 #: Advisory lock key serialising concurrent migrations (any 64-bit constant unique to taskq).
 _MIGRATION_LOCK = 0x7461736B71  # "taskq"
@@ -40,15 +48,94 @@ def migrations() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
-class Database:
-    """Connections to the project's Postgres database, in one schema (search_path)."""
+class _Queries:
+    """The three ways to run a named query; subclasses say on which connection."""
+
+    def _run(self, name: str, params: dict[str, object], read: Callable[[_Cursor], T]) -> T:
+        raise NotImplementedError
+
+    def one(self, name: str, /, **params: object) -> Row | None:
+        """The first row of a named query, or None."""
+        return self._run(name, params, lambda cur: cur.fetchone())
+
+    def all(self, name: str, /, **params: object) -> list[Row]:
+        """Every row of a named query."""
+        return self._run(name, params, lambda cur: cur.fetchall())
+
+    def execute(self, name: str, /, **params: object) -> int:
+        """Run a named query; returns its row count."""
+        return self._run(name, params, lambda cur: cur.rowcount)
+
+
+class Database(_Queries):
+    """The project's Postgres database in one schema: named queries on a kept connection, transactions."""
 
     def __init__(self, url: str, *, schema: str = "public") -> None:
         self.url = url
         self.schema = schema
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()
 
-    def connect(self, *, autocommit: bool = True) -> psycopg.Connection[dict[str, Any]]:
-        """A connection whose search_path is the project's schema; StoreUnavailableError if unreachable."""
+    def _run(self, name: str, params: dict[str, object], read: Callable[[_Cursor], T]) -> T:
+        with self._lock:
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = self.connect()
+            try:
+                return self._query(conn, name, params, read)
+            except StoreUnavailableError:
+                # Drop the connection after any driver error: the next query reconnects (Postgres may have
+                # restarted, and a connection that failed once is not trusted again).
+                conn.close()
+                self._conn = None
+                raise
+
+    def _query(
+        self, conn: Connection, name: str, params: dict[str, object], read: Callable[[_Cursor], T]
+    ) -> T:
+        """Run a named query on `conn`: the one place a driver error becomes StoreUnavailableError."""
+        try:
+            return read(conn.execute(queries()[name], params))
+        except psycopg.Error as exc:
+            raise self._unavailable(f"query {name!r} failed", exc) from exc
+
+    def _unavailable(self, what: str, exc: psycopg.Error) -> StoreUnavailableError:
+        # The caller raises it `from exc`, so __cause__ keeps the driver's error.
+        return StoreUnavailableError(_redact(f"Postgres {what}: {exc}"))
+
+    @contextmanager
+    def transaction(self, conn: Connection | None = None) -> Iterator[Transaction]:
+        """Named queries in one transaction, committed on clean exit and rolled back otherwise.
+
+        It runs on a new connection closed on exit, or on `conn` (autocommit off), which the caller keeps.
+        """
+        tx = Transaction(self, conn if conn is not None else self.connect(autocommit=False))
+        try:
+            yield tx
+            try:
+                tx.connection.commit()
+            except psycopg.Error as exc:
+                raise self._unavailable("commit failed", exc) from exc
+        except BaseException:
+            try:
+                if not tx.connection.closed:
+                    tx.connection.rollback()
+            except psycopg.Error:
+                tx.connection.close()  # closing rolls back too; the caller replaces a closed connection
+            raise
+        finally:
+            if conn is None:
+                tx.connection.close()
+
+    def close(self) -> None:
+        """Close the kept connection; the next query opens a new one."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def connect(self, *, autocommit: bool = True) -> Connection:
+        """A new connection, search_path set to the project's schema; StoreUnavailableError if unreachable."""
         try:
             return psycopg.connect(
                 self.url,
@@ -57,12 +144,12 @@ class Database:
                 options=f"-c search_path={self.schema}",
                 connect_timeout=10,
             )
-        except psycopg.OperationalError as exc:
-            raise StoreUnavailableError(f"cannot connect to Postgres at {_redact(self.url)}: {exc}") from exc
+        except psycopg.Error as exc:
+            raise self._unavailable(f"unreachable at {self.url}", exc) from exc
 
     @contextmanager
-    def connection(self, *, autocommit: bool = True) -> Iterator[psycopg.Connection[dict[str, Any]]]:
-        """A connection closed on exit."""
+    def connection(self, *, autocommit: bool = True) -> Iterator[Connection]:
+        """A new connection, closed on exit."""
         conn = self.connect(autocommit=autocommit)
         try:
             yield conn
@@ -100,14 +187,23 @@ class Database:
             conn.execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
 
 
-def in_transaction(conn: psycopg.Connection[Any]) -> bool:
+class Transaction(_Queries):
+    """Named queries inside one open transaction of `Database.transaction`."""
+
+    def __init__(self, database: Database, connection: Connection) -> None:
+        self.connection = connection
+        self._database = database
+
+    def _run(self, name: str, params: dict[str, object], read: Callable[[_Cursor], T]) -> T:
+        return self._database._query(self.connection, name, params, read)
+
+
+def in_transaction(conn: Connection) -> bool:
     """Whether a connection is inside a transaction (or broken), i.e. not safe to hand to the next task."""
     return conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
 
 
-def _redact(url: str) -> str:
-    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
-
-
-Error = psycopg.Error
-OperationalError = psycopg.OperationalError
+def _redact(text: str) -> str:
+    """`text` without the password of any Postgres URL or key=value connection string in it."""
+    text = re.sub(r"://([^:/@\s]+):[^@\s]*@", r"://\1:***@", text)
+    return re.sub(r"(\bpassword\s*=\s*)('[^']*'|\S+)", r"\1***", text)

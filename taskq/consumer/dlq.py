@@ -15,13 +15,13 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from taskq._core.db import Database, Error, queries
+from taskq._core.db import Database
 from taskq._core.envelope import Envelope, EnvelopeError, H, Topics
-from taskq._core.errors import DeliveryError, KafkaUnavailableError, StoreUnavailableError, TaskqError
+from taskq._core.errors import DeliveryError, KafkaUnavailableError, TaskqError
 from taskq._core.kafka import Admin, Headers, Record, Sink, Source
 from taskq._core.settings import Settings
+from taskq._core.store import Store
 from taskq.consumer import routing
-from taskq.consumer.store import IdempotencyStore
 from taskq.schemas import avro
 from taskq.schemas.errors import SchemaError
 from taskq.schemas.registry import Registry
@@ -144,8 +144,7 @@ class DeadLetters:
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
         self.db = Database(self.settings.database_url, schema=self.settings.database_schema)
         self._admin = Admin(self.settings)
-        self._q = queries()
-        self._store: IdempotencyStore | None = None
+        self._store = Store(self.db)
         self._sink: Sink | None = None
         self._registry: Registry | None = None
 
@@ -161,7 +160,7 @@ class DeadLetters:
         """DLQ records oldest first: not yet replayed (unless include_replayed), of a type, failed since."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
-        replayed = self._replayed()
+        replayed = self._store.dlq_replayed(self.topics.dlq)
         cutoff = datetime.now(UTC) - since if since is not None else None
         out: builtins.list[DlqRecord] = []
         for raw in self._read():
@@ -182,7 +181,7 @@ class DeadLetters:
         found = [r for r in self._read(offset, offset + 1) if r.offset == offset]
         if not found:
             raise self._not_found([offset])
-        rec = _parse(found[0], self._replayed().get(offset))
+        rec = _parse(found[0], self._store.dlq_replayed(self.topics.dlq).get(offset))
         try:
             schema_id, body = avro.split_frame(rec.value)
             return replace(rec, payload=avro.decode(body, self._schemas().by_id(schema_id)))
@@ -192,8 +191,7 @@ class DeadLetters:
     def depth(self) -> int:
         """How many DLQ records were not replayed yet; also sets the taskq_dlq_depth gauge."""
         start, end = self._bounds()
-        rows = self._query("dlq_replayed_between", {"topic": self.topics.dlq, "start": start, "end": end})
-        depth = max(0, end - start - int(rows[0]["n"]))
+        depth = max(0, end - start - self._store.dlq_replayed_between(self.topics.dlq, start, end))
         DLQ_DEPTH.set(depth)
         return depth
 
@@ -220,7 +218,7 @@ class DeadLetters:
         else:
             if task_type is not None:
                 raise ValueError("task_type filters all=True only; name offsets or the type, not both")
-            replayed = self._replayed()
+            replayed = self._store.dlq_replayed(self.topics.dlq)
             raws = self._read(wanted[0], wanted[-1] + 1)
             found = {r.offset: _parse(r, replayed.get(r.offset)) for r in raws}
             missing = [o for o in wanted if o not in found]
@@ -241,36 +239,30 @@ class DeadLetters:
         headers = replace(env, attempt=1, not_before=None).to_headers() + [
             (k, v) for k, v in rec.headers.items() if not k.startswith(H) and k != "traceparent"
         ]
-        params = {
-            "topic": self.topics.dlq,
-            "offset": rec.offset,
-            "task_id": env.task_id,
-            "key": env.idempotency_key,
-            "force": force,
-        }
         # The replay row is written in a transaction that stays open until the broker acknowledged the task:
         # a concurrent replay of the same record waits on it and is then refused, and a failed send rolls
         # the mark back, so "replayed" in Postgres never names a task that is not back on its topic.
-        conn = self.db.connect(autocommit=False)
-        try:
-            row = conn.execute(self._q["dlq_record_replay"], params).fetchone()
-            if row is None:
+        with self.db.transaction() as tx:
+            replays = self._store.dlq_record_replay(
+                tx,
+                topic=self.topics.dlq,
+                offset=rec.offset,
+                task_id=env.task_id,
+                idempotency_key=env.idempotency_key,
+                force=force,
+            )
+            if replays is None:
                 when = f" at {rec.replayed_at.isoformat()}" if rec.replayed_at else ""
                 return replace(result, refused=f"already replayed{when}; force to replay it again")
             # Reset before producing: a worker counts an attempt when it claims the key, and a key still
             # dead at max attempts would be dead-lettered again at once. A completed key stays completed.
-            store = self._idempotency()
+            # Both run on the store's kept connection, outside the replay transaction, committed at once.
             completed = False
-            if not store.reset_for_replay(env.idempotency_key):
-                current = store.get(env.idempotency_key)
+            if not self._store.reset_for_replay(env.idempotency_key):
+                current = self._store.get(env.idempotency_key)
                 completed = current is not None and current["state"] == "completed"
             self._send(topic, rec, headers, env.task_id)
-            conn.commit()
-        except Error as exc:
-            raise StoreUnavailableError(f"recording the replay of DLQ offset {rec.offset}: {exc}") from exc
-        finally:
-            conn.close()  # without commit, closing rolls back
-        return replace(result, topic=topic, already_completed=completed, replays=int(row["replays"]))
+        return replace(result, topic=topic, already_completed=completed, replays=replays)
 
     def _send(self, topic: str, rec: DlqRecord, headers: Headers, task_id: str) -> None:
         if self._sink is None:
@@ -323,22 +315,6 @@ class DeadLetters:
             source.close()
         return out
 
-    def _replayed(self) -> dict[int, tuple[datetime, int]]:
-        rows = self._query("dlq_replayed", {"topic": self.topics.dlq})
-        return {int(r["dlq_offset"]): (r["replayed_at"], int(r["replays"])) for r in rows}
-
-    def _query(self, name: str, params: dict[str, Any]) -> builtins.list[dict[str, Any]]:
-        try:
-            with self.db.connection() as conn:
-                return list(conn.execute(self._q[name], params).fetchall())
-        except Error as exc:
-            raise StoreUnavailableError(f"DLQ replays ({name}): {exc}") from exc
-
-    def _idempotency(self) -> IdempotencyStore:
-        if self._store is None:
-            self._store = IdempotencyStore(self.db, owner="taskq-dlq")
-        return self._store
-
     def _schemas(self) -> Registry:
         if self._registry is None:
             self._registry = Registry(self.settings.schema_registry_url)
@@ -355,9 +331,7 @@ class DeadLetters:
         if self._sink is not None:
             self._sink.flush(ACK_TIMEOUT)
             self._sink = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self.db.close()
         if self._registry is not None:
             self._registry.close()
             self._registry = None

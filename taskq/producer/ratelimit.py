@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
+from taskq._core.db import Database
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import RateLimitedError, StoreUnavailableError
-
-if TYPE_CHECKING:
-    from taskq._core.db import Database
+from taskq._core.store import Store
 
 __all__ = ["RateLimit", "RateLimiter", "SharedBucket", "TokenBucket"]
 
@@ -123,30 +122,22 @@ class SharedBucket:
         self.capacity = capacity
         # A lease of ~1/20 s of tokens: a lone producer pays one round trip per 50 ms of full-rate traffic.
         self.lease = lease or max(1, min(int(capacity), math.ceil(rate / 20)))
-        self._db = database
-        self._conn: Any = None
+        self._store = Store(database)
         self._lock = threading.Lock()
         self._stash = 0.0
         self._db_tokens = 0.0
 
     def _take_from_db(self, want: float) -> float:
-        from taskq._core.db import Error, queries
-
-        for attempt in (1, 2):
-            try:
-                if self._conn is None or self._conn.closed:
-                    self._conn = self._db.connect()
-                row = self._conn.execute(
-                    queries()["take_tokens"],
-                    {"name": self.name, "rate": self.rate, "capacity": self.capacity, "want": want},
-                ).fetchone()
-                self._db_tokens = float(row["tokens"])
-                return float(row["granted"])
-            except Error as exc:
-                self._conn = None
-                if attempt == 2:
-                    raise StoreUnavailableError(f"shared rate limit {self.name!r}: {exc}") from exc
-        return 0.0
+        take = functools.partial(
+            self._store.take_tokens, self.name, rate=self.rate, capacity=self.capacity, want=want
+        )
+        try:
+            granted, self._db_tokens = take()
+        except StoreUnavailableError:
+            # Once more, on a new connection: the kept one may have died with a Postgres restart, and a take
+            # that went through after all only forfeits tokens, never grants too many.
+            granted, self._db_tokens = take()
+        return granted
 
     def try_take(self, n: int = 1) -> float:
         """Take n tokens (0.0) or return the seconds until the shared bucket can give them."""
@@ -166,9 +157,7 @@ class SharedBucket:
     def close(self) -> None:
         """Release the connection (leased tokens not yet used are forfeited, never over-granted)."""
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            self._store.database.close()
 
 
 class RateLimiter:

@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY
 from taskq import Handlers, Reject
 from taskq._core.db import Database
 from taskq._core.envelope import Envelope, H, Topics
+from taskq._core.errors import DeliveryError
 from taskq._core.kafka import Admin, Record, Sink, Source
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import DeadLetters, DlqRecordNotFoundError
@@ -261,6 +262,27 @@ def test_replay_names_missing_offsets_and_replays_nothing(
         dlq.replay()
     with pytest.raises(ValueError):
         dlq.replay([0], all=True)
+
+
+def test_a_replay_whose_send_fails_stays_unreplayed(
+    settings: Settings,
+    store: IdempotencyStore,
+    dlq: DeadLetters,
+    email_type: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dead_letter(settings, store, email_type, 1)
+
+    def broker_down(*args: object) -> None:
+        raise DeliveryError("no acknowledgement")
+
+    monkeypatch.setattr(dlq, "_send", broker_down)
+    with pytest.raises(DeliveryError):
+        dlq.replay([0])
+    assert dlq.depth() == 1 and dlq.list()[0].replayed_at is None  # the mark rolled back with the send
+    monkeypatch.undo()
+    [result] = dlq.replay([0])
+    assert result.replayed and result.replays == 1
 
 
 def test_worker_dead_letters_then_replay_runs_once_after_the_fix(

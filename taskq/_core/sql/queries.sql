@@ -1,4 +1,5 @@
--- Every SQL statement of taskq, by name. Loaded by producer.db; parameters are psycopg named placeholders.
+-- Every SQL statement of taskq, by name; taskq._core.store.Store runs them, one method each.
+-- Parameters are psycopg named placeholders.
 
 -- name: take_tokens
 -- Refill a shared bucket for the time elapsed since its last use and take up to `want` whole tokens, in one
@@ -78,6 +79,7 @@ WHERE idempotency_key = %(key)s AND state = 'dead'
 RETURNING idempotency_key;
 
 -- name: get
+-- One key's record; a plain read that takes no row locks and sees committed changes only.
 SELECT idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at, last_error, result,
        created_at, updated_at, completed_at
 FROM taskq_tasks WHERE idempotency_key = %(key)s;
@@ -91,6 +93,7 @@ DELETE FROM taskq_tasks WHERE ctid IN (
 );
 
 -- name: counts
+-- Records per state, a snapshot: no locks, so it may trail concurrent claims.
 SELECT state, count(*) AS n FROM taskq_tasks GROUP BY state;
 
 -- name: dlq_replayed

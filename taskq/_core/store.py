@@ -1,0 +1,155 @@
+"""The records taskq keeps in Postgres: one method per named query of sql/queries.sql, with typed values."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from taskq._core.db import Database, Row, Transaction
+
+ClaimOutcome = Literal["claimed", "completed", "running", "duplicate"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """A task asking to run: its idempotency key and how long its lease must last."""
+
+    idempotency_key: str
+    task_id: str
+    task_type: str
+    lease_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The store's answer: run it (claimed, with its attempt number), skip it (completed), or hold it."""
+
+    idempotency_key: str
+    outcome: ClaimOutcome
+    attempts: int
+    lease_left: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """An attempt's end, to record: completed (with a small result) or failed/dead (with its error)."""
+
+    idempotency_key: str
+    attempts: int
+    state: Literal["completed", "failed", "dead"]
+    result: Any = None
+    error: str = ""
+
+
+class Store:
+    """Every named query of sql/queries.sql, one method each: the only code that names a query."""
+
+    def __init__(self, database: Database) -> None:
+        self.database = database
+
+    # ------------------------------------------------------------------------------- idempotency records
+    def claim(self, owner: str, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Claim each key (unique in `requests`) for one attempt, leased to `owner`; answers in order."""
+        rows = self.database.all(
+            "claim",
+            keys=[r.idempotency_key for r in requests],
+            task_ids=[r.task_id for r in requests],
+            task_types=[r.task_type for r in requests],
+            leases=[r.lease_seconds for r in requests],
+            owner=owner,
+        )
+        by_key = {row["idempotency_key"]: row for row in rows}
+        out: list[Claim] = []
+        for r in requests:
+            row = by_key[r.idempotency_key]
+            outcome = row["outcome"]
+            if outcome not in ("claimed", "completed"):
+                outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
+            out.append(
+                Claim(r.idempotency_key, outcome, int(row["attempts"] or 0), float(row["lease_left"] or 0.0))
+            )
+        return out
+
+    def complete(self, owner: str, done: Sequence[Finished], *, tx: Transaction | None = None) -> set[str]:
+        """Record completions held by `owner`'s lease, in `tx` if given; returns the keys recorded."""
+        rows = (tx or self.database).all(
+            "complete",
+            keys=[f.idempotency_key for f in done],
+            attempts=[f.attempts for f in done],
+            results=[_result_json(f.result) for f in done],
+            owner=owner,
+        )
+        return {r["idempotency_key"] for r in rows}
+
+    def fail(self, owner: str, failed: Sequence[Finished]) -> set[str]:
+        """Record failed or dead attempts held by `owner`'s lease; returns the keys recorded."""
+        rows = self.database.all(
+            "fail",
+            keys=[f.idempotency_key for f in failed],
+            attempts=[f.attempts for f in failed],
+            states=[f.state for f in failed],
+            errors=[f.error[:4000] for f in failed],
+            owner=owner,
+        )
+        return {r["idempotency_key"] for r in rows}
+
+    def get(self, idempotency_key: str) -> Row | None:
+        """The record of one key (its columns), or None."""
+        return self.database.one("get", key=idempotency_key)
+
+    def reset_for_replay(self, idempotency_key: str) -> bool:
+        """Start a dead key's attempts over (DLQ replay); False if it is not dead (e.g. completed)."""
+        return self.database.one("reset_for_replay", key=idempotency_key) is not None
+
+    def purge(self, ttl_seconds: float, *, batch: int) -> int:
+        """Delete up to `batch` completed and dead records older than the TTL; returns how many."""
+        return max(0, self.database.execute("purge", ttl_seconds=ttl_seconds, batch=batch))
+
+    def counts(self) -> dict[str, int]:
+        """Number of records per state."""
+        return {r["state"]: int(r["n"]) for r in self.database.all("counts")}
+
+    def retries(self) -> tuple[int, int]:
+        """(tasks that needed more than one attempt, attempts beyond the first), over all workers."""
+        (row,) = self.database.all("retries")
+        return int(row["tasks"]), int(row["retries"])
+
+    # ------------------------------------------------------------------------------------- rate limits
+    def take_tokens(self, bucket: str, *, rate: float, capacity: float, want: float) -> tuple[float, float]:
+        """Refill a shared bucket and take up to `want` whole tokens: (tokens granted, tokens left)."""
+        (row,) = self.database.all("take_tokens", name=bucket, rate=rate, capacity=capacity, want=want)
+        return float(row["granted"]), float(row["tokens"])
+
+    # ------------------------------------------------------------------------------------- DLQ replays
+    def dlq_replayed(self, topic: str) -> dict[int, tuple[datetime, int]]:
+        """{DLQ offset: (last replayed at, number of replays)} of the replayed records of a DLQ topic."""
+        rows = self.database.all("dlq_replayed", topic=topic)
+        return {int(r["dlq_offset"]): (r["replayed_at"], int(r["replays"])) for r in rows}
+
+    def dlq_replayed_between(self, topic: str, start: int, end: int) -> int:
+        """How many records of the DLQ offsets [start, end) were replayed."""
+        (row,) = self.database.all("dlq_replayed_between", topic=topic, start=start, end=end)
+        return int(row["n"])
+
+    def dlq_record_replay(
+        self, tx: Transaction, *, topic: str, offset: int, task_id: str, idempotency_key: str, force: bool
+    ) -> int | None:
+        """Mark a DLQ record replayed in `tx`: its count of replays, or None if replayed before (unforced)."""
+        row = tx.one(
+            "dlq_record_replay", topic=topic, offset=offset, task_id=task_id, key=idempotency_key, force=force
+        )
+        return None if row is None else int(row["replays"])
+
+
+def _result_json(result: Any) -> str | None:
+    if result is None:
+        return None
+    try:
+        text = json.dumps(result, default=str)
+    except (TypeError, ValueError):
+        text = json.dumps(repr(result))
+    # Results are for inspection, not storage: keep rows small.
+    return text if len(text) <= 8192 else json.dumps({"truncated": text[:8000]})

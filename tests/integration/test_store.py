@@ -1,0 +1,234 @@
+"""The Postgres layer on a real database: the connector's named queries and transactions, and the Store."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+
+from taskq._core.db import Database, Transaction
+from taskq._core.errors import StoreUnavailableError
+from taskq._core.settings import Settings
+from taskq._core.store import ClaimRequest, Finished, Store
+from taskq.consumer.store import IdempotencyStore, LeaseLostError
+from tests.acceptance.helpers import wait_until
+
+
+@pytest.fixture
+def db(base_settings: Settings) -> Iterator[Database]:
+    """A migrated schema of the test's own (no topics: these tests never touch Kafka)."""
+    database = Database(base_settings.database_url, schema="t" + uuid.uuid4().hex[:10])
+    database.migrate()
+    yield database
+    database.close()
+    database.drop_schema()
+
+
+def _backend_pid(db: Database) -> int:
+    assert db._conn is not None
+    return db._conn.info.backend_pid
+
+
+def _record_replay(store: Store, tx: Transaction, offset: int = 0) -> int | None:
+    return store.dlq_record_replay(
+        tx, topic="t.dlq", offset=offset, task_id="t1", idempotency_key="k", force=False
+    )
+
+
+def _terminate(db: Database, pid: int) -> None:
+    with db.connection() as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+
+def test_named_queries_return_a_row_rows_and_a_row_count(db: Database) -> None:
+    assert db.one("get", key="nothing") is None
+    rows = db.all(
+        "claim", keys=["a", "b"], task_ids=["1", "2"], task_types=["t", "t"], leases=[60.0, 60.0], owner="w"
+    )
+    assert sorted((r["idempotency_key"], r["outcome"], r["attempts"]) for r in rows) == [
+        ("a", "claimed", 1),
+        ("b", "claimed", 1),
+    ]
+    row = db.one("get", key="a")
+    assert row is not None and (row["state"], row["lease_owner"]) == ("running", "w")
+    assert db.all("counts") == [{"state": "running", "n": 2}]
+    db.all("fail", keys=["a", "b"], attempts=[1, 1], states=["dead", "dead"], errors=["x", "y"], owner="w")
+    assert db.execute("purge", ttl_seconds=-60, batch=10) == 2
+
+
+def test_a_transaction_commits_on_a_clean_exit_and_rolls_back_on_an_error(db: Database) -> None:
+    store = Store(db)
+    with db.transaction() as tx:
+        assert _record_replay(store, tx) == 1
+        assert store.dlq_replayed("t.dlq") == {}  # not visible outside until committed
+    assert set(store.dlq_replayed("t.dlq")) == {0}
+
+    with pytest.raises(RuntimeError, match="send failed"), db.transaction() as tx:
+        _record_replay(store, tx, offset=1)
+        raise RuntimeError("send failed")
+    assert set(store.dlq_replayed("t.dlq")) == {0}
+    assert store.dlq_replayed_between("t.dlq", 0, 2) == 1
+
+    with db.transaction() as tx:  # replayed before and not forced: refused, and nothing changes
+        assert _record_replay(store, tx) is None
+    assert store.dlq_replayed("t.dlq")[0][1] == 1
+
+
+def test_a_replay_row_holds_a_concurrent_replay_until_it_commits_which_then_refuses_it(db: Database) -> None:
+    store = Store(db)
+    second: list[int | None] = []
+
+    def replay_again() -> None:
+        with db.transaction() as tx:
+            second.append(_record_replay(store, tx))
+
+    with db.transaction() as tx:
+        assert _record_replay(store, tx) == 1
+        thread = threading.Thread(target=replay_again)
+        thread.start()
+        with db.connection() as probe:
+
+            def blocked() -> bool:
+                row = probe.execute(
+                    "SELECT count(*) AS n FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                    (tx.connection.info.backend_pid,),
+                ).fetchone()
+                return row is not None and row["n"] == 1
+
+            wait_until(blocked, timeout=30, what="the second replay to wait on the first one's row")
+        assert not second
+    thread.join(30)
+    assert second == [None]
+
+
+def test_a_driver_error_becomes_store_unavailable_naming_the_query_without_the_password(
+    base_settings: Settings,
+) -> None:
+    password = urlsplit(base_settings.database_url).password
+    unmigrated = Database(base_settings.database_url, schema="t" + uuid.uuid4().hex[:10])
+    try:
+        with pytest.raises(StoreUnavailableError) as info:
+            Store(unmigrated).counts()
+    finally:
+        unmigrated.close()
+    assert "'counts'" in str(info.value) and "taskq_tasks" in str(info.value)
+    assert isinstance(info.value.__cause__, psycopg.Error)
+    assert not password or password not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://taskq:s3cret-pw@127.0.0.1:1/taskq",
+        "host=127.0.0.1 port=1 user=taskq password=s3cret-pw dbname=taskq",
+    ],
+)
+def test_an_unreachable_database_is_store_unavailable_without_the_password(url: str) -> None:
+    db = Database(url)
+    with pytest.raises(StoreUnavailableError) as info:
+        db.one("counts")
+    assert "127.0.0.1" in str(info.value) and "s3cret-pw" not in str(info.value)
+    assert isinstance(info.value.__cause__, psycopg.OperationalError)
+
+
+def test_the_kept_connection_is_dropped_after_it_breaks_and_the_next_query_reconnects(db: Database) -> None:
+    assert db.all("counts") == []
+    pid = _backend_pid(db)
+    _terminate(db, pid)
+    with pytest.raises(StoreUnavailableError, match="'counts'") as info:
+        db.all("counts")
+    assert isinstance(info.value.__cause__, psycopg.OperationalError)
+    assert db._conn is None
+    assert db.all("counts") == []
+    assert _backend_pid(db) != pid
+
+
+def test_the_store_records_claims_and_outcomes_under_the_owners_lease(db: Database) -> None:
+    store = Store(db)
+    claims = store.claim("w1", [ClaimRequest("a", "1", "t", 60), ClaimRequest("b", "2", "t", 60)])
+    assert [(c.idempotency_key, c.outcome, c.attempts) for c in claims] == [
+        ("a", "claimed", 1),
+        ("b", "claimed", 1),
+    ]
+    [held] = store.claim("w2", [ClaimRequest("a", "1", "t", 60)])
+    assert held.outcome == "running" and 0 < held.lease_left <= 60
+    assert store.complete("w2", [Finished("a", 1, "completed")]) == set()  # not w2's lease
+    assert store.complete("w1", [Finished("a", 1, "completed", result={"ok": True})]) == {"a"}
+    assert store.fail("w1", [Finished("b", 1, "dead", error="boom")]) == {"b"}
+    row = store.get("a")
+    assert row is not None and (row["state"], row["result"]) == ("completed", {"ok": True})
+    assert store.counts() == {"completed": 1, "dead": 1}
+    assert store.reset_for_replay("b") and not store.reset_for_replay("a")
+    [again] = store.claim("w2", [ClaimRequest("b", "2", "t", 60)])
+    assert (again.outcome, again.attempts) == ("claimed", 1)
+    assert store.retries() == (0, 0)
+    assert store.purge(-60, batch=10) == 1  # the completed key; b runs again
+    granted, left = store.take_tokens("ns:*:*", rate=10, capacity=5, want=3)
+    assert (granted, left) == (3, 2)
+
+
+@pytest.fixture
+def effects(db: Database) -> Database:
+    with db.connection() as conn:
+        conn.execute("CREATE TABLE effects (id text PRIMARY KEY)")
+    return db
+
+
+def _effects(db: Database) -> list[str]:
+    with db.connection() as conn:
+        return [r["id"] for r in conn.execute("SELECT id FROM effects ORDER BY id")]
+
+
+def test_a_handler_transaction_commits_its_writes_with_the_completion(effects: Database) -> None:
+    store = IdempotencyStore(effects, owner="w1")
+    try:
+        [claim] = store.claim([ClaimRequest("k", "1", "t", 60)])
+        with store.transaction("k", claim.attempts, result=7) as conn:
+            conn.execute("INSERT INTO effects (id) VALUES ('k')")
+        row = store.get("k")
+        assert row is not None and (row["state"], row["result"]) == ("completed", 7)
+        assert _effects(effects) == ["k"]
+    finally:
+        store.close()
+
+
+def test_a_handler_transaction_whose_lease_was_taken_over_rolls_back(effects: Database) -> None:
+    store = IdempotencyStore(effects, owner="w1")
+    try:
+        store.claim([ClaimRequest("k", "1", "t", 0.0)])  # a lease that has expired already
+        [taken] = IdempotencyStore(effects, owner="w2").claim([ClaimRequest("k", "1", "t", 60)])
+        assert (taken.outcome, taken.attempts) == ("claimed", 2)
+        with pytest.raises(LeaseLostError), store.transaction("k", 1) as conn:
+            conn.execute("INSERT INTO effects (id) VALUES ('k')")
+        assert _effects(effects) == []
+        row = store.get("k")
+        assert row is not None and (row["state"], row["lease_owner"]) == ("running", "w2")
+    finally:
+        store.close()
+
+
+def test_a_thread_keeps_its_handler_connection_and_replaces_a_broken_one(effects: Database) -> None:
+    store = IdempotencyStore(effects, owner="w1")
+    try:
+        store.claim([ClaimRequest(k, k, "t", 60) for k in ("a", "b", "c")])
+        with pytest.raises(ValueError), store.transaction("a", 1) as conn:
+            first = conn
+            conn.execute("INSERT INTO effects (id) VALUES ('a')")
+            raise ValueError("the handler failed")
+        assert _effects(effects) == []
+        with store.transaction("b", 1) as conn:
+            assert conn is first  # rolled back and idle: kept for the next task
+            pid = conn.info.backend_pid
+        _terminate(effects, pid)
+        with pytest.raises(psycopg.OperationalError), store.transaction("c", 1) as conn:
+            conn.execute("INSERT INTO effects (id) VALUES ('c')")
+        with store.transaction("c", 1) as conn:
+            assert conn is not first and not conn.closed
+            conn.execute("INSERT INTO effects (id) VALUES ('c')")
+        assert _effects(effects) == ["c"]
+    finally:
+        store.close()
