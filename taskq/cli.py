@@ -16,7 +16,7 @@ from typing import Any
 
 from taskq._core.durations import parse_duration
 from taskq._core.envelope import PRIORITIES
-from taskq._core.errors import TaskqError
+from taskq._core.errors import ConfigurationError, TaskqError
 from taskq._core.settings import Settings
 from taskq.schemas.errors import SchemaError
 
@@ -225,10 +225,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.weights:
         parts = args.weights.split(",")
         if len(parts) != len(PRIORITIES):
-            raise ValueError(
+            raise ConfigurationError(
                 f"--weights needs {len(PRIORITIES)} comma-separated integers (critical,high,normal,low)"
             )
-        weights = dict(zip(PRIORITIES, (int(x) for x in parts), strict=True))
+        try:
+            weights = dict(zip(PRIORITIES, (int(x) for x in parts), strict=True))
+        except ValueError:
+            raise ConfigurationError(f"--weights must be integers, got {args.weights!r}") from None
     config = WorkerConfig(
         concurrency=args.concurrency,
         group=args.group,
@@ -334,7 +337,7 @@ def cmd_dlq_replay(args: argparse.Namespace) -> int:
     from taskq.consumer.dlq import DeadLetters
 
     if args.all == bool(args.offsets):
-        raise ValueError("taskq dlq replay: give DLQ offsets or --all, not both")
+        raise ConfigurationError("taskq dlq replay: give DLQ offsets or --all, not both")
     with DeadLetters(_settings(args)) as dlq:
         results = dlq.replay(args.offsets, all=args.all, task_type=args.type, force=args.force)
     lines = []
@@ -411,7 +414,7 @@ def _serve_stats(s: Settings, port: int, interval: float) -> int:
     from taskq.producer.backpressure import tier_depths
 
     if interval <= 0:
-        raise ValueError(f"--interval must be > 0 seconds, got {interval}")
+        raise ConfigurationError(f"--interval must be > 0 seconds, got {interval}")
     log = logging.getLogger("taskq.stats")
     gauge = _tier_depth_gauge()
     admin, topics = Admin(s), Topics(s.namespace, s.delay_tiers)
@@ -580,7 +583,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return int(args.fn(args))
-    except (TaskqError, SchemaError, ValueError) as exc:
+    except (TaskqError, SchemaError) as exc:
+        # The project's own errors are the user's to fix: one line. Anything else is a bug: its traceback.
         print(f"taskq: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -17,7 +17,7 @@ from prometheus_client import Gauge
 
 from taskq._core.db import Database
 from taskq._core.envelope import Envelope, EnvelopeError, H, Topics
-from taskq._core.errors import DeliveryError, KafkaUnavailableError, TaskqError
+from taskq._core.errors import ConfigurationError, DeliveryError, KafkaUnavailableError, TaskqError
 from taskq._core.kafka import Admin, Headers, Record, Sink, Source
 from taskq._core.settings import Settings
 from taskq._core.store import Store
@@ -159,7 +159,7 @@ class DeadLetters:
     ) -> builtins.list[DlqRecord]:
         """DLQ records oldest first: not yet replayed (unless include_replayed), of a type, failed since."""
         if limit is not None and limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
+            raise ConfigurationError(f"limit must be >= 0, got {limit}")
         replayed = self._store.dlq_replayed(self.topics.dlq)
         cutoff = datetime.now(UTC) - since if since is not None else None
         out: builtins.list[DlqRecord] = []
@@ -212,12 +212,14 @@ class DeadLetters:
         """
         wanted = sorted(set(offsets or ()))
         if all == bool(wanted):
-            raise ValueError("replay needs either DLQ offsets or all=True")
+            raise ConfigurationError("replay needs either DLQ offsets or all=True")
         if all:
             records = self.list(task_type=task_type)
         else:
             if task_type is not None:
-                raise ValueError("task_type filters all=True only; name offsets or the type, not both")
+                raise ConfigurationError(
+                    "task_type filters all=True only; name offsets or the type, not both"
+                )
             replayed = self._store.dlq_replayed(self.topics.dlq)
             raws = self._read(wanted[0], wanted[-1] + 1)
             found = {r.offset: _parse(r, replayed.get(r.offset)) for r in raws}

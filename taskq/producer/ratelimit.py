@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from taskq._core.db import Database
 from taskq._core.envelope import PRIORITIES
-from taskq._core.errors import RateLimitedError, StoreUnavailableError
+from taskq._core.errors import ConfigurationError, RateLimitedError, StoreUnavailableError
 from taskq._core.store import Store
 
 __all__ = ["RateLimit", "RateLimiter", "SharedBucket", "TokenBucket"]
@@ -25,9 +25,9 @@ class TokenBucket:
 
     def __init__(self, *, rate: float, capacity: float, clock: Callable[[], float] = time.monotonic) -> None:
         if not rate > 0:
-            raise ValueError(f"rate must be > 0 tokens/s, got {rate}")
+            raise ConfigurationError(f"rate must be > 0 tokens/s, got {rate}")
         if not capacity >= 1:
-            raise ValueError(f"capacity must be >= 1 token, got {capacity}")
+            raise ConfigurationError(f"capacity must be >= 1 token, got {capacity}")
         self.rate = rate
         self.capacity = capacity
         self._clock = clock
@@ -49,7 +49,9 @@ class TokenBucket:
     def try_take(self, n: float = 1.0) -> float:
         """Take `n` tokens and return 0.0, or take nothing and return the seconds until `n` are available."""
         if not 0 < n <= self.capacity:
-            raise ValueError(f"can take between 0 and capacity ({self.capacity}) tokens at once, got {n}")
+            raise ConfigurationError(
+                f"can take between 0 and capacity ({self.capacity}) tokens at once, got {n}"
+            )
         with self._lock:
             self._refill()
             if self._tokens + self._slack >= n:
@@ -66,7 +68,7 @@ class TokenBucket:
     def add(self, tokens: float) -> None:
         """Put back tokens taken but not used (e.g. the unused part of a lease), up to capacity."""
         if tokens < 0:
-            raise ValueError(f"can only add tokens >= 0, got {tokens}")
+            raise ConfigurationError(f"can only add tokens >= 0, got {tokens}")
         with self._lock:
             self._refill()
             self._tokens = min(self.capacity, self._tokens + tokens)
@@ -87,11 +89,13 @@ class RateLimit:
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
-            raise ValueError(f"RateLimit.rate must be > 0 tokens/s, got {self.rate}")
+            raise ConfigurationError(f"RateLimit.rate must be > 0 tokens/s, got {self.rate}")
         if self.burst is not None and self.burst < 1:
-            raise ValueError(f"RateLimit.burst must be >= 1, got {self.burst}")
+            raise ConfigurationError(f"RateLimit.burst must be >= 1, got {self.burst}")
         if self.priority is not None and self.priority not in PRIORITIES:
-            raise ValueError(f"RateLimit.priority {self.priority!r} is not one of {', '.join(PRIORITIES)}")
+            raise ConfigurationError(
+                f"RateLimit.priority {self.priority!r} is not one of {', '.join(PRIORITIES)}"
+            )
 
     @property
     def capacity(self) -> float:
@@ -169,7 +173,7 @@ class RateLimiter:
             bucket: TokenBucket | SharedBucket
             if limit.shared:
                 if database is None:
-                    raise ValueError("a shared rate limit needs a database")
+                    raise ConfigurationError("a shared rate limit needs a database")
                 bucket = SharedBucket(
                     database, limit.name(namespace), rate=limit.rate, capacity=limit.capacity
                 )
