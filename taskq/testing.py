@@ -27,13 +27,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from itertools import count
-from typing import Any
+from typing import Any, TypeVar
 
 from taskq._core.envelope import Headers, Topics
 from taskq._core.errors import KafkaUnavailableError, TaskqError
 from taskq._core.kafka import TP, DeliveryCallback, Record, RecordSource, TopicSpec
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import DlqRecord, _parse
+from taskq.consumer.events import Event, TaskCompleted
 from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers
 from taskq.consumer.store import Claim, ClaimRequest, Finished, LeaseLostError
@@ -44,12 +45,15 @@ from taskq.schemas import avro
 from taskq.schemas.errors import IncompatibleSchemaError, SchemaNotFoundError
 from taskq.schemas.registry import RegisteredSchema
 
+E = TypeVar("E")
+
 __all__ = [
     "Clock",
     "InMemoryBroker",
     "InMemoryQueue",
     "InMemoryRegistry",
     "InMemoryStore",
+    "RecordingHook",
 ]
 
 
@@ -763,14 +767,34 @@ class InMemoryRegistry:
 
 
 # -------------------------------------------------------------------------------------------------- queue
-@dataclass(frozen=True)
-class Completed:
-    """A task that completed: which, with what payload, after how many attempts."""
+class RecordingHook:
+    """A worker hook that keeps every event, so a test can assert on them or wait for one."""
 
-    task_id: str
-    task_type: str
-    idempotency_key: str
-    attempts: int
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, event: Event) -> None:
+        with self._cond:
+            self.events.append(event)
+            self._cond.notify_all()
+
+    def of(self, kind: type[E]) -> list[E]:
+        """Every event of this type so far."""
+        with self._cond:
+            return [e for e in self.events if isinstance(e, kind)]
+
+    def wait(self, check: Callable[[], bool], *, timeout: float, what: str) -> None:
+        """Block until `check()` holds (checked again on every event); AssertionError after `timeout`."""
+        with self._cond:
+            if not self._cond.wait_for(check, timeout):
+                raise AssertionError(
+                    f"timed out after {timeout}s waiting for {what}; last events: {self.events[-20:]}"
+                )
+
+    def count(self, kind: type[Event], n: int, *, timeout: float = 60.0) -> None:
+        """Wait for at least `n` events of this type."""
+        self.wait(lambda: len(self.of(kind)) >= n, timeout=timeout, what=f"{n} {kind.__name__} events")
 
 
 class InMemoryQueue:
@@ -799,8 +823,7 @@ class InMemoryQueue:
                 self.registry.register(spec.schema)
         self.store = InMemoryStore(owner="in-memory", clock=self.clock.time, connect=connect)
         self.producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
-        self.completed: list[Completed] = []
-        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.events = RecordingHook()
         self.worker = Worker(
             handlers,
             self.settings,
@@ -810,7 +833,7 @@ class InMemoryQueue:
             broker=self.broker,
             store=self.store,
             registry=self.registry,
-            on_event=self._on_event,
+            hooks=[self.events],
             clock=self.clock.monotonic,
         )
         self.forwarder = Forwarder(
@@ -818,8 +841,10 @@ class InMemoryQueue:
         )
         self._started = False
 
-    def _on_event(self, event: str, data: dict[str, Any]) -> None:
-        self.events.append((event, data))
+    @property
+    def completed(self) -> list[TaskCompleted]:
+        """The tasks whose completion was recorded, in order."""
+        return self.events.of(TaskCompleted)
 
     @property
     def dead_letters(self) -> list[DlqRecord]:
@@ -843,30 +868,13 @@ class InMemoryQueue:
                 if due is not None:
                     self.clock.advance(due - self.clock.monotonic())
                 self.worker.step()
-                self._record_completions()
                 continue
             if self.broker.uncommitted(self.forwarder.group, self.topics.delay_topics) == 0:
-                self._record_completions()
                 return
             due = self.forwarder.next_due()
             if due is not None:
                 self.clock.advance(due - self.clock.time())
         raise TaskqError(f"the in-memory queue was still busy after {timeout}s")
-
-    def _record_completions(self) -> None:
-        done = {c.task_id for c in self.completed}
-        for event, data in self.events:
-            if event == "completed" and data["task_id"] not in done:
-                row = self.store.get(data["key"]) or {}
-                self.completed.append(
-                    Completed(
-                        data["task_id"],
-                        str(row.get("task_type", "")),
-                        data["key"],
-                        int(row.get("attempts", 0)),
-                    )
-                )
-                done.add(data["task_id"])
 
     def close(self) -> None:
         """Stop the worker's executor and release everything."""

@@ -19,6 +19,7 @@ from taskq._core.envelope import PRIORITIES, Topics
 from taskq._core.errors import ConfigurationError, TaskqError
 from taskq._core.kafka import Admin
 from taskq._core.settings import Settings
+from taskq.consumer.events import AttemptStarted, Event, PartitionsAssigned, TaskCompleted
 from taskq.consumer.handlers import Handlers, TaskContext
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.admin import create_topics
@@ -96,16 +97,16 @@ def bench_worker(
     assigned: list[float] = []
     all_done = threading.Event()
 
-    def on_event(event: str, data: dict[str, Any]) -> None:
+    def on_event(event: Event) -> None:
         now = time.perf_counter()
         with lock:
-            if event == "completed":
-                completed.setdefault(data["key"], now)
+            if isinstance(event, TaskCompleted):
+                completed.setdefault(event.key, now)
                 if len(completed) >= count:
                     all_done.set()
-            elif event == "started_task":
-                started.setdefault(data["key"], now)
-            elif event == "assigned" and not assigned:
+            elif isinstance(event, AttemptStarted):
+                started.setdefault(event.key, now)
+            elif isinstance(event, PartitionsAssigned) and not assigned:
                 assigned.append(now)
 
     try:
@@ -130,7 +131,7 @@ def bench_worker(
             _handlers(task_type, schema, handler),
             s,
             WorkerConfig(concurrency=concurrency, forwarder=False, metrics_port=None),
-            on_event=on_event,
+            hooks=[on_event],
         )
         profiler = cProfile.Profile() if profile else None
         failure: list[BaseException] = []

@@ -5,42 +5,112 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from taskq.consumer.events import (
+    AttemptFailed,
+    AttemptStarted,
+    AttemptSucceeded,
+    DeadLettered,
+    DuplicateSkipped,
+    Event,
+    LoopSampled,
+    TaskRetried,
+)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
-STARTED = Counter("taskq_tasks_started_total", "Attempts started", ["task_type"])
-SUCCEEDED = Counter("taskq_tasks_succeeded_total", "Attempts that completed the task", ["task_type"])
-FAILED = Counter(
-    "taskq_tasks_failed_total", "Attempts that failed (incl. timeouts and crashes)", ["task_type"]
-)
-RETRIED = Counter(
-    "taskq_tasks_retried_total", "Failed attempts sent to a delay tier for another try", ["task_type"]
-)
-DEAD_LETTERED = Counter(
-    "taskq_tasks_dead_lettered_total", "Tasks published to the DLQ, by reason", ["reason"]
-)
-DUPLICATES = Counter(
-    "taskq_duplicates_skipped_total",
-    "Deliveries skipped because their idempotency key was completed",
-    ["task_type"],
-)
-PROCESSING = Histogram(
-    "taskq_processing_seconds", "Wall time of one attempt", ["task_type"], buckets=_LATENCY
-)
-END_TO_END = Histogram(
-    "taskq_enqueue_to_completion_seconds",
-    "From enqueue to recorded completion",
-    ["task_type"],
-    buckets=_LATENCY,
-)
-IN_FLIGHT = Gauge("taskq_tasks_in_flight", "Attempts running now")
-SLOT_UTILISATION = Gauge("taskq_slot_utilisation_ratio", "Busy execution slots / concurrency")
-BUFFERED = Gauge("taskq_buffered_tasks", "Tasks fetched and waiting for a slot, by tier", ["priority"])
-LAG = Gauge("taskq_consumer_lag", "Records of assigned partitions not yet consumed, by tier", ["priority"])
+
+class PrometheusHook:
+    """The worker's Prometheus metrics, as a hook: created with the hook (never at import), in a registry
+    of its own, so several workers in one process (tests, benchmarks) never collide."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.started = Counter("taskq_tasks_started_total", "Attempts started", ["task_type"], registry=r)
+        self.succeeded = Counter(
+            "taskq_tasks_succeeded_total", "Attempts that completed the task", ["task_type"], registry=r
+        )
+        self.failed = Counter(
+            "taskq_tasks_failed_total",
+            "Attempts that failed (incl. timeouts and crashes)",
+            ["task_type"],
+            registry=r,
+        )
+        self.retried = Counter(
+            "taskq_tasks_retried_total",
+            "Failed attempts sent to a delay tier for another try",
+            ["task_type"],
+            registry=r,
+        )
+        self.dead_lettered = Counter(
+            "taskq_tasks_dead_lettered_total", "Tasks published to the DLQ, by reason", ["reason"], registry=r
+        )
+        self.duplicates = Counter(
+            "taskq_duplicates_skipped_total",
+            "Deliveries skipped because their idempotency key was completed",
+            ["task_type"],
+            registry=r,
+        )
+        self.processing = Histogram(
+            "taskq_processing_seconds",
+            "Wall time of one attempt",
+            ["task_type"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.end_to_end = Histogram(
+            "taskq_enqueue_to_completion_seconds",
+            "From enqueue to recorded completion",
+            ["task_type"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.in_flight = Gauge("taskq_tasks_in_flight", "Attempts running now", registry=r)
+        self.slots = Gauge("taskq_slot_utilisation_ratio", "Busy execution slots / concurrency", registry=r)
+        self.buffered = Gauge(
+            "taskq_buffered_tasks", "Tasks fetched and waiting for a slot, by tier", ["priority"], registry=r
+        )
+        self.lag = Gauge(
+            "taskq_consumer_lag",
+            "Records of assigned partitions not yet consumed, by tier",
+            ["priority"],
+            registry=r,
+        )
+
+    def __call__(self, event: Event) -> None:
+        """Count and time what the event says."""
+        match event:
+            case AttemptStarted(task_type=t):
+                self.started.labels(t).inc()
+            case AttemptSucceeded(task_type=t, seconds=seconds, enqueued_at=enqueued_at):
+                self.processing.labels(t).observe(seconds)
+                self.succeeded.labels(t).inc()
+                age = (datetime.now(UTC) - enqueued_at).total_seconds()
+                self.end_to_end.labels(t).observe(max(0.0, age))
+            case AttemptFailed(task_type=t, seconds=seconds):
+                self.processing.labels(t).observe(seconds)
+                self.failed.labels(t).inc()
+            case TaskRetried(task_type=t):
+                self.retried.labels(t).inc()
+            case DuplicateSkipped(task_type=t):
+                self.duplicates.labels(t).inc()
+            case DeadLettered(error_type=error_type):
+                self.dead_lettered.labels(error_type.rsplit(".", 1)[-1][:40]).inc()
+            case LoopSampled() as sample:
+                self.in_flight.set(sample.in_flight)
+                self.slots.set(sample.busy_slots / sample.concurrency)
+                for tier, n in sample.buffered.items():
+                    self.buffered.labels(tier).set(n)
+                for tier, n in (sample.lag or {}).items():
+                    self.lag.labels(tier).set(n)
+            case _:
+                pass
 
 
 class _Quiet(WSGIRequestHandler):
@@ -48,9 +118,14 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
-def serve(port: int, healthy: Callable[[], bool], host: str = "0.0.0.0") -> WSGIServer:
+def serve(
+    port: int,
+    healthy: Callable[[], bool],
+    host: str = "0.0.0.0",
+    registry: CollectorRegistry = REGISTRY,
+) -> WSGIServer:
     """Serve /metrics (Prometheus) and /healthz (200 while `healthy()`, else 503) from a daemon thread."""
-    metrics_app = make_wsgi_app()
+    metrics_app = make_wsgi_app(registry)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         if environ.get("PATH_INFO") == "/healthz":

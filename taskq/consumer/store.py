@@ -4,17 +4,36 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
 
 from taskq._core.db import Connection, Database, Row, in_transaction
 from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Store
 
-__all__ = ["Claim", "ClaimOutcome", "ClaimRequest", "Finished", "IdempotencyStore", "LeaseLostError"]
+__all__ = [
+    "Claim",
+    "ClaimOutcome",
+    "ClaimRequest",
+    "Finished",
+    "IdempotencyStore",
+    "LeaseLostError",
+    "TaskStore",
+]
 
 
 class LeaseLostError(Exception):
     """Another worker took over this key's lease; this attempt's completion was not recorded."""
+
+
+class TaskStore(Protocol):
+    """What a worker needs of the idempotency store: `IdempotencyStore`, or `taskq.testing.InMemoryStore`."""
+
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
+    def finish(self, finished: Sequence[Finished]) -> set[str]: ...
+    def transaction(
+        self, idempotency_key: str, attempts: int, result: Any = None
+    ) -> AbstractContextManager[Any]: ...
+    def close(self) -> None: ...
 
 
 class IdempotencyStore:

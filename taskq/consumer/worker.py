@@ -15,11 +15,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
 from taskq._core.db import Database
 from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeError, Priority, Topics
@@ -27,30 +26,37 @@ from taskq._core.errors import ConfigurationError, StoreUnavailableError, TaskqE
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.settings import Settings
 from taskq.consumer import metrics
+from taskq.consumer.completer import Completer
+from taskq.consumer.events import (
+    AttemptFailed,
+    AttemptStarted,
+    AttemptSucceeded,
+    DeadLettered,
+    DuplicateSkipped,
+    Event,
+    Hook,
+    LoopSampled,
+    OffsetsCommitted,
+    PartitionsAssigned,
+    PartitionsRevoked,
+    TaskCompleted,
+    TaskRetried,
+    WorkerStarted,
+    WorkerStopped,
+)
 from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed
 from taskq.consumer.forwarder import Forwarder, run_in_thread
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
 from taskq.consumer.offsets import OffsetTracker
 from taskq.consumer.retry import Reject
-from taskq.consumer.routing import Outgoing, dead_letter_record, default_worker_id, retry_record
+from taskq.consumer.routing import dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
-from taskq.consumer.store import Claim, ClaimRequest, Finished, IdempotencyStore, LeaseLostError
+from taskq.consumer.store import Claim, ClaimRequest, Finished, IdempotencyStore, LeaseLostError, TaskStore
 from taskq.schemas import avro
 from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
 from taskq.schemas.registry import Registry, SchemaRegistry
 
 log = logging.getLogger("taskq.worker")
-
-
-class TaskStore(Protocol):
-    """What the worker needs of the idempotency store: `IdempotencyStore`, or `taskq.testing`'s fake."""
-
-    def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
-    def finish(self, finished: Sequence[Finished]) -> set[str]: ...
-    def transaction(
-        self, idempotency_key: str, attempts: int, result: Any = None
-    ) -> AbstractContextManager[Any]: ...
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,17 +119,21 @@ class Worker:
         broker: Broker | None = None,
         store: TaskStore | None = None,
         registry: SchemaRegistry | None = None,
-        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        hooks: Sequence[Hook] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Parts not given are the real ones from `settings`: Kafka, the Postgres store, the registry."""
+        """Parts not given are the real ones from `settings`: Kafka, the Postgres store, the registry.
+
+        Every event goes to the worker's Prometheus hook (`self.metrics`) and then to `hooks`.
+        """
         self.handlers = handlers
         self.settings = settings or Settings.from_env()
         self.config = config or WorkerConfig()
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
         self.group = self.config.group or self.settings.worker_group
         self.worker_id = self.config.worker_id
-        self._on_event = on_event
+        self.metrics = metrics.PrometheusHook()
+        self._hooks: tuple[Hook, ...] = (self.metrics, *hooks)
         self._stop = threading.Event()
         self._outcomes: queue.SimpleQueue[tuple[_Task, Outcome]] = queue.SimpleQueue()
         self._scheduler: PriorityScheduler[_Task] = PriorityScheduler(
@@ -134,7 +144,6 @@ class Worker:
         self._running: dict[int, _Task] = {}
         self._held: list[_Held] = []
         self._undecoded: list[Record] = []
-        self._finished: list[tuple[_Task, Finished]] = []
         self._paused: set[TP] = set()
         self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
         self._assigned: set[TP] = set()
@@ -149,6 +158,7 @@ class Worker:
         self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
+        self._completer = Completer(self.store, self._sink)
         self._source: RecordSource | None = None
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
         self._server: Any = None
@@ -195,7 +205,9 @@ class Worker:
         if self._database is not None:
             self._database.migrate()
         if self.config.metrics_port is not None:
-            self._server = metrics.serve(self.config.metrics_port, self.heartbeat.healthy)
+            self._server = metrics.serve(
+                self.config.metrics_port, self.heartbeat.healthy, registry=self.metrics.registry
+            )
         self._source = self.broker.source(
             group=self.group, on_assign=self._assigned_cb, on_revoke=self._revoked_cb
         )
@@ -203,7 +215,7 @@ class Worker:
         if self.config.forwarder:
             forwarder = Forwarder(self.settings, instance_id=self.worker_id, broker=self.broker)
             self._forwarder = (forwarder, run_in_thread(forwarder))
-        self._emit("started", {"worker_id": self.worker_id, "group": self.group})
+        self._emit(WorkerStarted(self.worker_id, self.group))
 
     def step(self) -> None:
         """One turn of the loop: fetch, dispatch, record outcomes, commit when due."""
@@ -215,16 +227,17 @@ class Worker:
             self._running
             or self._held
             or self._undecoded
-            or self._finished
+            or self._completer.pending()
             or len(self._scheduler)
-            or len(self._sink)
             or self._tracker.in_flight()
             or self._tracker.committable()
         )
 
     def waiting_until(self) -> float | None:
         """When the worker has nothing to do but wait for held tasks: the clock time the first is due."""
-        if self._running or len(self._scheduler) or self._undecoded or self._finished or not self._held:
+        if self._running or len(self._scheduler) or self._undecoded or self._completer.pending():
+            return None
+        if not self._held:
             return None
         return min(h.due for h in self._held)
 
@@ -245,11 +258,11 @@ class Worker:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        self._emit("stopped", {"worker_id": self.worker_id})
+        self._emit(WorkerStopped(self.worker_id))
 
-    def _emit(self, event: str, data: dict[str, Any]) -> None:
-        if self._on_event is not None:
-            self._on_event(event, data)
+    def _emit(self, event: Event) -> None:
+        for hook in self._hooks:
+            hook(event)
 
     # ------------------------------------------------------------------------------------------------ loop
     def _tick(self) -> None:
@@ -269,8 +282,8 @@ class Worker:
         self._release_held()
         self._dispatch()
         self._collect(block=0.0)
-        self._record_finished()
-        self._sink.poll(0)
+        self._completer.flush()
+        self._completer.serve()
         if self._clock() - self._last_commit >= self.config.commit_interval:
             self._commit()
         self._observe()
@@ -415,8 +428,8 @@ class Worker:
 
     def _handle_claim(self, task: _Task, claim: Claim) -> None:
         if claim.outcome == "completed":
-            metrics.DUPLICATES.labels(task.envelope.task_type).inc()
-            self._emit("duplicate", {"task_id": task.envelope.task_id, "key": task.envelope.idempotency_key})
+            env = task.envelope
+            self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
             self._done(task)
             return
         if claim.outcome in ("running", "duplicate"):
@@ -459,17 +472,14 @@ class Worker:
 
         timeout = task.spec.timeout or env.timeout
         self._running[id(task)] = task
-        metrics.STARTED.labels(env.task_type).inc()
-        self._emit(
-            "started_task", {"task_id": env.task_id, "key": env.idempotency_key, "attempt": task.attempts}
-        )
+        self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
         self.executor.submit(
             Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call),
             lambda outcome: self._outcomes.put((task, outcome)),
         )
 
     def _collect(self, block: float) -> None:
-        """Turn reported outcomes into records to write (batched by _record_finished)."""
+        """Turn reported outcomes into records for the completer (written in batches)."""
         deadline = self._clock() + block
         while True:
             try:
@@ -486,21 +496,20 @@ class Worker:
 
     def _outcome(self, task: _Task, outcome: Outcome) -> None:
         env, spec = task.envelope, task.spec
-        metrics.PROCESSING.labels(env.task_type).observe(outcome.seconds)
         if outcome.ok:
-            metrics.SUCCEEDED.labels(env.task_type).inc()
-            metrics.END_TO_END.labels(env.task_type).observe(
-                max(0.0, (datetime.now(UTC) - env.enqueued_at).total_seconds())
+            self._emit(
+                AttemptSucceeded(
+                    env.task_type, env.task_id, env.idempotency_key, outcome.seconds, env.enqueued_at
+                )
             )
             if task.recorded:
-                self._done(task)
-                self._emit("completed", {"task_id": env.task_id, "key": env.idempotency_key})
+                self._completed(task)
             else:
-                self._finished.append(
-                    (task, Finished(env.idempotency_key, task.attempts, "completed", result=outcome.result))
+                self._completer.record(
+                    Finished(env.idempotency_key, task.attempts, "completed", result=outcome.result),
+                    lambda: self._completed(task),
                 )
             return
-        metrics.FAILED.labels(env.task_type).inc()
         error = outcome.error or Exception(outcome.message)
         if isinstance(error, TaskFailed) and isinstance(error.__cause__, Exception):
             error = error.__cause__  # a process-isolated handler's own exception, when it survived pickling
@@ -509,7 +518,7 @@ class Worker:
             self._done(task)  # the worker that took the lease over decides this key
             return
         message = f"{outcome.error_type}: {outcome.message}"
-        self._emit("failed", {"task_id": env.task_id, "key": env.idempotency_key, "error": message})
+        self._emit(AttemptFailed(env.task_type, env.task_id, env.idempotency_key, outcome.seconds, message))
         policy = spec.policy
         if env.max_attempts is not None:
             policy = replace(policy, max_attempts=env.max_attempts)
@@ -529,9 +538,10 @@ class Worker:
             self.settings.delay_tiers,
             now,
         )
-        metrics.RETRIED.labels(env.task_type).inc()
-        self._finished.append((task, Finished(env.idempotency_key, task.attempts, "failed", error=message)))
-        self._publish(task, out)
+        self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
+        self._completer.record(Finished(env.idempotency_key, task.attempts, "failed", error=message))
+        # Delivery guarantee: the offset is done only when the broker acknowledged the retry record.
+        self._completer.publish(out, lambda: self._done(task))
 
     def _finish_dead(self, task: _Task, reason: str, error_type: str, traceback: str = "") -> None:
         out = dead_letter_record(
@@ -543,21 +553,18 @@ class Worker:
             worker_id=self.worker_id,
             topics=self.topics,
         )
-        metrics.DEAD_LETTERED.labels(error_type.rsplit(".", 1)[-1][:40]).inc()
+        env, record = task.envelope, task.record
         self._emit(
-            "dead_lettered",
-            {"task_id": task.envelope.task_id, "key": task.envelope.idempotency_key, "reason": reason},
+            DeadLettered(reason, error_type, env.task_id, env.idempotency_key, record.topic, record.offset)
         )
-        self._finished.append(
-            (task, Finished(task.envelope.idempotency_key, task.attempts, "dead", error=reason))
-        )
-        self._publish(task, out)
+        self._completer.record(Finished(env.idempotency_key, task.attempts, "dead", error=reason))
+        # Delivery guarantee: the offset is done only when the broker acknowledged the DLQ record.
+        self._completer.publish(out, lambda: self._done(task))
 
     def _dead_letter_raw(self, record: Record, reason: str, error_type: str, attempts: int) -> None:
         """Input that never becomes a task: straight to the DLQ, offset done once the broker has it."""
         log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
-        metrics.DEAD_LETTERED.labels(error_type.rsplit(".", 1)[-1][:40]).inc()
-        self._emit("dead_lettered", {"topic": record.topic, "offset": record.offset, "reason": reason})
+        self._emit(DeadLettered(reason, error_type, None, None, record.topic, record.offset))
         out = dead_letter_record(
             record,
             reason=reason,
@@ -568,40 +575,13 @@ class Worker:
             topics=self.topics,
         )
         generation = self._generation.get(record.tp, 0)
-        self._send(out, lambda: self._offset_done(record, generation))
+        self._completer.publish(out, lambda: self._offset_done(record, generation))
 
-    def _publish(self, task: _Task, out: Outgoing) -> None:
-        # Delivery guarantee: the offset is done only when the broker acknowledged the retry/DLQ record.
-        self._send(out, lambda: self._done(task))
-
-    def _send(self, out: Outgoing, on_acked: Callable[[], None]) -> None:
-        def delivered(err: str | None, _: Record | None) -> None:
-            if err is not None:
-                log.error("publishing to %s failed (%s); sending again", out.topic, err)
-                self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
-                return
-            on_acked()
-
-        self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
-
-    def _record_finished(self) -> None:
-        """Write completions and failures in one round trip; completed tasks' offsets become committable."""
-        if not self._finished:
-            return
-        batch, self._finished = self._finished, []
-        try:
-            lost = self.store.finish([f for _, f in batch])
-        except StoreUnavailableError as exc:
-            log.warning("store unavailable, will record %d outcome(s) again: %s", len(batch), exc)
-            self._finished = batch + self._finished
-            return
-        for task, fin in batch:
-            if fin.idempotency_key in lost:
-                log.warning("lease of %s was taken over; its outcome was not recorded", fin.idempotency_key)
-            if fin.state == "completed":
-                self._done(task)
-                self._emit("completed", {"task_id": task.envelope.task_id, "key": fin.idempotency_key})
-            # failed/dead: the offset waits for the retry/DLQ record's acknowledgement (_publish)
+    def _completed(self, task: _Task) -> None:
+        """The completion is recorded: the offset may be released."""
+        self._done(task)
+        env = task.envelope
+        self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
 
     def _done(self, task: _Task) -> None:
         self._offset_done(task.record, task.generation)
@@ -624,13 +604,10 @@ class Worker:
             log.warning("commit failed, will retry: %s", exc)
             return
         self._tracker.mark_committed(offsets)
-        self._emit("committed", {"offsets": offsets})
+        self._emit(OffsetsCommitted(offsets))
 
     def _observe(self) -> None:
-        metrics.IN_FLIGHT.set(len(self._running))
-        metrics.SLOT_UTILISATION.set(self.executor.running() / self.config.concurrency)
-        for p in PRIORITIES:
-            metrics.BUFFERED.labels(p).set(self._scheduler.depth(p))
+        lag: dict[Priority, int] | None = None
         now = self._clock()
         if self._source is not None and now - self._last_lag >= 5.0:
             self._last_lag = now
@@ -639,8 +616,10 @@ class Worker:
                 tier = self.topics.priority_of(tp[0])
                 if tier is not None:
                     lag[tier] += n
-            for tier, n in lag.items():
-                metrics.LAG.labels(tier).set(n)
+        buffered = {p: self._scheduler.depth(p) for p in PRIORITIES}
+        self._emit(
+            LoopSampled(len(self._running), self.executor.running(), self.config.concurrency, buffered, lag)
+        )
 
     # ---------------------------------------------------------------------------------------- rebalances
     def _assigned_cb(self, tps: list[TP]) -> None:
@@ -655,7 +634,7 @@ class Worker:
         # (or lost) comes back paused. Flow control resumes fresh partitions explicitly, or they would stall.
         self._fresh |= set(tps)
         log.info("assigned %s", ", ".join(f"{t}[{p}]" for t, p in tps))
-        self._emit("assigned", {"partitions": tps})
+        self._emit(PartitionsAssigned(list(tps)))
 
     def _revoked_cb(self, tps: list[TP]) -> None:
         """Finish in-flight tasks of revoked partitions within a bound, commit, and drop their buffers."""
@@ -665,13 +644,11 @@ class Worker:
         dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
         self._held = [h for h in self._held if h.task.record.tp not in revoked]
         self._undecoded = [r for r in self._undecoded if r.tp not in revoked]
-        deadline = self._clock() + self.config.revoke_timeout
-        while self._clock() < deadline and any(t.record.tp in revoked for t in self._running.values()):
-            self._collect(block=0.1)
-            self._record_finished()
-            self._sink.poll(0.01)
-        self._record_finished()
-        self._sink.flush(5.0)
+        self._drain(
+            lambda: any(t.record.tp in revoked for t in self._running.values()),
+            timeout=self.config.revoke_timeout,
+            ack_timeout=5.0,
+        )
         try:
             self._commit(revoked)
         except Exception as exc:  # a lost partition cannot be committed; its new owner redoes the rest
@@ -684,21 +661,26 @@ class Worker:
         log.info(
             "revoked %s (%d buffered task(s) dropped)", ", ".join(f"{t}[{p}]" for t, p in tps), len(dropped)
         )
-        self._emit("revoked", {"partitions": tps, "dropped": len(dropped)})
+        self._emit(PartitionsRevoked(list(tps), len(dropped)))
+
+    def _drain(self, running: Callable[[], bool], *, timeout: float, ack_timeout: float) -> None:
+        """Let running tasks report while `running()` holds (up to `timeout`), record their outcomes and
+        wait for the broker to acknowledge every retry and DLQ record: what revoke and shutdown share."""
+        deadline = self._clock() + timeout
+        while running() and self._clock() < deadline:
+            self._collect(block=0.1)
+            self._completer.flush()
+            self._completer.serve(0.01)
+            self.heartbeat.beat()
+        self._completer.flush()
+        self._completer.wait_acked(ack_timeout)
 
     # ------------------------------------------------------------------------------------------ shutdown
     def _shutdown(self) -> None:
         """Stop fetching, let in-flight tasks finish up to the timeout, record, commit, leave the group."""
         assert self._source is not None
         self._source.pause(list(self._assigned))
-        deadline = self._clock() + self.config.shutdown_timeout
-        while self._running and self._clock() < deadline:
-            self._collect(block=0.1)
-            self._record_finished()
-            self._sink.poll(0.01)
-            self.heartbeat.beat()
-        self._record_finished()
-        self._sink.flush(10.0)
+        self._drain(lambda: bool(self._running), timeout=self.config.shutdown_timeout, ack_timeout=10.0)
         self._commit()
         abandoned = list(self._running.values())
         if abandoned:

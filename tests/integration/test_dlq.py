@@ -18,11 +18,13 @@ from taskq._core.errors import DeliveryError
 from taskq._core.kafka import Admin, Record, Sink, Source
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import DeadLetters, DlqRecordNotFoundError
+from taskq.consumer.events import DuplicateSkipped
 from taskq.consumer.routing import dead_letter_record
 from taskq.consumer.store import ClaimRequest, Finished, IdempotencyStore
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.producer import TaskProducer
 from taskq.schemas import Registry
+from taskq.testing import RecordingHook
 from tests.acceptance.helpers import wait_until
 
 FIELDS = [{"name": "to", "type": "string"}, {"name": "n", "type": "int"}]
@@ -293,7 +295,7 @@ def test_worker_dead_letters_then_replay_runs_once_after_the_fix(
     broken = threading.Event()
     broken.set()
     effects: list[tuple[str, int]] = []
-    events: list[tuple[str, dict[str, Any]]] = []
+    events = RecordingHook()
 
     @handlers.task(email_type)
     def send(payload: dict[str, Any], ctx: Any) -> None:
@@ -305,7 +307,7 @@ def test_worker_dead_letters_then_replay_runs_once_after_the_fix(
         handlers,
         settings,
         WorkerConfig(concurrency=1, commit_interval=0.2),
-        on_event=lambda name, data: events.append((name, data)),
+        hooks=[events],
     )
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -324,7 +326,7 @@ def test_worker_dead_letters_then_replay_runs_once_after_the_fix(
 
         assert not dlq.replay([rec.offset])[0].replayed
         assert dlq.replay([rec.offset], force=True)[0].already_completed
-        wait_until(lambda: any(n == "duplicate" for n, _ in events), timeout=60, what="the duplicate skipped")
+        events.count(DuplicateSkipped, 1)
         assert effects == [("mail:1", 1)]
     finally:
         worker.stop()

@@ -15,50 +15,30 @@ from taskq._core.db import Database
 from taskq._core.envelope import Envelope, Topics
 from taskq._core.kafka import TP, Admin, Record, Sink, Source
 from taskq._core.settings import Settings
+from taskq.consumer.events import (
+    AttemptStarted,
+    DeadLettered,
+    DuplicateSkipped,
+    OffsetsCommitted,
+    PartitionsRevoked,
+    TaskCompleted,
+)
 from taskq.consumer.routing import DLQ_OFFSET, DLQ_REASON
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.producer import TaskProducer, TaskSpec
 from taskq.schemas import Registry, avro
+from taskq.testing import RecordingHook
 from tests.acceptance.helpers import wait_until
 
 ID_FIELDS = [{"name": "id", "type": "string"}]
 
 
-class Events:
-    """The worker's on_event callbacks, recorded so a test can wait on them."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, dict[str, Any]]] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, name: str, data: dict[str, Any]) -> None:
-        with self._cond:
-            self.log.append((name, data))
-            self._cond.notify_all()
-
-    def of(self, name: str) -> list[dict[str, Any]]:
-        """Data of every event of this name so far."""
-        with self._cond:
-            return [d for n, d in self.log if n == name]
-
-    def wait(self, check: Callable[[], bool], *, timeout: float, what: str) -> None:
-        """Block until `check()` holds (re-checked on every event); fail naming `what` after `timeout`."""
-        with self._cond:
-            if not self._cond.wait_for(check, timeout):
-                recent = self.log[-20:]
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}; last events: {recent}")
-
-    def count(self, name: str, n: int, *, timeout: float = 60) -> None:
-        """Wait for at least n events of this name."""
-        self.wait(lambda: len(self.of(name)) >= n, timeout=timeout, what=f"{n} {name!r} events")
-
-
 @contextmanager
-def running(handlers: Handlers, settings: Settings, **config: Any) -> Iterator[tuple[Worker, Events]]:
+def running(handlers: Handlers, settings: Settings, **config: Any) -> Iterator[tuple[Worker, RecordingHook]]:
     """A Worker in a background thread; stopped gracefully (and joined) at the end."""
-    events = Events()
+    events = RecordingHook()
     config = {"concurrency": 2, "commit_interval": 0.2, **config}
-    w = Worker(handlers, settings, WorkerConfig(**config), on_event=events)
+    w = Worker(handlers, settings, WorkerConfig(**config), hooks=[events])
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -165,8 +145,8 @@ def test_bad_input_goes_to_the_dlq_with_its_reason_and_the_worker_moves_on(
         seen.append(payload["id"])
 
     with running(h, settings) as (_, events):
-        events.count("completed", 3)
-        events.count("dead_lettered", 4)
+        events.count(TaskCompleted, 3)
+        events.count(DeadLettered, 4)
         wait_until(lambda: _committed(settings, tp) == last + 1, timeout=30, what="a commit past them all")
     assert sorted(seen) == ["ok0", "ok1", "ok2"]
 
@@ -212,7 +192,7 @@ def test_old_payloads_are_read_into_the_handlers_newer_schema_and_upcast(
         got["upcast"] = payload
 
     with running(h, settings) as (_, events):
-        events.count("completed", 2)
+        events.count(TaskCompleted, 2)
     assert got["evolving"] == {"id": "e1", "note": "none"}
     assert got["upcast"] == {"id": "U1", "note": f"from {up_v1_id}"}
 
@@ -237,11 +217,11 @@ def test_one_idempotency_key_enqueued_three_times_runs_once(
     with running(h, settings) as (_, events):
         # Every delivery ends as a completion or a skipped duplicate; a second run would show as a completion.
         events.wait(
-            lambda: len(events.of("completed")) + len(events.of("duplicate")) >= 3,
+            lambda: len(events.of(TaskCompleted)) + len(events.of(DuplicateSkipped)) >= 3,
             timeout=60,
             what="all three deliveries",
         )
-    assert len(events.of("completed")) == 1 and len(events.of("duplicate")) == 2, events.log
+    assert len(events.of(TaskCompleted)) == 1 and len(events.of(DuplicateSkipped)) == 2, events.events
     assert len(runs) == 1
     rows = _query(settings, "SELECT state, attempts FROM taskq_tasks WHERE idempotency_key = %s", "charge:p1")
     assert rows == [{"state": "completed", "attempts": 1}]
@@ -268,8 +248,8 @@ def test_a_transactional_handler_that_raises_leaves_no_write_and_no_completion(
             raise RuntimeError("after the write")
 
     with running(h, settings) as (_, events):
-        events.count("completed", 1)
-        events.count("dead_lettered", 1)
+        events.count(TaskCompleted, 1)
+        events.count(DeadLettered, 1)
     assert [r["id"] for r in _query(settings, "SELECT id FROM effects")] == ["commits"]
     states = {r["idempotency_key"]: r["state"] for r in _query(settings, "SELECT * FROM taskq_tasks")}
     assert states == {"w:raises": "dead", "w:commits": "completed"}
@@ -299,12 +279,12 @@ def test_the_committed_offset_waits_for_a_blocked_task_then_passes_all(
         if payload["id"] == "s1":
             gate.wait(120)
 
-    def later_done(events: Events) -> bool:
-        done = {d["task_id"] for d in events.of("completed")}
+    def later_done(events: RecordingHook) -> bool:
+        done = {e.task_id for e in events.of(TaskCompleted)}
         return {r.task_id for r in receipts} - done == {blocked.task_id}
 
-    def commits_of(events: Events, of: TP) -> list[int]:
-        return [d["offsets"][of] for d in events.of("committed") if of in d["offsets"]]
+    def commits_of(events: RecordingHook, of: TP) -> list[int]:
+        return [e.offsets[of] for e in events.of(OffsetsCommitted) if of in e.offsets]
 
     with TaskProducer(settings) as producer, running(h, settings) as (_, events):
         try:
@@ -350,7 +330,7 @@ def test_a_blocked_worker_buffers_at_most_its_capacity_and_pauses(
     capacity = 8
     with running(h, settings, concurrency=1, buffer_capacity=capacity) as (w, events):
         try:
-            events.count("started_task", 1)
+            events.count(AttemptStarted, 1)
             wait_until(lambda: w._paused, timeout=30, what="the busy partition to be paused")
             samples = []
             for _ in range(10):
@@ -361,7 +341,7 @@ def test_a_blocked_worker_buffers_at_most_its_capacity_and_pauses(
             assert {tp[0] for tp in w._paused} == {f"{ns}.normal"}
         finally:
             gate.set()
-        events.count("completed", 200, timeout=120)
+        events.count(TaskCompleted, 200, timeout=120)
 
 
 def test_copies_of_a_running_key_count_against_the_buffer_bound(
@@ -389,7 +369,7 @@ def test_copies_of_a_running_key_count_against_the_buffer_bound(
     capacity = 8
     with running(h, settings, concurrency=2, buffer_capacity=capacity) as (w, events):
         try:
-            events.count("started_task", 1)
+            events.count(AttemptStarted, 1)
             wait_until(
                 lambda: len(w._scheduler) + len(w._held) >= capacity and w._paused,
                 timeout=30,
@@ -405,11 +385,11 @@ def test_copies_of_a_running_key_count_against_the_buffer_bound(
         finally:
             gate.set()
         events.wait(
-            lambda: len(events.of("completed")) + len(events.of("duplicate")) >= copies,
+            lambda: len(events.of(TaskCompleted)) + len(events.of(DuplicateSkipped)) >= copies,
             timeout=120,
             what="every copy to be completed or skipped",
         )
-    assert len(events.of("completed")) == 1
+    assert len(events.of(TaskCompleted)) == 1
 
 
 # ---------------------------------------------------------------------------------------------- registry down
@@ -434,12 +414,12 @@ def test_a_registry_outage_holds_tasks_instead_of_dead_lettering_them(
     with running(h, down) as (w, events):
         # The worker fetches the tasks but cannot read their schema: it must hold them, not dead-letter them.
         wait_until(lambda: len(w._undecoded) == 5, timeout=60, what="the tasks held for the registry")
-        assert not events.of("dead_lettered") and not ran
+        assert not events.of(DeadLettered) and not ran
         assert w.heartbeat.healthy()
         w.registry = Registry(real_url)  # the registry is back
-        events.count("completed", 5)
+        events.count(TaskCompleted, 5)
     assert sorted(ran) == [f"h{i}" for i in range(5)]
-    assert not events.of("dead_lettered")
+    assert not events.of(DeadLettered)
 
 
 # ------------------------------------------------------------------------------------------------- rebalances
@@ -481,10 +461,10 @@ def test_partitions_paused_before_a_rebalance_flow_again_when_they_come_back(
                 timeout=60,
                 what="the second member to get partitions",
             )
-            assert len(w._assigned) < 12 or events.of("revoked")
+            assert len(w._assigned) < 12 or events.of(PartitionsRevoked)
         finally:
             other.close()
         wait_until(lambda: set(w._assigned) == everything, timeout=60, what="the partitions to come back")
         release.set()
-        events.count("completed", n, timeout=120)
+        events.count(TaskCompleted, n, timeout=120)
     assert sorted(done) == sorted(f"b{i}" for i in range(n))

@@ -34,6 +34,6 @@ def test_one_effect_per_key_a_retry_and_a_dead_letter_without_services() -> None
 
         assert sorted(sent) == ["a@example.com", "flaky"]  # one effect per key
         assert attempts["flaky"] == 2  # retried once, through a delay tier, fast-forwarded
-        assert sorted(c.idempotency_key for c in q.completed) == ["welcome:a", "welcome:flaky"]
+        assert sorted(c.key for c in q.completed) == ["welcome:a", "welcome:flaky"]
         (dead,) = q.dead_letters
         assert dead.idempotency_key == "welcome:nobody" and "no such address" in dead.reason

@@ -9,6 +9,7 @@ from typing import Any
 
 from taskq import Handlers, TaskContext
 from taskq._core.settings import Settings
+from taskq.consumer.events import Event, TaskCompleted
 from taskq.consumer.store import ClaimRequest
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.admin import topic_specs
@@ -43,13 +44,13 @@ class Parts:
             store=store,
             registry=self.registry,
             clock=self.clock.monotonic,
-            on_event=lambda event, _: self._count(name, event),
+            hooks=[lambda event: self._count(name, event)],
         )
         w.start()
         return w
 
-    def _count(self, worker: str, event: str) -> None:
-        if event == "completed":
+    def _count(self, worker: str, event: Event) -> None:
+        if isinstance(event, TaskCompleted):
             self.completed[worker] = self.completed.get(worker, 0) + 1
 
 

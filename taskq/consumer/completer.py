@@ -1,0 +1,77 @@
+"""The completer: makes attempts' outcomes durable, then tells the worker their offsets may be released.
+
+Completions and failures are recorded in Postgres in one round trip per batch; retry and DLQ records are
+acknowledged by the broker. A task's offset is released only after that (invariant 1): `record` and
+`publish` take the callback that releases it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from taskq._core.errors import StoreUnavailableError
+from taskq._core.kafka import Record, RecordSink
+from taskq.consumer.routing import Outgoing
+from taskq.consumer.store import Finished, TaskStore
+
+log = logging.getLogger("taskq.worker")
+
+#: Called once the outcome is durable.
+Durable = Callable[[], None]
+
+
+class Completer:
+    """Batches outcome records for the store and publishes retry and DLQ records with acknowledgement."""
+
+    def __init__(self, store: TaskStore, sink: RecordSink) -> None:
+        self._store = store
+        self._sink = sink
+        self._batch: list[tuple[Finished, Durable | None]] = []
+
+    def record(self, finished: Finished, on_recorded: Durable | None = None) -> None:
+        """Queue an attempt's end for the next round trip; `on_recorded` runs once it is in Postgres."""
+        self._batch.append((finished, on_recorded))
+
+    def publish(self, out: Outgoing, on_acked: Durable) -> None:
+        """Send a retry or DLQ record; `on_acked` runs once the broker acknowledged it (sent again if not)."""
+
+        def delivered(err: str | None, _: Record | None) -> None:
+            if err is not None:
+                log.error("publishing to %s failed (%s); sending again", out.topic, err)
+                self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
+                return
+            on_acked()
+
+        self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
+
+    def flush(self) -> None:
+        """Write the queued outcomes in one round trip; with Postgres away they wait for the next call."""
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        try:
+            lost = self._store.finish([f for f, _ in batch])
+        except StoreUnavailableError as exc:
+            log.warning("store unavailable, will record %d outcome(s) again: %s", len(batch), exc)
+            self._batch = batch + self._batch
+            return
+        for finished, on_recorded in batch:
+            if finished.idempotency_key in lost:
+                log.warning(
+                    "lease of %s was taken over; its outcome was not recorded", finished.idempotency_key
+                )
+            if on_recorded is not None:
+                on_recorded()
+
+    def serve(self, timeout: float = 0.0) -> None:
+        """Serve the broker's acknowledgements that arrived (running their callbacks)."""
+        self._sink.poll(timeout)
+
+    def wait_acked(self, timeout: float) -> int:
+        """Wait for every published record's acknowledgement; returns how many are still unacknowledged."""
+        return self._sink.flush(timeout)
+
+    def pending(self) -> int:
+        """Outcomes not yet recorded plus records not yet acknowledged."""
+        return len(self._batch) + len(self._sink)

@@ -1,0 +1,175 @@
+"""What a worker reports as it runs: typed events, and the hooks that receive them.
+
+Cross-cutting concerns hook in here instead of crowding the loop: Prometheus is one hook
+(`taskq.consumer.metrics.PrometheusHook`), a test's recorder another (`taskq.testing.RecordingHook`).
+Hooks are called on the worker's loop thread and must return quickly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol
+
+from taskq._core.envelope import Priority
+from taskq._core.kafka import TP
+
+__all__ = [
+    "AttemptFailed",
+    "AttemptStarted",
+    "AttemptSucceeded",
+    "DeadLettered",
+    "DuplicateSkipped",
+    "Event",
+    "Hook",
+    "LoopSampled",
+    "OffsetsCommitted",
+    "PartitionsAssigned",
+    "PartitionsRevoked",
+    "TaskCompleted",
+    "TaskRetried",
+    "WorkerStarted",
+    "WorkerStopped",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStarted:
+    """The worker joined its group."""
+
+    worker_id: str
+    group: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStopped:
+    """The worker left its group and released its clients."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionsAssigned:
+    """Partitions newly assigned to this worker."""
+
+    partitions: list[TP]
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionsRevoked:
+    """Partitions taken away; `dropped` buffered tasks of them are left to their new owner."""
+
+    partitions: list[TP]
+    dropped: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptStarted:
+    """An attempt of a task started on a slot (its key claimed)."""
+
+    task_type: str
+    task_id: str
+    key: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptSucceeded:
+    """An attempt returned; its completion is recorded next (TaskCompleted)."""
+
+    task_type: str
+    task_id: str
+    key: str
+    seconds: float
+    enqueued_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptFailed:
+    """An attempt raised, timed out or crashed; a retry or a DLQ record follows."""
+
+    task_type: str
+    task_id: str
+    key: str
+    seconds: float
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskCompleted:
+    """A task's completion is durable in Postgres."""
+
+    task_type: str
+    task_id: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class DuplicateSkipped:
+    """A delivery of a key already completed: skipped, never run again."""
+
+    task_type: str
+    task_id: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRetried:
+    """A failed attempt was sent to a delay tier for another try."""
+
+    task_type: str
+    task_id: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLettered:
+    """A task (or input that never became one: no task id then) was sent to the DLQ."""
+
+    reason: str
+    error_type: str
+    task_id: str | None
+    key: str | None
+    topic: str
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetsCommitted:
+    """The group's offsets moved: every task below them has a durable outcome."""
+
+    offsets: dict[TP, int]
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSampled:
+    """The loop's state after a tick; `lag` is measured every few seconds only (None in between)."""
+
+    in_flight: int
+    busy_slots: int
+    concurrency: int
+    buffered: dict[Priority, int]
+    lag: dict[Priority, int] | None
+
+
+Event = (
+    WorkerStarted
+    | WorkerStopped
+    | PartitionsAssigned
+    | PartitionsRevoked
+    | AttemptStarted
+    | AttemptSucceeded
+    | AttemptFailed
+    | TaskCompleted
+    | DuplicateSkipped
+    | TaskRetried
+    | DeadLettered
+    | OffsetsCommitted
+    | LoopSampled
+)
+
+
+class Hook(Protocol):
+    """Receives every event of a worker, on its loop thread."""
+
+    def __call__(self, event: Event) -> None: ...
