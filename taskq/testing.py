@@ -33,7 +33,7 @@ from taskq._core.envelope import Headers, Topics
 from taskq._core.errors import KafkaUnavailableError, TaskqError
 from taskq._core.kafka import TP, DeliveryCallback, Record, RecordSource, TopicSpec
 from taskq._core.settings import Settings
-from taskq.consumer.dlq import DlqRecord, _parse
+from taskq.consumer.dlq import DlqRecord, parse_record
 from taskq.consumer.events import Event, TaskCompleted
 from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers
@@ -849,7 +849,7 @@ class InMemoryQueue:
     @property
     def dead_letters(self) -> list[DlqRecord]:
         """The DLQ's records, oldest first, with why each failed."""
-        return [_parse(r, None) for r in self.broker.records(self.topics.dlq)]
+        return [parse_record(r) for r in self.broker.records(self.topics.dlq)]
 
     def run_until_idle(self, *, timeout: float = 60.0) -> None:
         """Run until nothing is left to do; TaskqError if that takes more than `timeout` real seconds."""

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from functools import cache
 from typing import Any
 
 from prometheus_client import Gauge
@@ -26,9 +27,21 @@ from taskq.schemas import avro
 from taskq.schemas.errors import SchemaError
 from taskq.schemas.registry import Registry
 
-__all__ = ["DLQ_DEPTH", "DeadLetters", "DlqRecord", "DlqRecordNotFoundError", "ReplayResult"]
+__all__ = [
+    "DeadLetters",
+    "DlqRecord",
+    "DlqRecordNotFoundError",
+    "ReplayResult",
+    "dlq_depth_gauge",
+    "parse_record",
+]
 
-DLQ_DEPTH = Gauge("taskq_dlq_depth", "DLQ records not yet replayed (set when DeadLetters.depth() runs)")
+
+@cache
+def dlq_depth_gauge() -> Gauge:
+    """The DLQ depth gauge of the process (default registry), created on first use, never at import."""
+    return Gauge("taskq_dlq_depth", "DLQ records not yet replayed (set when DeadLetters.depth() runs)")
+
 
 #: How long a read may go without reaching the DLQ's end offset before it gives up.
 READ_TIMEOUT = 30.0
@@ -164,7 +177,7 @@ class DeadLetters:
         cutoff = datetime.now(UTC) - since if since is not None else None
         out: builtins.list[DlqRecord] = []
         for raw in self._read():
-            rec = _parse(raw, replayed.get(raw.offset))
+            rec = parse_record(raw, replayed.get(raw.offset))
             if rec.replayed_at is not None and not include_replayed:
                 continue
             if task_type is not None and rec.task_type != task_type:
@@ -181,7 +194,7 @@ class DeadLetters:
         found = [r for r in self._read(offset, offset + 1) if r.offset == offset]
         if not found:
             raise self._not_found([offset])
-        rec = _parse(found[0], self._store.dlq_replayed(self.topics.dlq).get(offset))
+        rec = parse_record(found[0], self._store.dlq_replayed(self.topics.dlq).get(offset))
         try:
             schema_id, body = avro.split_frame(rec.value)
             return replace(rec, payload=avro.decode(body, self._schemas().by_id(schema_id)))
@@ -192,7 +205,7 @@ class DeadLetters:
         """How many DLQ records were not replayed yet; also sets the taskq_dlq_depth gauge."""
         start, end = self._bounds()
         depth = max(0, end - start - self._store.dlq_replayed_between(self.topics.dlq, start, end))
-        DLQ_DEPTH.set(depth)
+        dlq_depth_gauge().set(depth)
         return depth
 
     # ---------------------------------------------------------------------------------------------- replay
@@ -222,7 +235,7 @@ class DeadLetters:
                 )
             replayed = self._store.dlq_replayed(self.topics.dlq)
             raws = self._read(wanted[0], wanted[-1] + 1)
-            found = {r.offset: _parse(r, replayed.get(r.offset)) for r in raws}
+            found = {r.offset: parse_record(r, replayed.get(r.offset)) for r in raws}
             missing = [o for o in wanted if o not in found]
             if missing:
                 raise self._not_found(missing)
@@ -345,7 +358,7 @@ class DeadLetters:
         self.close()
 
 
-def _parse(record: Record, replayed: tuple[datetime, int] | None) -> DlqRecord:
+def parse_record(record: Record, replayed: tuple[datetime, int] | None = None) -> DlqRecord:
     """A DLQ record from its Kafka record; tolerant of missing or malformed headers."""
     headers = dict(record.headers)
 

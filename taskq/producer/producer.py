@@ -33,8 +33,8 @@ from taskq._core.errors import (
 )
 from taskq._core.kafka import Broker, KafkaBroker, Record
 from taskq._core.settings import Settings
-from taskq.producer import metrics
 from taskq.producer.backpressure import DepthMonitor
+from taskq.producer.metrics import producer_metrics
 from taskq.producer.ratelimit import RateLimit, RateLimiter
 from taskq.schemas import avro
 from taskq.schemas.errors import PayloadValidationError, SchemaNotFoundError
@@ -133,6 +133,7 @@ class TaskProducer:
         self._owns_registry = registry is None
         self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
         self.broker: Broker = broker or KafkaBroker(self.settings)
+        self._metrics = producer_metrics()
         self._sink = self.broker.sink(**dict(kafka_config or {}))
         self._max_payload = max_payload_bytes
         self._auto_register = auto_register
@@ -317,16 +318,16 @@ class TaskProducer:
         try:
             prepared = [self._prepare(s, now) for s in specs]
         except PayloadValidationError:
-            metrics.REJECTED.labels("invalid_payload").inc()
+            self._metrics.rejected.labels("invalid_payload").inc()
             raise
         except UnknownTaskTypeError:
-            metrics.REJECTED.labels("unknown_task_type").inc()
+            self._metrics.rejected.labels("unknown_task_type").inc()
             raise
         except PayloadTooLargeError:
-            metrics.REJECTED.labels("too_large").inc()
+            self._metrics.rejected.labels("too_large").inc()
             raise
         except (InvalidPriorityError, InvalidTaskError):
-            metrics.REJECTED.labels("invalid_argument").inc()
+            self._metrics.rejected.labels("invalid_argument").inc()
             raise
         if self._depth is not None:
             incoming = Counter(env.priority for _, _, _, env in prepared)
@@ -334,12 +335,12 @@ class TaskProducer:
                 for priority, n in incoming.items():
                     self._depth.check(priority, incoming=n)
             except QueueFullError:
-                metrics.REJECTED.labels("queue_full").inc()
+                self._metrics.rejected.labels("queue_full").inc()
                 raise
         try:
             self._limiter.acquire([(env.task_type, env.priority) for _, _, _, env in prepared])
         except RateLimitedError:
-            metrics.REJECTED.labels("rate_limited").inc()
+            self._metrics.rejected.labels("rate_limited").inc()
             raise
         receipts: list[Receipt] = []
         confirmed: dict[str, Receipt] = {}
@@ -357,9 +358,9 @@ class TaskProducer:
                 headers=headers,
                 on_delivery=self._delivered(receipt, confirmed, pending),
             )
-            metrics.ENQUEUED.labels(env.task_type, env.priority).inc()
+            self._metrics.enqueued.labels(env.task_type, env.priority).inc()
         self._sink.poll(0)
-        metrics.ENQUEUE_SECONDS.observe(time.perf_counter() - started)
+        self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
         if not wait:
             return receipts
         for _ in receipts:
@@ -383,7 +384,7 @@ class TaskProducer:
     ) -> Callable[[str | None, Record | None], None]:
         def done(err: str | None, record: Record | None) -> None:
             if err is not None:
-                metrics.DELIVERY_FAILED.inc()
+                self._metrics.delivery_failed.inc()
                 log.error("task %s (%s) was not acknowledged: %s", receipt.task_id, receipt.task_type, err)
                 with self._lock:
                     self._failures.append((receipt.task_id, err))

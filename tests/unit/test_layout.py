@@ -62,3 +62,15 @@ def test_a_handler_module_loads_no_worker_loop_and_no_drivers() -> None:
 def test_the_enqueue_command_loads_no_worker_code() -> None:
     loaded = loaded_after("import taskq.cli")
     assert not {m for m in loaded if m.startswith("taskq.consumer")}, sorted(loaded)
+
+
+def test_importing_the_library_registers_no_metrics() -> None:
+    # Metrics are created by a producer, a worker's hook or `taskq stats`, never by importing a module.
+    code = (
+        "import prometheus_client\n"
+        "before = set(prometheus_client.REGISTRY._names_to_collectors)\n"
+        "import taskq.producer.producer, taskq.consumer.worker, taskq.consumer.dlq, taskq.cli, taskq.testing\n"
+        "after = set(prometheus_client.REGISTRY._names_to_collectors)\n"
+        "assert after == before, sorted(after - before)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
