@@ -19,13 +19,13 @@ from prometheus_client import Gauge
 from taskq._core.db import Database
 from taskq._core.envelope import Envelope, EnvelopeError, H, Topics
 from taskq._core.errors import ConfigurationError, DeliveryError, KafkaUnavailableError, TaskqError
-from taskq._core.kafka import Admin, Headers, Record, Sink, Source
+from taskq._core.kafka import Broker, Headers, KafkaBroker, Record, RecordSink
 from taskq._core.settings import Settings
 from taskq._core.store import Store
 from taskq.consumer import routing
 from taskq.schemas import avro
 from taskq.schemas.errors import SchemaError
-from taskq.schemas.registry import Registry
+from taskq.schemas.registry import Registry, SchemaRegistry
 
 __all__ = [
     "DeadLetters",
@@ -152,14 +152,22 @@ class ReplayResult:
 class DeadLetters:
     """The DLQ of one namespace: list, show and replay its records; measure its depth."""
 
-    def __init__(self, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        broker: Broker | None = None,
+        registry: SchemaRegistry | None = None,
+    ) -> None:
+        """Kafka and the registry default to the real ones of `settings`; replay records live in Postgres."""
         self.settings = settings or Settings.from_env()
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
         self.db = Database(self.settings.database_url, schema=self.settings.database_schema)
-        self._admin = Admin(self.settings)
+        self.broker: Broker = broker or KafkaBroker(self.settings)
+        self._admin = self.broker.admin()
         self._store = Store(self.db)
-        self._sink: Sink | None = None
-        self._registry: Registry | None = None
+        self._sink: RecordSink | None = None
+        self._registry: SchemaRegistry | None = registry
 
     # ------------------------------------------------------------------------------------------------ read
     def list(
@@ -281,7 +289,7 @@ class DeadLetters:
 
     def _send(self, topic: str, rec: DlqRecord, headers: Headers, task_id: str) -> None:
         if self._sink is None:
-            self._sink = Sink(self.settings)
+            self._sink = self.broker.sink()
         errors: builtins.list[str | None] = []
         self._sink.send(
             topic, rec.value, key=rec.key, headers=headers, on_delivery=lambda e, _: errors.append(e)
@@ -309,7 +317,7 @@ class DeadLetters:
         stop = end if stop is None else min(stop, end)
         if first >= stop:
             return []
-        source = Source(self.settings, group=f"{self.settings.namespace}.dlq-reader")
+        source = self.broker.source(group=f"{self.settings.namespace}.dlq-reader")
         out: builtins.list[Record] = []
         try:
             source.assign([(self.topics.dlq, 0, first)])
@@ -330,7 +338,7 @@ class DeadLetters:
             source.close()
         return out
 
-    def _schemas(self) -> Registry:
+    def _schemas(self) -> SchemaRegistry:
         if self._registry is None:
             self._registry = Registry(self.settings.schema_registry_url)
         return self._registry
