@@ -17,6 +17,7 @@ _EXPORTS = {
     "TaskProducer": "taskq.producer.producer",
     "TaskSpec": "taskq.producer.producer",
     "Receipt": "taskq.producer.producer",
+    "derive_idempotency_key": "taskq.producer.producer",
     "RateLimit": "taskq.producer.ratelimit",
     "Handlers": "taskq.consumer.handlers",
     "TaskContext": "taskq.consumer.handlers",
@@ -74,6 +75,7 @@ __all__ = [
     "Worker",
     "WorkerConfig",
     "__version__",
+    "derive_idempotency_key",
 ]
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports on demand
@@ -96,7 +98,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from taskq.consumer.handlers import Handlers, TaskContext
     from taskq.consumer.retry import Reject, Retry, RetryPolicy
     from taskq.consumer.worker import Worker, WorkerConfig
-    from taskq.producer.producer import Receipt, TaskProducer, TaskSpec
+    from taskq.producer.producer import Receipt, TaskProducer, TaskSpec, derive_idempotency_key
     from taskq.producer.ratelimit import RateLimit
     from taskq.schemas.errors import PayloadValidationError, SchemaError
 

@@ -15,9 +15,7 @@ from typing import Any
 
 import pytest
 
-from taskq._core.envelope import PRIORITIES, Envelope, Topics
-from taskq._core.kafka import Admin, Record, Source
-from taskq.producer import (
+from taskq import (
     DeliveryError,
     InvalidPriorityError,
     InvalidTaskError,
@@ -31,6 +29,8 @@ from taskq.producer import (
     TaskSpec,
     UnknownTaskTypeError,
 )
+from taskq._core.envelope import PRIORITIES, Envelope, Topics
+from taskq._core.kafka import Admin, Record, Source
 from taskq.producer.ratelimit import SharedBucket
 from taskq.schemas import Registry, avro
 
@@ -360,7 +360,7 @@ def test_a_lone_producer_pays_one_database_round_trip_per_lease(
 PRODUCER_SCRIPT = textwrap.dedent(
     """
     import json, sys, time
-    from taskq.producer import RateLimit, RateLimitedError, Settings, TaskProducer
+    from taskq import RateLimit, RateLimitedError, Settings, TaskProducer
 
     task_type, rate, burst, duration = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
     limit = RateLimit(rate=rate, burst=burst, priority="high", shared=True)

@@ -46,7 +46,7 @@ def test_importing_taskq_loads_nothing_until_a_name_is_used() -> None:
 
 
 def test_a_producer_only_service_loads_no_worker_code() -> None:
-    for code in ("import taskq.producer", "import taskq; taskq.TaskProducer; taskq.TaskqError"):
+    for code in ("import taskq.producer.producer", "import taskq; taskq.TaskProducer; taskq.TaskqError"):
         loaded = loaded_after(code)
         assert "taskq.producer.producer" in loaded
         assert not {m for m in loaded if m.startswith("taskq.consumer")}, (code, sorted(loaded))

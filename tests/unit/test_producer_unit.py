@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from taskq import PayloadValidationError, Settings, derive_idempotency_key
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
 from taskq._core.kafka import base_config
-from taskq.producer import PayloadValidationError, Settings, derive_idempotency_key
 from taskq.schemas import DecodeError, avro
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def test_derived_key_encodes_avro_values_canonically():
 def test_derived_key_is_the_same_in_another_process():
     payload = {"to": "a@example.com", "tags": {"b": 2, "a": 1}}
     code = (
-        "from taskq.producer import derive_idempotency_key as d;"
+        "from taskq import derive_idempotency_key as d;"
         "print(d('demo.SendEmail', {'tags': {'a': 1, 'b': 2}, 'to': 'a@example.com'}))"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "12345"}
