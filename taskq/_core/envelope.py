@@ -18,6 +18,13 @@ DEFAULT_WEIGHTS: Final[dict[Priority, int]] = {"critical": 8, "high": 4, "normal
 
 Headers = list[tuple[str, bytes]]
 
+#: Limits of envelope fields, enforced by producers and again by workers on what they read (invariant 6).
+MAX_ATTEMPTS: Final = 1000
+MAX_TIMEOUT_SECONDS: Final = 7 * 24 * 3600.0
+MAX_HEADER_BYTES: Final = 4096
+#: Timestamps are milliseconds since the epoch, before the year 10000.
+_MAX_MS: Final = 253_402_300_799_999
+
 
 class EnvelopeError(ValueError):
     """A record's headers do not form a valid task envelope."""
@@ -65,8 +72,17 @@ def _ms(t: datetime) -> bytes:
     return str(int(t.timestamp() * 1000)).encode()
 
 
-def _from_ms(raw: bytes) -> datetime:
-    return datetime.fromtimestamp(int(raw) / 1000, tz=UTC)
+def _from_ms(name: str, raw: bytes) -> datetime:
+    ms = int(raw)
+    if not 0 <= ms <= _MAX_MS:
+        raise EnvelopeError(f"header {H + name} is {_shown(raw)}, not a time in milliseconds since 1970")
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+def _shown(raw: bytes) -> str:
+    """A header value for an error message: bounded, printable."""
+    text = raw[:40].decode(errors="replace")
+    return repr(text + ("..." if len(raw) > 40 else ""))
 
 
 def new_task_id() -> str:
@@ -118,6 +134,9 @@ class Envelope:
     def from_headers(cls, headers: Iterable[tuple[str, bytes | None]] | None) -> Envelope:
         """Parse an envelope; EnvelopeError names the missing or malformed header."""
         h = {k: v for k, v in headers or () if v is not None}
+        for k, v in h.items():
+            if (k.startswith(H) or k == "traceparent") and len(v) > MAX_HEADER_BYTES:
+                raise EnvelopeError(f"header {k} is {len(v)} bytes, over the {MAX_HEADER_BYTES}-byte limit")
         try:
 
             def text(name: str) -> str:
@@ -125,6 +144,25 @@ class Envelope:
                 if raw is None:
                     raise EnvelopeError(f"header {H + name!r} is missing")
                 return raw.decode()
+
+            def number(name: str, low: int, high: int) -> int:
+                raw = h[H + name]
+                value = int(raw) if len(raw) <= 20 else high + 1
+                if not low <= value <= high:
+                    raise EnvelopeError(
+                        f"header {H + name} is {_shown(raw)}, not an integer from {low} to {high}"
+                    )
+                return value
+
+            def seconds(name: str) -> float:
+                raw = h[H + name]
+                value = float(raw)
+                if not 0 < value <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
+                    raise EnvelopeError(
+                        f"header {H + name} is {_shown(raw)}, "
+                        f"not a number of seconds in (0, {MAX_TIMEOUT_SECONDS:.0f}]"
+                    )
+                return value
 
             priority = text("priority")
             if priority not in PRIORITIES:
@@ -134,15 +172,17 @@ class Envelope:
                 task_type=text("task-type"),
                 idempotency_key=text("idempotency-key"),
                 priority=priority,
-                attempt=int(text("attempt")),
-                max_attempts=int(h[H + "max-attempts"]) if H + "max-attempts" in h else None,
-                enqueued_at=_from_ms(h[H + "enqueued-at"]) if H + "enqueued-at" in h else datetime.now(UTC),
-                not_before=_from_ms(h[H + "not-before"]) if H + "not-before" in h else None,
-                timeout=float(h[H + "timeout"]) if H + "timeout" in h else None,
+                attempt=number("attempt", 1, 1_000_000) if H + "attempt" in h else int(text("attempt")),
+                max_attempts=number("max-attempts", 1, MAX_ATTEMPTS) if H + "max-attempts" in h else None,
+                enqueued_at=_from_ms("enqueued-at", h[H + "enqueued-at"])
+                if H + "enqueued-at" in h
+                else datetime.now(UTC),
+                not_before=_from_ms("not-before", h[H + "not-before"]) if H + "not-before" in h else None,
+                timeout=seconds("timeout") if H + "timeout" in h else None,
                 origin_topic=h.get(H + "origin-topic", b"").decode(),
                 traceparent=h["traceparent"].decode() if "traceparent" in h else None,
             )
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, OverflowError, OSError) as exc:
             if isinstance(exc, EnvelopeError):
                 raise
-            raise EnvelopeError(f"malformed task envelope header: {exc}") from exc
+            raise EnvelopeError(f"malformed task envelope header: {str(exc)[:200]}") from exc

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import threading
 import time
 from collections import Counter
@@ -20,7 +19,16 @@ from uuid import UUID
 
 from taskq._core.db import Database
 from taskq._core.durations import pick_delay_tier
-from taskq._core.envelope import PRIORITIES, Envelope, Priority, Topics, new_task_id
+from taskq._core.envelope import (
+    MAX_ATTEMPTS,
+    MAX_HEADER_BYTES,
+    MAX_TIMEOUT_SECONDS,
+    PRIORITIES,
+    Envelope,
+    Priority,
+    Topics,
+    new_task_id,
+)
 from taskq._core.errors import (
     DeliveryError,
     InvalidPriorityError,
@@ -223,13 +231,16 @@ class TaskProducer:
         attempts = spec.max_attempts
         # bool is an int to Python, but max_attempts=True is a mistake, not "one attempt".
         if attempts is not None and (
-            not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1
+            not isinstance(attempts, int) or isinstance(attempts, bool) or not 1 <= attempts <= MAX_ATTEMPTS
         ):
-            raise InvalidTaskError(f"max_attempts must be an integer >= 1, got {attempts!r}")
-        timeout = spec.timeout.total_seconds() if isinstance(spec.timeout, timedelta) else spec.timeout
-        if timeout is not None and not (_is_number(timeout) and 0 < timeout < math.inf):
             raise InvalidTaskError(
-                f"timeout must be a positive, finite number of seconds, got {spec.timeout!r}"
+                f"max_attempts must be an integer from 1 to {MAX_ATTEMPTS}, got {attempts!r}"
+            )
+        timeout = spec.timeout.total_seconds() if isinstance(spec.timeout, timedelta) else spec.timeout
+        if timeout is not None and not (_is_number(timeout) and 0 < timeout <= MAX_TIMEOUT_SECONDS):
+            raise InvalidTaskError(
+                f"timeout must be a positive number of seconds up to {MAX_TIMEOUT_SECONDS:.0f} (7 days), "
+                f"got {spec.timeout!r}"
             )
         not_before = self._not_before(spec.delay, now)
         tt = self._task_type(spec.task_type)
@@ -245,6 +256,8 @@ class TaskProducer:
             idem = derive_idempotency_key(spec.task_type, spec.payload)
         elif not isinstance(idem, str) or not idem:
             raise InvalidTaskError(f"idempotency_key must be a non-empty string, got {idem!r}")
+        if len(idem.encode()) > MAX_HEADER_BYTES or len(spec.task_type.encode()) > MAX_HEADER_BYTES:
+            raise InvalidTaskError(f"task_type and idempotency_key must be at most {MAX_HEADER_BYTES} bytes")
         key = spec.key.encode() if isinstance(spec.key, str) else spec.key
         origin = self.topics.tier(priority)
         if not_before is None:
