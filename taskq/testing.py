@@ -30,7 +30,7 @@ from itertools import count
 from typing import Any, TypeVar
 
 from taskq._core.envelope import Headers, Topics
-from taskq._core.errors import KafkaUnavailableError, TaskqError
+from taskq._core.errors import KafkaUnavailableError, RecordTooLargeError, TaskqError
 from taskq._core.kafka import TP, DeliveryCallback, Record, RecordSource, TopicSpec
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import DlqRecord, parse_record
@@ -106,8 +106,9 @@ class InMemoryBroker:
         return _Source(self, group, on_assign, on_revoke)
 
     def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> _Sink:
-        """A producer; transactional with an id."""
-        return _Sink(self, transactional_id)
+        """A producer; transactional with an id. Like librdkafka it refuses a record over
+        `message.max.bytes` (1,000,000 unless overridden) when it is sent."""
+        return _Sink(self, transactional_id, int(overrides.get("message.max.bytes", 1_000_000)))
 
     def admin(self) -> _Admin:
         """Topic provisioning and offset look-ups."""
@@ -307,9 +308,10 @@ class _Sink:
     """A producer of the in-memory broker (see RecordSink): records land when poll()/flush() serves them,
     as acknowledgements do; a transaction's records and offsets land together at commit."""
 
-    def __init__(self, broker: InMemoryBroker, transactional_id: str | None) -> None:
+    def __init__(self, broker: InMemoryBroker, transactional_id: str | None, max_bytes: int) -> None:
         self._broker = broker
         self._transactional_id = transactional_id
+        self._max_bytes = max_bytes
         self._queued: list[
             tuple[str, int | None, bytes | None, bytes | None, Headers, DeliveryCallback | None]
         ]
@@ -327,6 +329,9 @@ class _Sink:
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
     ) -> None:
+        size = len(value or b"") + len(key or b"") + sum(len(k) + len(v) for k, v in headers)
+        if size > self._max_bytes:  # librdkafka refuses at once, before anything is queued
+            raise RecordTooLargeError(f"producing to {topic}: a record of {size} bytes is too large")
         with self._broker._lock:
             self._broker._partitions(topic)  # unknown topic: refused at once
             if self._transactional_id is not None:

@@ -67,6 +67,10 @@ class KafkaUnavailableError(TaskqError):
     """Kafka could not be reached or refused the operation."""
 
 
+class RecordTooLargeError(KafkaUnavailableError):
+    """The record is larger than the producer or the topic accepts; it cannot be sent as it is."""
+
+
 class StoreUnavailableError(TaskqError):
     """Postgres could not be reached or failed the statement."""
 

@@ -21,7 +21,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
-from taskq._core.errors import KafkaUnavailableError
+from taskq._core.errors import KafkaUnavailableError, RecordTooLargeError
 from taskq._core.settings import Settings
 
 log = logging.getLogger("taskq.kafka")
@@ -151,6 +151,12 @@ class Sink:
                 # The local queue is full: serve delivery reports to make room, never drop the record.
                 self._p.poll(0.05)
             except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if isinstance(err, KafkaError) and err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                    size = len(value or b"") + len(key or b"") + sum(len(k) + len(v) for k, v in headers)
+                    raise RecordTooLargeError(
+                        f"producing to {topic}: a record of {size} bytes is too large"
+                    ) from exc
                 raise _wrap(f"producing to {topic}", exc) from exc
 
     def poll(self, timeout: float = 0.0) -> int:

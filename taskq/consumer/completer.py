@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from taskq._core.errors import StoreUnavailableError
+from taskq._core.errors import RecordTooLargeError, StoreUnavailableError
 from taskq._core.kafka import Record, RecordSink
 from taskq.consumer.routing import Outgoing
 from taskq.consumer.store import Finished, TaskStore
@@ -33,8 +33,14 @@ class Completer:
         """Queue an attempt's end for the next round trip; `on_recorded` runs once it is in Postgres."""
         self._batch.append((finished, on_recorded))
 
-    def publish(self, out: Outgoing, on_acked: Durable) -> None:
-        """Send a retry or DLQ record; `on_acked` runs once the broker acknowledged it (sent again if not)."""
+    def publish(
+        self, out: Outgoing, on_acked: Durable, *, too_large: Callable[[], Outgoing] | None = None
+    ) -> None:
+        """Send a retry or DLQ record; `on_acked` runs once the broker acknowledged it (sent again if not).
+
+        A record the producer refuses as too large is replaced by `too_large()`, a bounded DLQ record:
+        the offset still moves on, with a decision on record (invariant 6).
+        """
 
         def delivered(err: str | None, _: Record | None) -> None:
             if err is not None:
@@ -43,7 +49,13 @@ class Completer:
                 return
             on_acked()
 
-        self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
+        try:
+            self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
+        except RecordTooLargeError as exc:
+            if too_large is None:
+                raise
+            log.warning("%s; dead-lettering a bounded record instead", exc)
+            self.publish(too_large(), on_acked)
 
     def flush(self) -> None:
         """Write the queued outcomes in one round trip; with Postgres away they wait for the next call."""

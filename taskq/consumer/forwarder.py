@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
-from taskq._core.errors import TaskqError
+from taskq._core.errors import RecordTooLargeError, TaskqError
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSink, RecordSource
 from taskq._core.settings import Settings
-from taskq.consumer.routing import dead_letter_record, default_worker_id
+from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id
 
 log = logging.getLogger("taskq.forwarder")
 
@@ -111,6 +111,17 @@ class Forwarder:
         self._fresh.clear()
         source.resume(due + fresh)
 
+    def _dead_letter(self, record: Record, reason: str) -> Outgoing:
+        return dead_letter_record(
+            record,
+            reason=reason,
+            error_type="taskq.EnvelopeError",
+            traceback="",
+            attempts=0,
+            worker_id=self.instance_id,
+            topics=self.topics,
+        )
+
     def _forward(self, sink: RecordSink, source: RecordSource, records: list[Record]) -> int:
         now = self._clock()
         offsets: dict[TP, int] = {}
@@ -121,15 +132,7 @@ class Forwarder:
             try:
                 env = Envelope.from_headers(record.headers)
             except EnvelopeError as exc:
-                dl = dead_letter_record(
-                    record,
-                    reason=f"bad envelope on a delay topic: {exc}",
-                    error_type="taskq.EnvelopeError",
-                    traceback="",
-                    attempts=0,
-                    worker_id=self.instance_id,
-                    topics=self.topics,
-                )
+                dl = self._dead_letter(record, f"bad envelope on a delay topic: {exc}")
                 out.append((dl.topic, record, dl.headers))
                 offsets[record.tp] = record.offset + 1
                 continue
@@ -141,7 +144,13 @@ class Forwarder:
                 self._held[record.tp] = due
                 continue
             target = env.origin_topic or self.topics.tier(env.priority)
-            out.append((target, record, record.headers))
+            if target not in self.topics.priority_topics:
+                # Forward only to this namespace's tiers: a missing topic would abort every transaction,
+                # another namespace's tier would get a record that is not its own.
+                dl = self._dead_letter(record, f"origin topic {target!r} is not a tier of this namespace")
+                out.append((dl.topic, record, dl.headers))
+            else:
+                out.append((target, record, record.headers))
             offsets[record.tp] = record.offset + 1
         if not offsets:
             return 0
@@ -149,7 +158,12 @@ class Forwarder:
         sink.begin()
         try:
             for topic, record, headers in out:
-                sink.send(topic, record.value, key=record.key, headers=headers)
+                try:
+                    sink.send(topic, record.value, key=record.key, headers=headers)
+                except RecordTooLargeError as exc:
+                    # Accepted by the broker at a size this producer refuses: a bounded DLQ record instead.
+                    dl = bounded(self._dead_letter(record, f"too large to forward: {exc}"))
+                    sink.send(dl.topic, dl.value, key=dl.key, headers=dl.headers)
             sink.commit_offsets_in_transaction(source, offsets)
             sink.commit()
         except Exception as exc:

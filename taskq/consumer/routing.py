@@ -7,9 +7,10 @@ import socket
 import uuid
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from hashlib import sha256
 
 from taskq._core.durations import pick_delay_tier
-from taskq._core.envelope import Envelope, H, Headers, Topics
+from taskq._core.envelope import MAX_HEADER_BYTES, Envelope, H, Headers, Topics
 from taskq._core.kafka import Record
 
 #: Bound on the traceback a DLQ record carries (Kafka records should stay small).
@@ -25,6 +26,8 @@ DLQ_WORKER = H + "dlq-worker"
 DLQ_TOPIC = H + "dlq-topic"
 DLQ_PARTITION = H + "dlq-partition"
 DLQ_OFFSET = H + "dlq-offset"
+DLQ_VALUE_BYTES = H + "dlq-value-bytes"
+DLQ_VALUE_SHA256 = H + "dlq-value-sha256"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,29 @@ def dead_letter_record(
         (DLQ_OFFSET, str(record.offset).encode()),
     ]
     return Outgoing(topics.dlq, record.key, record.value, headers)
+
+
+def bounded(out: Outgoing) -> Outgoing:
+    """A DLQ record whose original is too large to republish whole: the value is left out (its size and
+    SHA-256 digest are kept), as are headers other than the envelope's; the record stays in its topic."""
+    value = out.value or b""
+    headers = [(k, v[:MAX_HEADER_BYTES]) for k, v in out.headers if k.startswith(H) or k == "traceparent"]
+    headers = [
+        (
+            k,
+            (v.decode(errors="replace") + f" (too large to republish whole: {len(value)} bytes)").encode()[
+                :4096
+            ],
+        )
+        if k == DLQ_REASON
+        else (k, v)
+        for k, v in headers
+    ]
+    headers += [
+        (DLQ_VALUE_BYTES, str(len(value)).encode()),
+        (DLQ_VALUE_SHA256, sha256(value).hexdigest().encode()),
+    ]
+    return Outgoing(out.topic, out.key, None, headers)
 
 
 def default_worker_id() -> str:

@@ -49,7 +49,7 @@ from taskq.consumer.forwarder import Forwarder, run_in_thread
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
 from taskq.consumer.offsets import OffsetTracker
 from taskq.consumer.retry import Reject
-from taskq.consumer.routing import dead_letter_record, default_worker_id, retry_record
+from taskq.consumer.routing import bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
 from taskq.consumer.store import Claim, ClaimRequest, Finished, IdempotencyStore, LeaseLostError, TaskStore
 from taskq.schemas import avro
@@ -541,7 +541,22 @@ class Worker:
         self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
         self._completer.record(Finished(env.idempotency_key, task.attempts, "failed", error=message))
         # Delivery guarantee: the offset is done only when the broker acknowledged the retry record.
-        self._completer.publish(out, lambda: self._done(task))
+        # One too large to send again cannot be retried: a bounded DLQ record takes its place.
+        self._completer.publish(
+            out,
+            lambda: self._done(task),
+            too_large=lambda: bounded(
+                dead_letter_record(
+                    task.record,
+                    reason=f"failed {task.attempts} attempt(s), too large to retry: {message}",
+                    error_type=outcome.error_type,
+                    traceback=outcome.traceback,
+                    attempts=task.attempts,
+                    worker_id=self.worker_id,
+                    topics=self.topics,
+                )
+            ),
+        )
 
     def _finish_dead(self, task: _Task, reason: str, error_type: str, traceback: str = "") -> None:
         out = dead_letter_record(
@@ -559,7 +574,7 @@ class Worker:
         )
         self._completer.record(Finished(env.idempotency_key, task.attempts, "dead", error=reason))
         # Delivery guarantee: the offset is done only when the broker acknowledged the DLQ record.
-        self._completer.publish(out, lambda: self._done(task))
+        self._completer.publish(out, lambda: self._done(task), too_large=lambda: bounded(out))
 
     def _dead_letter_raw(self, record: Record, reason: str, error_type: str, attempts: int) -> None:
         """Input that never becomes a task: straight to the DLQ, offset done once the broker has it."""
@@ -575,7 +590,9 @@ class Worker:
             topics=self.topics,
         )
         generation = self._generation.get(record.tp, 0)
-        self._completer.publish(out, lambda: self._offset_done(record, generation))
+        self._completer.publish(
+            out, lambda: self._offset_done(record, generation), too_large=lambda: bounded(out)
+        )
 
     def _completed(self, task: _Task) -> None:
         """The completion is recorded: the offset may be released."""

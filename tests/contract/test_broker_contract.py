@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
+
+from taskq._core.errors import RecordTooLargeError
 from taskq._core.kafka import TP, Record, RecordSource, TopicSpec
 from tests.acceptance.helpers import wait_until
 from tests.contract.conftest import Kafka
@@ -149,3 +152,13 @@ def test_members_of_a_group_split_each_topics_partitions(kafka: Kafka) -> None:
     finally:
         for s in sources.values():
             s.close()
+
+
+def test_a_record_over_the_producers_size_limit_is_refused_when_sent(kafka: Kafka) -> None:
+    sink = kafka.broker.sink()
+    with pytest.raises(RecordTooLargeError):
+        sink.send(kafka.topic, b"x" * 1_200_000, key=None, headers=[])
+    # Raised above the producer's limit (message.max.bytes) the same record is accepted by the broker.
+    roomy = kafka.broker.sink(**{"message.max.bytes": 2_000_000})
+    roomy.send(kafka.topic, b"x" * 1_040_000, key=None, headers=[])
+    assert roomy.flush(30) == 0

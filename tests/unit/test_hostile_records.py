@@ -9,6 +9,7 @@ import pytest
 
 from taskq import Handlers, TaskContext
 from taskq._core.envelope import Envelope
+from taskq._core.kafka import TopicSpec
 from taskq.schemas import avro
 from taskq.testing import InMemoryQueue
 
@@ -51,3 +52,68 @@ def test_a_hostile_header_is_dead_lettered_and_the_tasks_behind_it_run(case: str
         assert sorted(ran) == list(range(5))
         reasons = [d.reason for d in q.dead_letters]
         assert len(reasons) == 2 and all(named in r for r in reasons), reasons
+
+
+BLOB = {"type": "record", "name": "Blob", "namespace": "unit", "fields": [{"name": "data", "type": "string"}]}
+
+
+def raw(q: InMemoryQueue, topic: str, task_type: str, value: bytes, **fields: str) -> None:
+    """Write a record the broker accepted, bypassing the producer's checks (and its size limit)."""
+    env = Envelope(task_id=f"raw-{task_type}", task_type=task_type, idempotency_key=f"raw-{task_type}",
+                   priority="normal")  # fmt: skip
+    headers = [(k, v) for k, v in env.to_headers() if k[len("taskq-") :] not in fields]
+    headers += [(f"taskq-{k}", v.encode()) for k, v in fields.items()]
+    sink = q.broker.sink(**{"message.max.bytes": 10_000_000})
+    sink.send(topic, value, key=b"k", headers=headers, partition=0)
+    sink.flush()
+
+
+def test_a_record_too_large_to_republish_gets_a_bounded_dlq_record_and_the_worker_moves_on() -> None:
+    handlers, ran = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        ran.append(payload["n"])
+
+    @handlers.task("unit.Blob", schema=BLOB, max_attempts=3)
+    def blob(payload: dict[str, Any], ctx: TaskContext) -> None:
+        raise ConnectionError("downstream refused the blob")
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        big = "x" * 1_200_000
+        blob_id = q.registry.latest("unit.Blob").schema_id
+        # Unknown to every handler, and a known type whose retry would be as large: both over 1 MB.
+        raw(q, "unit.normal", "unit.Nobody", b"\0" * 1_200_000)
+        raw(q, "unit.normal", "unit.Blob", avro.frame(blob_id, avro.encode(avro.parse(BLOB), {"data": big})))
+        for i in range(3):
+            q.producer.enqueue("unit.Job", {"n": i})
+        q.run_until_idle()
+        assert sorted(ran) == [0, 1, 2]
+        dead = {d.task_type: d for d in q.dead_letters}
+        assert set(dead) == {"unit.Nobody", "unit.Blob"}
+        for d in dead.values():
+            assert d.value is None and "too large to republish whole" in d.reason
+            assert int(d.headers["taskq-dlq-value-bytes"]) > 1_000_000 and len(d.headers["taskq-dlq-value-sha256"]) == 64
+        assert "too large to retry" in dead["unit.Blob"].reason
+
+
+@pytest.mark.parametrize("origin", ["unit.missing", "other.normal"])
+def test_the_forwarder_forwards_only_to_its_own_namespaces_tiers(origin: str) -> None:
+    handlers, ran = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        ran.append(payload["n"])
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        q.broker.admin().create_topics([TopicSpec("other.normal", 1)])
+        job_id = q.registry.latest("unit.Job").schema_id
+        raw(q, "unit.delay.1s", "unit.Job", avro.frame(job_id, avro.encode(avro.parse(JOB), {"n": -1})),
+            **{"origin-topic": origin})  # fmt: skip
+        for i in range(3):
+            q.producer.enqueue("unit.Job", {"n": i}, delay=1)
+        q.run_until_idle()
+        assert sorted(ran) == [0, 1, 2]
+        (dead,) = q.dead_letters
+        assert f"origin topic {origin!r} is not a tier" in dead.reason
+        assert q.broker.records("other.normal") == []
