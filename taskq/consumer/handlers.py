@@ -96,6 +96,13 @@ class Handlers:
                 raise ConfigurationError(
                     f"{task_type}: async handlers run in the worker's event loop, not a process"
                 )
+            if is_async and transactional:
+                # ctx.db is a blocking connection whose transaction records the completion; a coroutine
+                # would return before its writes, and the completion would be committed without them.
+                raise ConfigurationError(
+                    f"{task_type}: transactional=True needs a plain `def` handler (ctx.db is a blocking "
+                    "psycopg connection); make it sync, or drop transactional and write idempotently"
+                )
             self._specs[task_type] = HandlerSpec(
                 task_type=task_type,
                 fn=fn,

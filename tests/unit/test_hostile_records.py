@@ -9,6 +9,7 @@ import pytest
 
 from taskq import Handlers, TaskContext
 from taskq._core.envelope import Envelope
+from taskq._core.errors import ConfigurationError
 from taskq._core.kafka import TopicSpec
 from taskq.schemas import avro
 from taskq.testing import InMemoryQueue
@@ -93,7 +94,8 @@ def test_a_record_too_large_to_republish_gets_a_bounded_dlq_record_and_the_worke
         assert set(dead) == {"unit.Nobody", "unit.Blob"}
         for d in dead.values():
             assert d.value is None and "too large to republish whole" in d.reason
-            assert int(d.headers["taskq-dlq-value-bytes"]) > 1_000_000 and len(d.headers["taskq-dlq-value-sha256"]) == 64
+            assert int(d.headers["taskq-dlq-value-bytes"]) > 1_000_000
+            assert len(d.headers["taskq-dlq-value-sha256"]) == 64
         assert "too large to retry" in dead["unit.Blob"].reason
 
 
@@ -117,3 +119,14 @@ def test_the_forwarder_forwards_only_to_its_own_namespaces_tiers(origin: str) ->
         (dead,) = q.dead_letters
         assert f"origin topic {origin!r} is not a tier" in dead.reason
         assert q.broker.records("other.normal") == []
+
+
+def test_an_async_transactional_handler_is_refused_at_registration() -> None:
+    handlers = Handlers()
+    with pytest.raises(ConfigurationError, match="transactional=True needs a plain `def` handler"):
+
+        @handlers.task("unit.Job", schema=JOB, transactional=True)
+        async def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+            ctx.db.execute("INSERT INTO effects VALUES (1)")
+
+    assert "unit.Job" not in handlers
