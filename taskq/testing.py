@@ -86,7 +86,8 @@ class _Group:
 class InMemoryBroker:
     """Topics, partitions and consumer groups in memory; hands out sources, sinks and an admin."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock  # record timestamps (the forwarder's holds count from them)
         self._lock = threading.RLock()
         self._arrived = threading.Condition(self._lock)
         self._logs: dict[str, list[list[Record]]] = {}
@@ -149,7 +150,7 @@ class InMemoryBroker:
                 zlib.crc32(key) % len(parts) if key is not None else next(self._round_robin) % len(parts)
             )
         log = parts[partition]
-        record = Record(topic, partition, len(log), key, value, list(headers), int(time.time() * 1000))
+        record = Record(topic, partition, len(log), key, value, list(headers), int(self._clock() * 1000))
         log.append(record)
         self._arrived.notify_all()
         return record
@@ -820,7 +821,7 @@ class InMemoryQueue:
         self.clock = Clock()
         self.settings = Settings(namespace=namespace)
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
-        self.broker = InMemoryBroker()
+        self.broker = InMemoryBroker(clock=self.clock.time)
         self.broker.admin().create_topics(topic_specs(self.settings, partitions=2))
         self.registry = InMemoryRegistry()
         for spec in handlers:

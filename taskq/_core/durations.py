@@ -32,7 +32,10 @@ def parse_duration(text: str) -> timedelta:
     """Parse "250ms", "5s", "2m", "1h", "1d", "1h30m", or a bare number of seconds."""
     stripped = text.strip()
     if _NUMBER.fullmatch(stripped):
-        return timedelta(seconds=float(stripped))
+        try:
+            return timedelta(seconds=float(stripped))
+        except OverflowError:
+            raise ConfigurationError(f"duration {text!r} is too long") from None
     total = 0.0
     pos = 0
     for match in _PART.finditer(stripped):
@@ -44,7 +47,10 @@ def parse_duration(text: str) -> timedelta:
         raise ConfigurationError(
             f"invalid duration {text!r}: expected e.g. '250ms', '5s', '2m', '1h', '1d', '1h30m' or seconds"
         )
-    return timedelta(seconds=total)
+    try:
+        return timedelta(seconds=total)
+    except OverflowError:
+        raise ConfigurationError(f"duration {text!r} is too long") from None
 
 
 def tier_name(delay: timedelta) -> str:

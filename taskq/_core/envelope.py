@@ -22,6 +22,8 @@ Headers = list[tuple[str, bytes]]
 MAX_ATTEMPTS: Final = 1000
 MAX_TIMEOUT_SECONDS: Final = 7 * 24 * 3600.0
 MAX_HEADER_BYTES: Final = 4096
+#: The longest delay a task may be given (longer ones hop through the largest delay tier).
+MAX_DELAY: Final = timedelta(days=365)
 #: Timestamps are milliseconds since the epoch, before the year 10000.
 _MAX_MS: Final = 253_402_300_799_999
 

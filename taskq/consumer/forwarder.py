@@ -11,8 +11,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
+from taskq._core.durations import pick_delay_tier
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
 from taskq._core.errors import RecordTooLargeError, TaskqError
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSink, RecordSource
@@ -37,6 +39,7 @@ class Forwarder:
         self.settings = settings
         self.broker: Broker = broker or KafkaBroker(settings)
         self.topics = Topics(settings.namespace, settings.delay_tiers)
+        self._tier_seconds = {self.topics.delay(t): t.total_seconds() for t in settings.delay_tiers}
         self.group = f"{settings.namespace}.forwarder"
         self.instance_id = instance_id or default_worker_id()
         self._on_event = on_event
@@ -138,10 +141,19 @@ class Forwarder:
                 continue
             due = env.not_before.timestamp() if env.not_before else 0.0
             if due > now:
-                # Hold the partition at its head task; tasks behind it wait at most about one tier longer.
+                # A head holds its partition at most one tier's length from when it arrived: a task due
+                # later than that hops to the end of the tier that fits what is left, so the tasks behind
+                # it wait at most about one tier longer than their own due time, whatever the delay.
+                hop_at = record.timestamp_ms / 1000 + self._tier_seconds.get(record.topic, 0.0)
+                if hop_at <= now:
+                    rest = timedelta(seconds=due - now)
+                    hop = self.topics.delay(pick_delay_tier(rest, self.settings.delay_tiers))
+                    out.append((hop, record, record.headers))
+                    offsets[record.tp] = record.offset + 1
+                    continue
                 source.pause([record.tp])
                 source.seek(record.tp, record.offset)
-                self._held[record.tp] = due
+                self._held[record.tp] = min(due, hop_at)
                 continue
             target = env.origin_topic or self.topics.tier(env.priority)
             if target not in self.topics.priority_topics:

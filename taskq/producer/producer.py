@@ -21,6 +21,7 @@ from taskq._core.db import Database
 from taskq._core.durations import pick_delay_tier
 from taskq._core.envelope import (
     MAX_ATTEMPTS,
+    MAX_DELAY,
     MAX_HEADER_BYTES,
     MAX_TIMEOUT_SECONDS,
     PRIORITIES,
@@ -295,6 +296,8 @@ class TaskProducer:
                 raise InvalidTaskError(f"delay {delay!r} is not a representable duration") from None
         else:
             raise InvalidTaskError(f"delay must be a timedelta, seconds or an aware datetime, got {delay!r}")
+        if at - now > MAX_DELAY:
+            raise InvalidTaskError(f"delay {delay!r} is longer than the maximum of {MAX_DELAY.days} days")
         return at if at > now else None
 
     def enqueue(

@@ -3,13 +3,14 @@ worker and the forwarder carry on with the good tasks behind them."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from taskq import Handlers, TaskContext
 from taskq._core.envelope import Envelope
-from taskq._core.errors import ConfigurationError
+from taskq._core.errors import ConfigurationError, InvalidTaskError
 from taskq._core.kafka import TopicSpec
 from taskq.schemas import avro
 from taskq.testing import InMemoryQueue
@@ -130,3 +131,30 @@ def test_an_async_transactional_handler_is_refused_at_registration() -> None:
             ctx.db.execute("INSERT INTO effects VALUES (1)")
 
     assert "unit.Job" not in handlers
+
+
+def test_a_delay_beyond_the_largest_tier_hops_and_never_holds_back_tasks_due_sooner() -> None:
+    handlers, ran = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        ran.append((payload["n"], q.clock.offset))
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        # Both wait in the 1 h tier, on one partition (one key); the first is due in 5 h.
+        q.producer.enqueue("unit.Job", {"n": 1}, key="k", delay=timedelta(hours=5))
+        q.producer.enqueue("unit.Job", {"n": 2}, key="k", delay=timedelta(minutes=30))
+        q.run_until_idle()
+        assert [n for n, _ in ran] == [2, 1]
+        waited = dict(ran)
+        assert waited[2] <= 3600 + 60  # held at most one tier (1 h) behind the long one, not 5 h
+        assert 5 * 3600 - 60 <= waited[1] <= 5 * 3600 + 60  # and the long one runs on time
+
+
+@pytest.mark.parametrize("delay", [timedelta(days=366), 10**12])
+def test_a_delay_over_the_maximum_is_refused_in_one_line(delay: object) -> None:
+    with InMemoryQueue(Handlers(), namespace="unit") as q:
+        q.registry.register(JOB)
+        with pytest.raises(InvalidTaskError, match="delay") as err:
+            q.producer.enqueue("unit.Job", {"n": 1}, delay=delay)  # type: ignore[arg-type]
+        assert "\n" not in str(err.value)
