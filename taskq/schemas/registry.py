@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
@@ -115,29 +116,44 @@ class Registry:
             self._latest.pop(subject, None)
         return self._registered(subject, _int(rs.schema_id or looked.schema_id), _int(looked.version), text)
 
-    def _ensure_compatibility(self, subject: str, level: str) -> None:
+    def _level(self, subject: str) -> str | None:
+        """The subject's own compatibility level, or None when it has none (the registry default applies)."""
         try:
-            current = self._call(
+            level = self._call(
                 f"reading compatibility of {subject}", lambda: self._client.get_compatibility(subject)
             )
         except SchemaNotFoundError:
-            current = None
-        if current != level:
+            return None
+        return str(level) if level else None
+
+    def _ensure_compatibility(self, subject: str, level: str) -> None:
+        # Only a subject with no level of its own gets ours: one an operator set (BACKWARD_TRANSITIVE,
+        # FULL, ...) is kept, so registering never weakens the checks that protect old tasks.
+        if self._level(subject) is None:
             self._call(
                 f"setting compatibility of {subject}",
                 lambda: self._client.set_compatibility(subject_name=subject, level=level),
             )
 
     def check(self, schema: Mapping[str, Any]) -> bool:
-        """Whether the schema may become the next version of its subject (True for a new subject)."""
+        """Whether the schema may become the next version of its subject (True for a new subject): against
+        the latest version, or every version when the subject's level is transitive."""
         subject = avro.full_name(schema)
         text = avro.canonical_json(schema)
         try:
-            return bool(
-                self._call(
-                    f"checking {subject}",
-                    lambda: self._client.test_compatibility(subject, Schema(text, "AVRO")),
-                )
+            level = self._level(subject) or str(
+                self._call("reading the default compatibility", self._client.get_compatibility)
+            )
+            versions: list[int | str] = ["latest"]
+            if level.endswith("_TRANSITIVE"):
+                versions = list(self.versions(subject))
+
+            def compatible(version: int | str) -> bool:
+                return bool(self._client.test_compatibility(subject, Schema(text, "AVRO"), version=version))
+
+            return all(
+                self._call(f"checking {subject} against version {v}", partial(compatible, v))
+                for v in versions
             )
         except SchemaNotFoundError:
             return True
@@ -183,6 +199,7 @@ class Registry:
 
     def delete_subject(self, subject: str) -> None:
         """Delete a subject and all its versions for good (soft delete, then permanent)."""
+
         def delete(permanent: bool) -> list[int]:
             return list(self._client.delete_subject(subject, permanent=permanent))
 

@@ -1,0 +1,31 @@
+"""Registering never weakens a subject's compatibility level, and checks honour transitive levels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from taskq._core.settings import Settings
+from taskq.schemas import IncompatibleSchemaError, Registry
+
+
+def order(ns: str, *fields: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "record", "name": "Order", "namespace": ns, "fields": [{"name": "id", "type": "string"}, *fields]}
+
+
+def test_an_operators_transitive_level_is_kept_and_enforced_against_every_version(settings: Settings) -> None:
+    ns = settings.namespace
+    subject = f"{ns}.Order"
+    v1 = order(ns, {"name": "a", "type": "string"})
+    v2 = order(ns)  # drops a: reads v1's data
+    v3 = order(ns, {"name": "a", "type": "int", "default": 0})  # reads v2's data, not v1's (a is a string there)
+    with Registry(settings.schema_registry_url) as registry:
+        registry.register(v1)
+        registry.register(v2)
+        registry._client.set_compatibility(subject_name=subject, level="BACKWARD_TRANSITIVE")  # the operator
+        assert registry.check(v3) is False
+        with pytest.raises(IncompatibleSchemaError):
+            registry.register(v3)
+        assert registry._client.get_compatibility(subject) == "BACKWARD_TRANSITIVE"
+        assert registry.versions(subject) == [1, 2]
