@@ -33,7 +33,7 @@ from taskq._core.envelope import Headers, Topics
 from taskq._core.errors import KafkaUnavailableError, RecordTooLargeError, TaskqError
 from taskq._core.kafka import TP, DeliveryCallback, Record, RecordSource, TopicSpec
 from taskq._core.settings import Settings
-from taskq.consumer.dlq import DlqRecord, parse_record
+from taskq.consumer.dlq import DeadLetters, DlqRecord, parse_record
 from taskq.consumer.events import Event, TaskCompleted
 from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers
@@ -488,6 +488,9 @@ class InMemoryStore:
         self._clock = clock
         self._connect = connect
         self._lock = threading.Lock()
+        #: DLQ replays: (topic, offset) -> (when, how many times); one replay at a time, as in Postgres
+        self.replays: dict[tuple[str, int], tuple[datetime, int]] = {}
+        self._replay_lock = threading.Lock()
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim each key for one attempt; a key twice in one batch: 'duplicate' (as IdempotencyStore)."""
@@ -621,6 +624,31 @@ class InMemoryStore:
         with self._lock:
             again = [r.attempts - 1 for r in self.rows.values() if r.attempts > 1]
             return len(again), sum(again)
+
+    def replayed(self, topic: str) -> dict[int, tuple[datetime, int]]:
+        """The replayed offsets of a DLQ topic: when, and how many times."""
+        with self._lock:
+            return {offset: r for (t, offset), r in self.replays.items() if t == topic}
+
+    def replayed_between(self, topic: str, start: int, end: int) -> int:
+        """How many records of an offset range were replayed."""
+        return sum(1 for offset in self.replayed(topic) if start <= offset < end)
+
+    @contextmanager
+    def replaying(
+        self, *, topic: str, offset: int, task_id: str, idempotency_key: str, force: bool
+    ) -> Iterator[int | None]:
+        """Mark a record replayed for the block (None: replayed before and not forced); the mark stays
+        only if the block exits cleanly, and a concurrent replay waits for it (as PostgresReplayLog)."""
+        with self._replay_lock:
+            before = self.replays.get((topic, offset))
+            if before is not None and not force:
+                yield None
+                return
+            count = (before[1] if before else 0) + 1
+            yield count  # an exception here (the send failed) leaves no mark
+            with self._lock:
+                self.replays[(topic, offset)] = (datetime.fromtimestamp(self._clock(), UTC), count)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -851,6 +879,11 @@ class InMemoryQueue:
     def completed(self) -> list[TaskCompleted]:
         """The tasks whose completion was recorded, in order."""
         return self.events.of(TaskCompleted)
+
+    @property
+    def dlq(self) -> DeadLetters:
+        """The DLQ tools over the fakes: list, show and replay, as `taskq dlq` does."""
+        return DeadLetters(self.settings, broker=self.broker, registry=self.registry, store=self.store)
 
     @property
     def dead_letters(self) -> list[DlqRecord]:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import builtins
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import Gauge
 
@@ -31,6 +32,8 @@ __all__ = [
     "DeadLetters",
     "DlqRecord",
     "DlqRecordNotFoundError",
+    "PostgresReplayLog",
+    "ReplayLog",
     "ReplayResult",
     "dlq_depth_gauge",
     "parse_record",
@@ -149,6 +152,62 @@ class ReplayResult:
         }
 
 
+class ReplayLog(Protocol):
+    """What the DLQ tools record of replays, and the idempotency records a replay resets: Postgres
+    (`PostgresReplayLog`) or `taskq.testing.InMemoryStore`."""
+
+    def replayed(self, topic: str) -> dict[int, tuple[datetime, int]]: ...
+    def replayed_between(self, topic: str, start: int, end: int) -> int: ...
+    def replaying(
+        self, *, topic: str, offset: int, task_id: str, idempotency_key: str, force: bool
+    ) -> AbstractContextManager[int | None]: ...
+    def reset_for_replay(self, idempotency_key: str) -> bool: ...
+    def get(self, idempotency_key: str) -> Mapping[str, Any] | None: ...
+    def close(self) -> None: ...
+
+
+class PostgresReplayLog:
+    """Replay records in Postgres (taskq_dlq_replays), beside the idempotency records."""
+
+    def __init__(self, database: Database) -> None:
+        self.database = database
+        self._store = Store(database)
+
+    def replayed(self, topic: str) -> dict[int, tuple[datetime, int]]:
+        """The replayed offsets of a DLQ topic: when, and how many times."""
+        return self._store.dlq_replayed(topic)
+
+    def replayed_between(self, topic: str, start: int, end: int) -> int:
+        """How many records of an offset range were replayed."""
+        return self._store.dlq_replayed_between(topic, start, end)
+
+    @contextmanager
+    def replaying(
+        self, *, topic: str, offset: int, task_id: str, idempotency_key: str, force: bool
+    ) -> Iterator[int | None]:
+        """Mark a record replayed for the block: yields its replay count, or None if refused (replayed
+        already and not forced). The mark commits when the block exits cleanly, rolls back otherwise."""
+        # The row stays uncommitted until the broker acknowledged the task: a concurrent replay of the
+        # same record waits on it and is then refused, and a failed send rolls the mark back, so
+        # "replayed" never names a task that is not back on its topic.
+        with self.database.transaction() as tx:
+            yield self._store.dlq_record_replay(
+                tx, topic=topic, offset=offset, task_id=task_id, idempotency_key=idempotency_key, force=force
+            )
+
+    def reset_for_replay(self, idempotency_key: str) -> bool:
+        """Start a dead key's attempts over; False if it is not dead (a completed key stays completed)."""
+        return self._store.reset_for_replay(idempotency_key)
+
+    def get(self, idempotency_key: str) -> Mapping[str, Any] | None:
+        """The idempotency record of a key."""
+        return self._store.get(idempotency_key)
+
+    def close(self) -> None:
+        """Release the connection."""
+        self.database.close()
+
+
 class DeadLetters:
     """The DLQ of one namespace: list, show and replay its records; measure its depth."""
 
@@ -158,14 +217,16 @@ class DeadLetters:
         *,
         broker: Broker | None = None,
         registry: SchemaRegistry | None = None,
+        store: ReplayLog | None = None,
     ) -> None:
-        """Kafka and the registry default to the real ones of `settings`; replay records live in Postgres."""
+        """Parts not given are the real ones of `settings`: Kafka, the registry, Postgres."""
         self.settings = settings or Settings.from_env()
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
-        self.db = Database(self.settings.database_url, schema=self.settings.database_schema)
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._admin = self.broker.admin()
-        self._store = Store(self.db)
+        self._store: ReplayLog = store or PostgresReplayLog(
+            Database(self.settings.database_url, schema=self.settings.database_schema)
+        )
         self._sink: RecordSink | None = None
         self._registry: SchemaRegistry | None = registry
 
@@ -181,7 +242,7 @@ class DeadLetters:
         """DLQ records oldest first: not yet replayed (unless include_replayed), of a type, failed since."""
         if limit is not None and limit < 0:
             raise ConfigurationError(f"limit must be >= 0, got {limit}")
-        replayed = self._store.dlq_replayed(self.topics.dlq)
+        replayed = self._store.replayed(self.topics.dlq)
         cutoff = datetime.now(UTC) - since if since is not None else None
         out: builtins.list[DlqRecord] = []
         for raw in self._read():
@@ -202,7 +263,7 @@ class DeadLetters:
         found = [r for r in self._read(offset, offset + 1) if r.offset == offset]
         if not found:
             raise self._not_found([offset])
-        rec = parse_record(found[0], self._store.dlq_replayed(self.topics.dlq).get(offset))
+        rec = parse_record(found[0], self._store.replayed(self.topics.dlq).get(offset))
         try:
             schema_id, body = avro.split_frame(rec.value)
             return replace(rec, payload=avro.decode(body, self._schemas().by_id(schema_id)))
@@ -212,7 +273,7 @@ class DeadLetters:
     def depth(self) -> int:
         """How many DLQ records were not replayed yet; also sets the taskq_dlq_depth gauge."""
         start, end = self._bounds()
-        depth = max(0, end - start - self._store.dlq_replayed_between(self.topics.dlq, start, end))
+        depth = max(0, end - start - self._store.replayed_between(self.topics.dlq, start, end))
         dlq_depth_gauge().set(depth)
         return depth
 
@@ -241,7 +302,7 @@ class DeadLetters:
                 raise ConfigurationError(
                     "task_type filters all=True only; name offsets or the type, not both"
                 )
-            replayed = self._store.dlq_replayed(self.topics.dlq)
+            replayed = self._store.replayed(self.topics.dlq)
             raws = self._read(wanted[0], wanted[-1] + 1)
             found = {r.offset: parse_record(r, replayed.get(r.offset)) for r in raws}
             missing = [o for o in wanted if o not in found]
@@ -262,24 +323,20 @@ class DeadLetters:
         headers = replace(env, attempt=1, not_before=None).to_headers() + [
             (k, v) for k, v in rec.headers.items() if not k.startswith(H) and k != "traceparent"
         ]
-        # The replay row is written in a transaction that stays open until the broker acknowledged the task:
-        # a concurrent replay of the same record waits on it and is then refused, and a failed send rolls
-        # the mark back, so "replayed" in Postgres never names a task that is not back on its topic.
-        with self.db.transaction() as tx:
-            replays = self._store.dlq_record_replay(
-                tx,
-                topic=self.topics.dlq,
-                offset=rec.offset,
-                task_id=env.task_id,
-                idempotency_key=env.idempotency_key,
-                force=force,
-            )
+        # The replay mark holds until the broker acknowledged the task (see ReplayLog.replaying).
+        with self._store.replaying(
+            topic=self.topics.dlq,
+            offset=rec.offset,
+            task_id=env.task_id,
+            idempotency_key=env.idempotency_key,
+            force=force,
+        ) as replays:
             if replays is None:
                 when = f" at {rec.replayed_at.isoformat()}" if rec.replayed_at else ""
                 return replace(result, refused=f"already replayed{when}; force to replay it again")
             # Reset before producing: a worker counts an attempt when it claims the key, and a key still
             # dead at max attempts would be dead-lettered again at once. A completed key stays completed.
-            # Both run on the store's kept connection, outside the replay transaction, committed at once.
+            # Both are committed at once, outside the replay mark.
             completed = False
             if not self._store.reset_for_replay(env.idempotency_key):
                 current = self._store.get(env.idempotency_key)
@@ -354,7 +411,7 @@ class DeadLetters:
         if self._sink is not None:
             self._sink.flush(ACK_TIMEOUT)
             self._sink = None
-        self.db.close()
+        self._store.close()
         if self._registry is not None:
             self._registry.close()
             self._registry = None

@@ -12,6 +12,7 @@ import pytest
 from taskq._core.db import Database
 from taskq._core.kafka import Broker, KafkaBroker, TopicSpec
 from taskq._core.settings import Settings
+from taskq.consumer.dlq import PostgresReplayLog
 from taskq.consumer.store import IdempotencyStore
 from taskq.schemas.registry import Registry
 from taskq.testing import InMemoryBroker, InMemoryRegistry, InMemoryStore
@@ -68,3 +69,15 @@ def registry(kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
         return
     with Registry(_settings(request).schema_registry_url) as r:
         yield r
+
+
+@pytest.fixture
+def replay_log(kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Where DLQ replays are recorded: the in-memory store, or Postgres."""
+    if kind == "memory":
+        yield InMemoryStore(owner="dlq")
+        return
+    s = _settings(request)
+    log = PostgresReplayLog(Database(s.database_url, schema=s.database_schema))
+    yield log
+    log.close()

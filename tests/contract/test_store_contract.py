@@ -78,3 +78,21 @@ def test_purge_forgets_old_finished_keys_only(stores: tuple[Any, Any]) -> None:
     a.finish([Finished("done", 1, "completed")])
     assert a.purge(0) == 1  # finished before now
     assert a.get("done") is None and a.get("busy") is not None
+
+
+def test_a_replay_is_marked_once_unless_forced_and_a_failed_one_leaves_no_mark(replay_log: Any) -> None:
+    def replay(offset: int, *, force: bool = False) -> int | None:
+        with replay_log.replaying(topic="c.dlq", offset=offset, task_id="t", idempotency_key="k", force=force) as n:
+            return n  # type: ignore[no-any-return]
+
+    assert replay(3) == 1
+    assert replay(3) is None  # refused: replayed already
+    assert replay(3, force=True) == 2
+    with pytest.raises(RuntimeError), replay_log.replaying(
+        topic="c.dlq", offset=4, task_id="t", idempotency_key="k", force=False
+    ):
+        raise RuntimeError("the send failed")
+    assert set(replay_log.replayed("c.dlq")) == {3}
+    assert replay_log.replayed("c.dlq")[3][1] == 2
+    assert replay_log.replayed_between("c.dlq", 0, 4) == 1 and replay_log.replayed_between("c.dlq", 4, 9) == 0
+    assert replay_log.replayed("other.dlq") == {}

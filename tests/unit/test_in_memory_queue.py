@@ -37,3 +37,30 @@ def test_one_effect_per_key_a_retry_and_a_dead_letter_without_services() -> None
         assert sorted(c.key for c in q.completed) == ["welcome:a", "welcome:flaky"]
         (dead,) = q.dead_letters
         assert dead.idempotency_key == "welcome:nobody" and "no such address" in dead.reason
+
+
+def test_the_operators_loop_on_the_fakes_dead_letter_fix_replay_once() -> None:
+    handlers, partner_down, sent = Handlers(), [True], []
+
+    @handlers.task("shop.Send", schema=SEND, max_attempts=2)
+    def send(payload: dict[str, Any], ctx: TaskContext) -> None:
+        if partner_down[0]:
+            raise ConnectionError("partner is down")
+        sent.append(payload["to"])
+
+    with InMemoryQueue(handlers) as q, q.dlq as dlq:
+        q.producer.enqueue("shop.Send", {"to": "a@example.com"}, idempotency_key="hook:a")
+        q.run_until_idle()
+        (dead,) = dlq.list()
+        assert dead.idempotency_key == "hook:a" and dead.attempts == 2 and dlq.depth() == 1
+        assert dlq.show(dead.offset).payload == {"to": "a@example.com"}
+        partner_down[0] = False  # the fix
+        (result,) = dlq.replay([dead.offset])
+        assert result.replayed and dlq.depth() == 0
+        q.run_until_idle()
+        assert sent == ["a@example.com"]
+        assert dlq.replay([dead.offset])[0].refused  # a second replay is refused
+        (forced,) = dlq.replay([dead.offset], force=True)
+        assert forced.already_completed
+        q.run_until_idle()
+        assert sent == ["a@example.com"]  # and a forced one has no second effect
