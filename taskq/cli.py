@@ -238,6 +238,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         weights=weights,
         shutdown_timeout=args.shutdown_timeout,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         buffer_capacity=args.buffer,
         forwarder=not args.no_forwarder,
     )
@@ -366,7 +367,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     s = _settings(args)
     if args.metrics_port is not None:
-        return _serve_stats(s, args.metrics_port, args.interval)
+        return _serve_stats(s, args.metrics_port, args.interval, args.metrics_host)
     tiers = tier_depths(Admin(s), Topics(s.namespace, s.delay_tiers), s.worker_group)
     with DeadLetters(s) as dlq:
         dlq_depth = dlq.depth()
@@ -402,7 +403,7 @@ def _tier_depth_gauge() -> Any:
     return Gauge("taskq_tier_depth", "Tasks of a tier the worker group has not committed yet", ["priority"])
 
 
-def _serve_stats(s: Settings, port: int, interval: float) -> int:
+def _serve_stats(s: Settings, port: int, interval: float, host: str) -> int:
     """Serve tier and DLQ depths on /metrics, refreshed every `interval` seconds, until SIGTERM/SIGINT."""
     import signal
     import threading
@@ -433,7 +434,7 @@ def _serve_stats(s: Settings, port: int, interval: float) -> int:
 
         refresh()  # a wrong namespace or an unreachable broker fails here, before anything is served
         # Unhealthy once several refreshes in a row failed: the gauges are stale.
-        server = serve(port, lambda: time.monotonic() - last_ok < max(3 * interval, 30.0))
+        server = serve(port, lambda: time.monotonic() - last_ok < max(3 * interval, 30.0), host=host)
         print(f"taskq stats: serving /metrics on port {port}, refreshed every {interval:g}s", file=sys.stderr)
         try:
             while not stop.wait(interval):
@@ -531,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--group", help="consumer group (default: <namespace>.workers)")
     sp.add_argument("--weights", help="critical,high,normal,low weights (default 8,4,2,1)")
     sp.add_argument("--metrics-port", type=int, help="serve /metrics and /healthz on this port")
+    sp.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address /metrics listens on (default: loopback)"
+    )
     sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
     sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
     sp.add_argument(
@@ -567,6 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--interval", type=float, default=5.0, help="with --metrics-port: seconds between refreshes"
+    )
+    sp.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address /metrics listens on (default: loopback)"
     )
     return p
 

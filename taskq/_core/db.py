@@ -14,6 +14,7 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 
 from taskq._core.errors import StoreUnavailableError
+from taskq._core.settings import redact
 
 #: One result row: column name -> value.
 Row: TypeAlias = DictRow
@@ -101,7 +102,7 @@ class Database(_Queries):
 
     def _unavailable(self, what: str, exc: psycopg.Error) -> StoreUnavailableError:
         # The caller raises it `from exc`, so __cause__ keeps the driver's error.
-        return StoreUnavailableError(_redact(f"Postgres {what}: {exc}"))
+        return StoreUnavailableError(redact(f"Postgres {what}: {exc}", self.url))
 
     @contextmanager
     def transaction(self, conn: Connection | None = None) -> Iterator[Transaction]:
@@ -201,9 +202,3 @@ class Transaction(_Queries):
 def in_transaction(conn: Connection) -> bool:
     """Whether a connection is inside a transaction (or broken), i.e. not safe to hand to the next task."""
     return conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
-
-
-def _redact(text: str) -> str:
-    """`text` without the password of any Postgres URL or key=value connection string in it."""
-    text = re.sub(r"://([^:/@\s]+):[^@\s]*@", r"://\1:***@", text)
-    return re.sub(r"(\bpassword\s*=\s*)('[^']*'|\S+)", r"\1***", text)

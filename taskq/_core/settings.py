@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
+from urllib.parse import unquote
 
 from taskq._core.durations import DEFAULT_DELAY_TIERS, parse_duration
 from taskq._core.errors import ConfigurationError
@@ -20,6 +21,33 @@ _RESERVED_KAFKA = frozenset(
 )
 #: Kafka's consumer group protocols: the broker-driven one (KIP-848) and the classic join/sync one.
 GROUP_PROTOCOLS = ("consumer", "classic")
+
+
+_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s]*@")
+_PARAM_SECRET = re.compile(
+    r"(\b(?:password|passwd|pwd|token|secret|api[_-]?key|sasl\.password)\s*[=:]\s*)('[^']*'|[^\s&;,]+)",
+    re.IGNORECASE,
+)
+
+
+def redact(text: str, *urls: str) -> str:
+    """`text` without credentials: the password of any URL in it (even one holding '@' or a bad %-escape),
+    password=/token=/secret= parameters, and the passwords of `urls` wherever they appear (a driver may
+    quote one back in an error). Every message that can carry a setting goes through here."""
+    for url in urls:
+        secret = _password_of(url)
+        if secret:
+            text = text.replace(secret, "***")
+            text = text.replace(unquote(secret), "***")
+    text = _URL_PASSWORD.sub(r"\1***@", text)
+    return _PARAM_SECRET.sub(r"\1***", text)
+
+
+def _password_of(url: str) -> str:
+    """The password part of a URL as written (without decoding it: a bad %-escape must not break this)."""
+    rest = url.partition("://")[2]
+    authority = rest.rsplit("@", 1)[0] if "@" in rest else ""
+    return authority.partition(":")[2]
 
 
 @dataclass(frozen=True, kw_only=True)

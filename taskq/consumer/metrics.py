@@ -121,10 +121,11 @@ class _Quiet(WSGIRequestHandler):
 def serve(
     port: int,
     healthy: Callable[[], bool],
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     registry: CollectorRegistry = REGISTRY,
 ) -> WSGIServer:
-    """Serve /metrics (Prometheus) and /healthz (200 while `healthy()`, else 503) from a daemon thread."""
+    """Serve /metrics (Prometheus) and /healthz (200 while `healthy()`, else 503) from a daemon thread;
+    on loopback unless another host is given (0.0.0.0 for a Prometheus in a container or elsewhere)."""
     metrics_app = make_wsgi_app(registry)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:

@@ -74,6 +74,8 @@ class WorkerConfig:
     #: Lease of a claimed key when its task type has no timeout.
     default_lease: float = 300.0
     metrics_port: int | None = None
+    #: Where /metrics listens: loopback unless told otherwise.
+    metrics_host: str = "127.0.0.1"
     #: Run the delay forwarder in this process too (a thread); `taskq forwarder` runs it alone.
     forwarder: bool = True
     worker_id: str = field(default_factory=default_worker_id)
@@ -206,7 +208,10 @@ class Worker:
             self._database.migrate()
         if self.config.metrics_port is not None:
             self._server = metrics.serve(
-                self.config.metrics_port, self.heartbeat.healthy, registry=self.metrics.registry
+                self.config.metrics_port,
+                self.heartbeat.healthy,
+                host=self.config.metrics_host,
+                registry=self.metrics.registry,
             )
         self._source = self.broker.source(
             group=self.group, on_assign=self._assigned_cb, on_revoke=self._revoked_cb

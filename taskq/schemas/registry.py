@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
+from taskq._core.settings import redact
 from taskq.schemas import avro
 from taskq.schemas.errors import (
     IncompatibleSchemaError,
@@ -86,14 +87,18 @@ class Registry:
                 raise IncompatibleSchemaError(f"{what}: {exc.error_message}") from exc
             if exc.http_status_code >= 500 or exc.http_status_code < 0:
                 raise RegistryUnavailableError(
-                    f"{what}: registry at {self.url} failed: {exc.error_message}"
+                    redact(f"{what}: registry at {self.url} failed: {exc.error_message}", self.url)
                 ) from exc
             raise SchemaError(f"{what}: {exc.error_message} (HTTP {exc.http_status_code})") from exc
         except (OSError, ConnectionError, TimeoutError) as exc:
-            raise RegistryUnavailableError(f"{what}: registry at {self.url} unreachable: {exc}") from exc
+            raise RegistryUnavailableError(
+                redact(f"{what}: registry at {self.url} unreachable: {exc}", self.url)
+            ) from exc
         except Exception as exc:  # the client raises its HTTP library's own errors for transport failures
             if type(exc).__module__.split(".")[0] in _TRANSPORT_MODULES:
-                raise RegistryUnavailableError(f"{what}: registry at {self.url} unreachable: {exc}") from exc
+                raise RegistryUnavailableError(
+                    redact(f"{what}: registry at {self.url} unreachable: {exc}", self.url)
+                ) from exc
             raise
 
     def register(
