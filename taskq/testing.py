@@ -279,6 +279,10 @@ class _Source:
         with self._broker._lock:
             return {tp: len(self._broker._logs[tp[0]][tp[1]]) - pos for tp, pos in self._position.items()}
 
+    def position(self, tp: TP) -> int:
+        with self._broker._lock:
+            return self._position.get(tp, -1)
+
     def group_metadata(self) -> object:
         return _Membership(self._group_name, self)
 

@@ -387,6 +387,8 @@ class DeadLetters:
                     nxt = max(nxt, r.offset + 1)
                 if batch:
                     deadline = time.monotonic() + READ_TIMEOUT
+                elif source.position((self.topics.dlq, 0)) >= stop:
+                    break  # the rest are transaction markers (the forwarder dead-letters in transactions)
                 elif time.monotonic() > deadline:
                     raise KafkaUnavailableError(
                         f"reading {self.topics.dlq}: stuck at offset {nxt} of {stop} for {READ_TIMEOUT}s"

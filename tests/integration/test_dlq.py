@@ -332,3 +332,28 @@ def test_worker_dead_letters_then_replay_runs_once_after_the_fix(
         worker.stop()
         thread.join(60)
     assert not thread.is_alive()
+
+
+def test_list_reaches_the_end_past_a_transaction_marker(
+    settings: Settings, dlq: DeadLetters, store: IdempotencyStore, email_type: str
+) -> None:
+    # The forwarder dead-letters in transactions: its commit marker takes the last offset of the DLQ,
+    # which no consumer ever receives. Listing must still end there, not wait for a record at it.
+    dead_letter(settings, store, email_type, 1)
+    [only] = dlq.list()
+    sink = Sink(settings, transactional_id=f"{settings.namespace}.test-forwarder")
+    sink.init_transactions()
+    sink.begin()
+    out = dead_letter_record(
+        Record(f"{settings.namespace}.delay.1s", 0, 7, None, b"\0", [], 0),
+        reason="bad envelope on a delay topic",
+        error_type="taskq.EnvelopeError",
+        traceback="",
+        attempts=0,
+        worker_id="fwd",
+        topics=Topics(settings.namespace),
+    )
+    sink.send(out.topic, out.value, key=out.key, headers=out.headers)
+    sink.commit()
+    records = dlq.list()
+    assert [r.offset for r in records] == [only.offset, only.offset + 1]
