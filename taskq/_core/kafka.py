@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from confluent_kafka import (
     OFFSET_INVALID,
@@ -21,8 +21,8 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
-from taskq._core.errors import KafkaUnavailableError, RecordTooLargeError
-from taskq._core.settings import Settings
+from taskq._core.errors import ConfigurationError, KafkaUnavailableError, RecordTooLargeError
+from taskq._core.settings import Settings, redact
 
 log = logging.getLogger("taskq.kafka")
 
@@ -88,6 +88,19 @@ def base_config(settings: Settings) -> dict[str, Any]:
     return {"bootstrap.servers": settings.bootstrap_servers, **settings.kafka}
 
 
+C = TypeVar("C")
+
+
+def _client(factory: Callable[[dict[str, Any]], C], conf: dict[str, Any]) -> C:
+    """A librdkafka client; a setting it refuses (TASKQ_KAFKA_* included) is one line naming it."""
+    try:
+        return factory(conf)
+    except (KafkaException, ValueError, TypeError) as exc:
+        err = exc.args[0] if exc.args else exc
+        text = err.str() if isinstance(err, KafkaError) else str(err)
+        raise ConfigurationError(redact(f"Kafka client settings: {text}")) from exc
+
+
 @contextmanager
 def _errors(what: str) -> Iterator[None]:
     """Turn the client's errors into the project's, keeping the original as __cause__."""
@@ -121,7 +134,7 @@ class Sink:
             conf["transaction.timeout.ms"] = 60000
             conf["message.timeout.ms"] = 60000  # librdkafka requires it <= transaction.timeout.ms
         conf.update(overrides)
-        self._p = Producer(conf)
+        self._p = _client(Producer, conf)
 
     def send(
         self,
@@ -239,7 +252,7 @@ class Source:
                 "heartbeat.interval.ms": 1000,
             }
         conf.update(overrides)
-        self._c = Consumer(conf)
+        self._c = _client(Consumer, conf)
         self._on_assign = on_assign
         self._on_revoke = on_revoke
 
@@ -369,7 +382,7 @@ class Admin:
     """Topic provisioning and offset look-ups."""
 
     def __init__(self, settings: Settings, *, timeout: float = 30.0) -> None:
-        self._a = AdminClient(base_config(settings))
+        self._a = _client(AdminClient, base_config(settings))
         self._timeout = timeout
 
     def create_topics(self, specs: Sequence[TopicSpec]) -> dict[str, bool]:

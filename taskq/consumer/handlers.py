@@ -152,7 +152,14 @@ def load(import_path: str) -> Handlers:
     module_name, _, attr = import_path.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(f"expected MODULE:ATTR, got {import_path!r}")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except SyntaxError as exc:
+        raise ConfigurationError(
+            f"cannot import {module_name}: {exc.msg} ({exc.filename}, line {exc.lineno})"
+        ) from exc
+    except ImportError as exc:  # the module, or something it imports, is missing
+        raise ConfigurationError(f"cannot import {module_name}: {exc}") from exc
     handlers = getattr(module, attr, None)
     if not isinstance(handlers, Handlers):
         raise ConfigurationError(f"{import_path} is {type(handlers).__name__}, not a taskq.Handlers")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,26 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
                                                                                    "fn": broken}))  # fmt: skip
     with pytest.raises(ValueError, match="a bug"):
         cli.main(["stats"])
+
+
+def test_an_unknown_kafka_setting_is_one_line_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TASKQ_KAFKA_NO_SUCH_PROPERTY", "1")
+    assert cli.main(["enqueue", "demo.SendEmail", "--json", "{}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'No such configuration property: "no.such.property"' in err
+
+
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [("import no_such_module_anywhere\n", "No module named"), ("def broken(:\n", "invalid syntax")],
+)
+def test_a_handlers_module_that_cannot_be_imported_is_one_line(
+    source: str, named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "brokenapp.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["worker", "brokenapp:handlers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot import brokenapp" in err and named in err
