@@ -422,7 +422,7 @@ def test_bad_handlers_path_is_a_clear_error() -> None:
         executor.submit(job(process_spec("x.Ok")), done)
         outcome = done.wait()
         assert not outcome.ok and not outcome.timed_out
-        assert outcome.error_type == "builtins.ModuleNotFoundError"
+        assert outcome.error_type == "taskq._core.errors.ConfigurationError"
         assert "cannot load handlers 'no_such_module_xyz:handlers'" in outcome.message
         assert "No module named 'no_such_module_xyz'" in outcome.message
         assert executor.free_slots() == 1
