@@ -431,7 +431,7 @@ def parse_record(record: Record, replayed: tuple[datetime, int] | None = None) -
 
     def text(name: str) -> str:
         raw = headers.get(name)
-        return raw.decode(errors="replace") if raw is not None else ""
+        return _printable(raw.decode(errors="replace")) if raw is not None else ""
 
     def number(name: str) -> int | None:
         try:
@@ -472,6 +472,14 @@ def parse_record(record: Record, replayed: tuple[datetime, int] | None = None) -
 
 def _text(raw: bytes) -> str:
     try:
-        return raw.decode()
+        return _printable(raw.decode())
     except UnicodeDecodeError:
         return "hex:" + raw.hex()
+
+
+def _printable(text: str) -> str:
+    """Text safe to print on an operator's terminal: control characters (escape sequences included) are
+    shown as \\xNN, except newlines and tabs."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" for c in text)

@@ -158,3 +158,20 @@ def test_a_delay_over_the_maximum_is_refused_in_one_line(delay: object) -> None:
         with pytest.raises(InvalidTaskError, match="delay") as err:
             q.producer.enqueue("unit.Job", {"n": 1}, delay=delay)  # type: ignore[arg-type]
         assert "\n" not in str(err.value)
+
+
+def test_dlq_listings_escape_control_characters_from_headers() -> None:
+    handlers = Handlers()
+
+    @handlers.task("unit.Job", schema=JOB, max_attempts=1)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        raise ValueError("boom \x1b[2J\x1b[31m cleared your screen\x07")
+
+    with InMemoryQueue(handlers, namespace="unit") as q, q.dlq as dlq:
+        q.producer.enqueue("unit.Job", {"n": 1})
+        q.run_until_idle()
+        (rec,) = dlq.list()
+        shown = rec.to_dict(full=True)
+        for text in (rec.reason, rec.traceback, *shown["headers"].values()):
+            assert "\x1b" not in text and "\x07" not in text
+        assert "\\x1b[2J" in rec.reason
