@@ -46,6 +46,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,7 +280,7 @@ class RunAs(NamedTuple):
 AS_OURSELVES = RunAs()
 
 
-class Service:
+class Service(ABC):
     name = ""
     port_env = ""  # the variable that sets `port`, named in errors
 
@@ -339,18 +340,19 @@ class Service:
     def ports(self) -> list[int]:
         return [self.port]
 
-    # to implement
+    @abstractmethod
     def answering(self) -> bool:
-        raise NotImplementedError
+        """Whether the service answers its clients."""
 
-    def prepare(self) -> None:
+    def prepare(self) -> None:  # noqa: B027 - an optional step: nothing by default
         """Fetch/extract/initialise; may run in a thread before the service is started."""
 
+    @abstractmethod
     def launch(self) -> None:
-        raise NotImplementedError
+        """Start the service's process."""
 
-    def after_ready(self) -> None:
-        pass
+    def after_ready(self) -> None:  # noqa: B027 - an optional step: nothing by default
+        """Set the service up once it answers (databases, configuration)."""
 
     def stop(self) -> None:
         pid = self.ours_alive()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -49,11 +50,12 @@ def migrations() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
-class _Queries:
+class _Queries(ABC):
     """The three ways to run a named query; subclasses say on which connection."""
 
+    @abstractmethod
     def _run(self, name: str, params: dict[str, object], read: Callable[[_Cursor], T]) -> T:
-        raise NotImplementedError
+        """Run the named query and read its cursor, wrapping driver errors."""
 
     def one(self, name: str, /, **params: object) -> Row | None:
         """The first row of a named query, or None."""
