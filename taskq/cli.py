@@ -267,12 +267,18 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
 
 def cmd_db_purge(args: argparse.Namespace) -> int:
     from taskq._core.db import Database
+    from taskq.consumer.dlq import DeadLetters
     from taskq.consumer.store import IdempotencyStore
 
     s = _settings(args)
+    ttl = parse_duration(args.older_than).total_seconds()
+    # Keys of tasks still in the DLQ are kept, whatever their age: a replay must find the key's record,
+    # or a task whose effect already happened (through another copy) would run a second time.
+    with DeadLetters(s) as dlq:
+        keep = {r.idempotency_key for r in dlq.list(include_replayed=True) if r.idempotency_key}
     store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
     try:
-        n = store.purge(parse_duration(args.older_than).total_seconds())
+        n = store.purge(ttl, keep=sorted(keep))
     finally:
         store.close()
     _print(args, {"purged": n}, f"purged {n} record(s) older than {args.older_than}")

@@ -604,12 +604,15 @@ class InMemoryStore:
             row.state, row.attempts, row.updated_at = "failed", 0, self._clock()
             return True
 
-    def purge(self, ttl_seconds: float, *, batch: int = 10_000) -> int:
-        """Delete completed and dead records older than the TTL; returns how many."""
+    def purge(self, ttl_seconds: float, *, batch: int = 10_000, keep: Sequence[str] = ()) -> int:
+        """Delete completed and dead records older than the TTL, except the keys in `keep`."""
         with self._lock:
             cutoff = self._clock() - ttl_seconds
+            kept = set(keep)
             old = [
-                k for k, r in self.rows.items() if r.state in ("completed", "dead") and r.updated_at < cutoff
+                k
+                for k, r in self.rows.items()
+                if r.state in ("completed", "dead") and r.updated_at < cutoff and k not in kept
             ]
             for k in old:
                 del self.rows[k]

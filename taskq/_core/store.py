@@ -104,9 +104,10 @@ class Store:
         """Start a dead key's attempts over (DLQ replay); False if it is not dead (e.g. completed)."""
         return self.database.one("reset_for_replay", key=idempotency_key) is not None
 
-    def purge(self, ttl_seconds: float, *, batch: int) -> int:
-        """Delete up to `batch` completed and dead records older than the TTL; returns how many."""
-        return max(0, self.database.execute("purge", ttl_seconds=ttl_seconds, batch=batch))
+    def purge(self, ttl_seconds: float, *, batch: int, keep: Sequence[str] = ()) -> int:
+        """Delete up to `batch` completed and dead records older than the TTL, except the keys in `keep`;
+        returns how many."""
+        return max(0, self.database.execute("purge", ttl_seconds=ttl_seconds, batch=batch, keep=list(keep)))
 
     def counts(self) -> dict[str, int]:
         """Number of records per state."""

@@ -114,11 +114,11 @@ class IdempotencyStore:
         """Start a dead key's attempts over (DLQ replay); False if it is not dead (e.g. completed)."""
         return self._store.reset_for_replay(idempotency_key)
 
-    def purge(self, ttl_seconds: float, *, batch: int = 10_000) -> int:
-        """Delete completed and dead records older than the TTL; returns how many."""
+    def purge(self, ttl_seconds: float, *, batch: int = 10_000, keep: Sequence[str] = ()) -> int:
+        """Delete completed and dead records older than the TTL, except the keys in `keep`; how many."""
         total = 0
         while True:
-            n = self._store.purge(ttl_seconds, batch=batch)
+            n = self._store.purge(ttl_seconds, batch=batch, keep=keep)
             total += n
             if n < batch:
                 return total

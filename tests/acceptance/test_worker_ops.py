@@ -10,8 +10,31 @@ import sys
 import urllib.error
 import urllib.request
 
+from taskq._core.envelope import Envelope, Topics
+from taskq._core.kafka import Record, Sink, Source
+from taskq.consumer.dlq import DeadLetters
+from taskq.consumer.routing import dead_letter_record
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import wait_until
+from tests.acceptance.helpers import all_committed, wait_until
+
+
+def _record_of(app: App, key: str) -> Record:
+    """The Ledger task record of an idempotency key, read from the namespace's normal tier."""
+    source = Source(app.settings, group=f"{app.ns}.reader")
+    source.assign([(f"{app.ns}.normal", p, 0) for p in range(3)])
+    found: list[Record] = []
+
+    def seen() -> bool:
+        found.extend(
+            r for r in source.poll(100, 0.5) if Envelope.from_headers(r.headers).idempotency_key == key
+        )
+        return bool(found)
+
+    try:
+        wait_until(seen, timeout=30, what=f"the record of {key}")
+    finally:
+        source.close()
+    return found[0]
 
 
 def _free_port() -> int:
@@ -71,7 +94,7 @@ def test_metrics_endpoint_counts_tasks_and_healthz_answers(app: App) -> None:
     assert worker.proc.poll() is None, worker.output()[-3000:]
 
 
-def test_db_purge_deletes_finished_records_older_than_the_ttl(app: App) -> None:
+def test_db_purge_deletes_finished_records_older_than_the_ttl_but_keeps_keys_in_the_dlq(app: App) -> None:
     keys = [f"p{i}" for i in range(6)]
     for i, k in enumerate(keys):
         app.producer.enqueue(app.type("Ledger"), {"key": k, "amount": i}, idempotency_key=k)
@@ -99,9 +122,28 @@ def test_db_purge_deletes_finished_records_older_than_the_ttl(app: App) -> None:
         assert out.returncode == 0, out.stderr
         return int(json.loads(out.stdout)["purged"])
 
+    # A copy of p0 sits in the DLQ (dead-lettered earlier, say): its key must outlive any TTL, or a replay
+    # would run p0's effect a second time.
+    dl = dead_letter_record(
+        _record_of(app, "p0"), reason="failed", error_type="x.Y", traceback="", attempts=5, worker_id="w",
+        topics=Topics(app.ns),
+    )  # fmt: skip
+    sink = Sink(app.settings)
+    sink.send(dl.topic, dl.value, key=dl.key, headers=dl.headers)
+    assert sink.flush(30) == 0
+
     assert purge("1h") == 0  # younger than the TTL: kept
     assert app.scalar(completed) == len(keys)
-    assert purge("0s") == len(keys)
-    assert app.scalar(completed) == 0
-    rows = app.query("SELECT idempotency_key, state FROM taskq_tasks")
-    assert rows == [{"idempotency_key": "retrying", "state": "failed"}]
+    assert purge("0s") == len(keys) - 1
+    rows = app.query("SELECT idempotency_key, state FROM taskq_tasks ORDER BY idempotency_key")
+    assert rows == [
+        {"idempotency_key": "p0", "state": "completed"},
+        {"idempotency_key": "retrying", "state": "failed"},
+    ]
+    # Replaying the DLQ copy after the purge finds p0 completed: no second effect.
+    with DeadLetters(app.settings) as dlq:
+        (result,) = dlq.replay([dlq.list()[0].offset])
+    assert result.already_completed
+    app.spawn("--concurrency", "2")
+    wait_until(lambda: all_committed(app.settings), timeout=90, what="the replayed copy to be consumed")
+    assert app.scalar("SELECT count(*) FROM ledger WHERE key = 'p0'") == 1

@@ -74,10 +74,10 @@ def test_a_transaction_records_the_completion_only_while_the_lease_holds(stores:
 
 def test_purge_forgets_old_finished_keys_only(stores: tuple[Any, Any]) -> None:
     a, _ = stores
-    a.claim([req("done"), req("busy")])
-    a.finish([Finished("done", 1, "completed")])
-    assert a.purge(0) == 1  # finished before now
-    assert a.get("done") is None and a.get("busy") is not None
+    a.claim([req("done"), req("busy"), req("in-dlq")])
+    a.finish([Finished("done", 1, "completed"), Finished("in-dlq", 1, "completed")])
+    assert a.purge(0, keep=["in-dlq"]) == 1  # finished before now; a key still in the DLQ is kept
+    assert a.get("done") is None and a.get("busy") is not None and a.get("in-dlq") is not None
 
 
 def test_a_replay_is_marked_once_unless_forced_and_a_failed_one_leaves_no_mark(replay_log: Any) -> None:

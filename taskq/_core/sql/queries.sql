@@ -86,9 +86,11 @@ FROM taskq_tasks WHERE idempotency_key = %(key)s;
 
 -- name: purge
 -- Forget finished keys older than the TTL, a bounded batch at a time so the table is never locked for long.
+-- Keys in `keep` (those of tasks still in the DLQ) are never forgotten: a replay must still find them.
 DELETE FROM taskq_tasks WHERE ctid IN (
     SELECT ctid FROM taskq_tasks
     WHERE state IN ('completed', 'dead') AND updated_at < clock_timestamp() - %(ttl_seconds)s * interval '1 second'
+      AND NOT (idempotency_key = ANY(%(keep)s::text[]))
     LIMIT %(batch)s
 );
 
