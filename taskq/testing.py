@@ -93,6 +93,8 @@ class InMemoryBroker:
         self._logs: dict[str, list[list[Record]]] = {}
         self._groups: dict[str, _Group] = {}
         self._producers: dict[str, _Sink] = {}  # transactional id -> its current producer
+        #: Records handed out by every poll so far (how much consumers read).
+        self.fetched = 0
         self._round_robin = count()
 
     # The Broker protocol.
@@ -239,6 +241,11 @@ class _Source:
                 self._broker._arrived.wait(left)
 
     def _fetch(self, max_records: int) -> list[Record]:
+        out = self._fetch_some(max_records)
+        self._broker.fetched += len(out)
+        return out
+
+    def _fetch_some(self, max_records: int) -> list[Record]:
         out: list[Record] = []
         live = sorted(tp for tp in self._owned if tp not in self._paused)
         while len(out) < max_records:

@@ -245,7 +245,9 @@ class DeadLetters:
         replayed = self._store.replayed(self.topics.dlq)
         cutoff = datetime.now(UTC) - since if since is not None else None
         out: builtins.list[DlqRecord] = []
-        for raw in self._read():
+        if limit == 0:
+            return out
+        for raw in self._read():  # read as needed: a limit stops the reading, not only the output
             rec = parse_record(raw, replayed.get(raw.offset))
             if rec.replayed_at is not None and not include_replayed:
                 continue
@@ -253,9 +255,9 @@ class DeadLetters:
                 continue
             if cutoff is not None and rec.failed_at < cutoff:
                 continue
+            out.append(rec)
             if limit is not None and len(out) >= limit:
                 break
-            out.append(rec)
         return out
 
     def show(self, offset: int) -> DlqRecord:
@@ -367,15 +369,15 @@ class DeadLetters:
             raise TaskqError(f"the DLQ topic {self.topics.dlq} does not exist (run `taskq topics create`)")
         return start[tp], self._admin.end_offsets([self.topics.dlq])[tp]
 
-    def _read(self, first: int | None = None, stop: int | None = None) -> builtins.list[Record]:
-        """The DLQ records with offsets in [first, stop), clipped to what the log holds."""
+    def _read(self, first: int | None = None, stop: int | None = None) -> Iterator[Record]:
+        """The DLQ records with offsets in [first, stop), clipped to what the log holds, read as they are
+        needed: a caller that stops early (a listing's limit) reads no further than one fetch."""
         start, end = self._bounds()
         first = start if first is None else max(first, start)
         stop = end if stop is None else min(stop, end)
         if first >= stop:
-            return []
+            return
         source = self.broker.source(group=f"{self.settings.namespace}.dlq-reader")
-        out: builtins.list[Record] = []
         try:
             source.assign([(self.topics.dlq, 0, first)])
             nxt, deadline = first, time.monotonic() + READ_TIMEOUT
@@ -383,7 +385,7 @@ class DeadLetters:
                 batch = source.poll(500, 0.5)
                 for r in batch:
                     if r.offset < stop:
-                        out.append(r)
+                        yield r
                     nxt = max(nxt, r.offset + 1)
                 if batch:
                     deadline = time.monotonic() + READ_TIMEOUT
@@ -395,7 +397,6 @@ class DeadLetters:
                     )
         finally:
             source.close()
-        return out
 
     def _schemas(self) -> SchemaRegistry:
         if self._registry is None:

@@ -175,3 +175,15 @@ def test_dlq_listings_escape_control_characters_from_headers() -> None:
         for text in (rec.reason, rec.traceback, *shown["headers"].values()):
             assert "\x1b" not in text and "\x07" not in text
         assert "\\x1b[2J" in rec.reason
+
+
+def test_a_dlq_listing_with_a_limit_reads_no_further_than_one_fetch() -> None:
+    with InMemoryQueue(Handlers(), namespace="unit") as q, q.dlq as dlq:
+        sink = q.broker.sink()
+        for i in range(2000):  # input that never became a task, dead-lettered earlier
+            sink.send("unit.dlq", b"x", key=None, headers=[("taskq-dlq-reason", f"r{i}".encode())])
+        sink.flush()
+        before = q.broker.fetched
+        assert [r.reason for r in dlq.list(limit=2)] == ["r0", "r1"]
+        assert q.broker.fetched - before <= 500
+        assert len(dlq.list()) == 2000
