@@ -102,7 +102,10 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
         payload = json.loads(args.json_payload)
     except json.JSONDecodeError as exc:
         raise SystemExit(f"taskq enqueue: --json is not valid JSON: {exc}") from None
-    with TaskProducer(_settings(args)) as producer:
+    # Fail fast: a command that cannot reach the broker says so in about 10 s, not after librdkafka's
+    # two-minute delivery timeout.
+    quick = {"message.timeout.ms": 10_000, "socket.connection.setup.timeout.ms": 5_000}
+    with TaskProducer(_settings(args), kafka_config=quick) as producer:
         receipt = producer.enqueue(
             args.task_type,
             payload,
@@ -594,6 +597,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not args.verbose and args.command not in ("worker", "forwarder"):
+        # A short-lived command reports what failed in one line; librdkafka's retries and the producer's
+        # per-task delivery log would only repeat it.
+        for repeats in ("taskq.librdkafka", "taskq.producer"):
+            logging.getLogger(repeats).setLevel(logging.CRITICAL)
     try:
         return int(args.fn(args))
     except (TaskqError, SchemaError) as exc:

@@ -83,9 +83,14 @@ def _bytes(value: str | bytes | None) -> bytes:
     return value.encode() if isinstance(value, str) else (value or b"")
 
 
+#: librdkafka's own log lines go through Python logging under this name (the CLI quiets it; a worker
+#: shows warnings), instead of straight to stderr.
+LIBRDKAFKA_LOG = logging.getLogger("taskq.librdkafka")
+
+
 def base_config(settings: Settings) -> dict[str, Any]:
     """librdkafka settings common to every client: brokers plus the pass-through security settings."""
-    return {"bootstrap.servers": settings.bootstrap_servers, **settings.kafka}
+    return {"bootstrap.servers": settings.bootstrap_servers, "logger": LIBRDKAFKA_LOG, **settings.kafka}
 
 
 C = TypeVar("C")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from taskq._core.db import Database
 from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeError, Priority, Topics
@@ -163,7 +164,7 @@ class Worker:
         self._completer = Completer(self.store, self._sink)
         self._source: RecordSource | None = None
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
-        self._server: Any = None
+        self._server: WSGIServer | None = None
         self._last_commit = 0.0
         self._last_lag = 0.0
         self._registry_retry_at = 0.0

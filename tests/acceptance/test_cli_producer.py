@@ -184,3 +184,13 @@ def test_bench_produce_prints_a_rate(settings: Settings, env_of: Callable[..., d
     assert int(match[1]) > 0
     ends = Admin(settings).end_offsets(Topics(settings.namespace).priority_topics)
     assert sum(ends.values()) == 2001  # the warm-up task and the 2000 measured
+
+
+def test_enqueue_with_the_broker_away_fails_fast_in_one_line(
+    env_of: Callable[..., dict[str, str]], email_type: str
+) -> None:
+    # Nothing listens on port 1: the registry answers (the schema is found), the broker never does.
+    out = taskq(env_of(TASKQ_BOOTSTRAP_SERVERS="127.0.0.1:1"), "enqueue", email_type, "--json", '{"to": "a"}')
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("taskq: error:"), out.stderr[-3000:]
