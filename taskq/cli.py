@@ -243,6 +243,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         buffer_capacity=args.buffer,
+        buffer_bytes=args.buffer_mb * 1024 * 1024,
         forwarder=not args.no_forwarder,
     )
     worker = Worker(handlers, _settings(args), config)
@@ -546,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
     sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
+    sp.add_argument("--buffer-mb", type=int, default=64, help="max megabytes of them (values and headers)")
     sp.add_argument(
         "--no-forwarder", action="store_true", help="do not run the delay forwarder in this process"
     )

@@ -171,6 +171,9 @@ class InMemoryBroker:
             member.target = target
 
 
+_FETCH_BYTES = 16 * 1024 * 1024
+
+
 class _Source:
     """A consumer of the in-memory broker (see RecordSource): callbacks are served from poll()."""
 
@@ -246,15 +249,19 @@ class _Source:
         return out
 
     def _fetch_some(self, max_records: int) -> list[Record]:
+        # At most about 16 MiB a poll, what the real source prefetches (queued.max.messages.kbytes).
         out: list[Record] = []
+        size = 0
         live = sorted(tp for tp in self._owned if tp not in self._paused)
-        while len(out) < max_records:
+        while len(out) < max_records and size < _FETCH_BYTES:
             progressed = False
             for tp in live:
                 log = self._broker._logs.get(tp[0], [])[tp[1]]
                 pos = self._position[tp]
-                if pos < len(log) and len(out) < max_records:
-                    out.append(log[pos])
+                if pos < len(log) and len(out) < max_records and size < _FETCH_BYTES:
+                    record = log[pos]
+                    out.append(record)
+                    size += len(record.value or b"") + sum(len(k) + len(v) for k, v in record.headers)
                     self._position[tp] = pos + 1
                     progressed = True
             if not progressed:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Priority
@@ -106,6 +106,11 @@ class PriorityScheduler(Generic[T]):
     def __len__(self) -> int:
         """Total items buffered across tiers."""
         return self._len
+
+    def __iter__(self) -> Iterator[T]:
+        """Every buffered item, tier by tier (not the dispatch order)."""
+        for buffer in self._buffers.values():
+            yield from buffer
 
     def depth(self, tier: Priority) -> int:
         """Items buffered in `tier`."""

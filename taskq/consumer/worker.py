@@ -69,6 +69,9 @@ class WorkerConfig:
     weights: Mapping[Priority, int] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     #: At most this many fetched tasks wait for a slot; beyond it partitions are paused (invariant 5).
     buffer_capacity: int = 500
+    #: And at most about this many bytes of them (values and headers): a tier of large records is paused
+    #: before it fills the buffer's task count (invariant 5).
+    buffer_bytes: int = 64 * 1024 * 1024
     shutdown_timeout: float = 30.0
     revoke_timeout: float = 10.0
     commit_interval: float = 1.0
@@ -88,6 +91,8 @@ class WorkerConfig:
             raise ConfigurationError(
                 f"buffer_capacity must be >= 4 (one task per tier), got {self.buffer_capacity}"
             )
+        if self.buffer_bytes < 1024 * 1024:
+            raise ConfigurationError(f"buffer_bytes must be >= 1 MiB, got {self.buffer_bytes}")
         for name in ("shutdown_timeout", "revoke_timeout", "commit_interval", "default_lease"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -108,6 +113,11 @@ class _Task:
 class _Held:
     task: _Task
     due: float
+
+
+def _size(record: Record) -> int:
+    """Bytes a buffered record holds: its value and headers."""
+    return len(record.value or b"") + sum(len(k) + len(v) for k, v in record.headers)
 
 
 class Worker:
@@ -168,6 +178,7 @@ class Worker:
         self._last_commit = 0.0
         self._last_lag = 0.0
         self._registry_retry_at = 0.0
+        self._largest = 0  # the largest record accepted so far, in bytes
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def stop(self) -> None:
@@ -306,6 +317,7 @@ class Worker:
     def _accept(self, record: Record, *, tracked: bool = False) -> None:
         """Decode a fetched record into a task and buffer it; input that can never run goes to the DLQ."""
         tier = self.topics.priority_of(record.topic)
+        self._largest = max(self._largest, _size(record))
         if record.tp not in self._assigned:
             # Fetched before its partition was revoked (one consume() can return records of a partition
             # whose revocation it also served): its new owner reads it from the committed offset. Tracking
@@ -370,12 +382,14 @@ class Worker:
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
         full = len(self._scheduler) + len(self._held) >= self.config.buffer_capacity
         held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
+        # Over the byte bound every partition waits: what is buffered runs first, then fetching resumes.
+        heavy = self._over_bytes()
         for tp in self._assigned:
             tier = self.topics.priority_of(tp[0])
             if tier is None:
                 continue
             over = full and held[tier] + self._scheduler.depth(tier) >= self._scheduler.reserve(tier)
-            if self._scheduler.saturated(tier) or over or self._stop.is_set():
+            if self._scheduler.saturated(tier) or over or heavy or self._stop.is_set():
                 if tp not in self._paused:
                     to_pause.append(tp)
             elif tp in self._paused or tp in self._fresh:
@@ -385,6 +399,15 @@ class Worker:
         self._paused |= set(to_pause)
         self._paused -= set(to_resume)
         self._fresh.clear()
+
+    def _over_bytes(self) -> bool:
+        """Whether the buffered records (waiting, held, undecoded) take more than `buffer_bytes`."""
+        waiting = len(self._scheduler) + len(self._held) + len(self._undecoded)
+        if waiting * self._largest < self.config.buffer_bytes:
+            return False  # cannot be over whatever their sizes: no need to add them up (the usual case)
+        total = sum(_size(t.record) for t in self._scheduler)
+        total += sum(_size(h.task.record) for h in self._held) + sum(_size(r) for r in self._undecoded)
+        return total >= self.config.buffer_bytes
 
     def _release_held(self) -> None:
         now = self._clock()

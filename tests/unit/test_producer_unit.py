@@ -15,7 +15,7 @@ import pytest
 
 from taskq import PayloadValidationError, Settings, derive_idempotency_key
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
-from taskq._core.kafka import base_config
+from taskq._core.kafka import LIBRDKAFKA_LOG, base_config
 from taskq.schemas import DecodeError, avro
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,7 +223,7 @@ def test_settings_from_env_passes_taskq_kafka_variables_through_to_librdkafka():
         "sasl.username": "svc",
         "ssl.ca.location": "/etc/ca.pem",
     }
-    assert base_config(s) == {"bootstrap.servers": s.bootstrap_servers, **s.kafka}
+    assert base_config(s) == {"bootstrap.servers": s.bootstrap_servers, "logger": LIBRDKAFKA_LOG, **s.kafka}
 
 
 def test_settings_from_env_refuses_kafka_variables_that_would_break_a_guarantee():

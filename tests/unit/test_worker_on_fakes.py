@@ -8,12 +8,14 @@ from collections.abc import Callable
 from typing import Any
 
 from taskq import Handlers, TaskContext
+from taskq._core.envelope import Envelope
 from taskq._core.settings import Settings
 from taskq.consumer.events import Event, TaskCompleted
 from taskq.consumer.store import ClaimRequest
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.admin import topic_specs
 from taskq.producer.producer import TaskProducer
+from taskq.schemas import avro
 from taskq.testing import Clock, InMemoryBroker, InMemoryQueue, InMemoryRegistry, InMemoryStore
 
 JOB = {"type": "record", "name": "Job", "namespace": "unit", "fields": [{"name": "n", "type": "long"}]}
@@ -172,3 +174,30 @@ def test_a_second_worker_takes_half_of_each_tier_and_every_task_runs_once() -> N
     assert parts.completed["b"] >= 60, parts.completed  # the joiner ran a share of the busy tier
     a.close()
     b.close()
+
+
+def test_large_records_are_bounded_in_bytes_not_only_in_count() -> None:
+    handlers, release = Handlers(), threading.Event()
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        release.wait(10)
+
+    parts = Parts(handlers)
+    job_id = parts.registry.latest("unit.Job").schema_id
+    value = avro.frame(job_id, avro.encode(avro.parse(JOB), {"n": 1}))
+    sink = parts.broker.sink()
+    for i in range(100):  # 900 KB of headers each: 90 MB in all, far under the buffer's task count
+        env = Envelope(task_id=f"t{i}", task_type="unit.Job", idempotency_key=f"k{i}", priority="normal")
+        sink.send("unit.normal", value, key=None, headers=[*env.to_headers(), ("blob", b"x" * 900_000)])
+    sink.flush()
+    w = parts.worker("a", concurrency=1, buffer_bytes=8 * 1024 * 1024)
+    most = 0
+    for _ in range(30):
+        w.step()
+        buffered = [t.record for t in w._scheduler] + [h.task.record for h in w._held]
+        most = max(most, sum(len(r.value or b"") + sum(len(k) + len(v) for k, v in r.headers) for r in buffered))
+    assert most <= 8 * 1024 * 1024 + 16 * 1024 * 1024  # the bound plus what one fetch may add
+    release.set()
+    run(w, lambda: len(parts.rows) == 100 and w.idle(), "every task")
+    w.close()
