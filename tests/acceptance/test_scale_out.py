@@ -72,14 +72,17 @@ class Round:
     def wait_done(self, n: int, what: str) -> None:
         self.wait(lambda: self.done() >= n, f"{what} ({n} tasks done)")
 
-    def wait_busy_tier(self, *workers: WorkerProcess, after: dict[WorkerProcess, int] | None = None) -> int:
-        """Wait until each worker was assigned partitions of the busy tier (more times than `after` says)."""
-        after = after or {}
-        for w in workers:
-            self.wait(
-                lambda w=w: assignments(w) > after.get(w, 0),
-                f"{w.log.name} to be assigned partitions of the busy tier",
-            )
+    def wait_split(self, *members: WorkerProcess) -> int:
+        """Wait until the busy tier's 6 partitions are split evenly over `members` (what each owns now, from
+        their logs); return the ledger's seq then, where a stretch judged for fairness starts."""
+
+        def split() -> bool:
+            owned = [owned_busy_partitions(w) for w in members]
+            return sorted(len(o) for o in owned) == [6 // len(members)] * len(members) and len(
+                set().union(*owned)
+            ) == 6
+
+        self.wait(split, f"the busy tier to be split over {[w.log.name for w in members]}")
         return self.seq()
 
     def assert_fair(self, start: int, end: int, members: list[WorkerProcess], what: str) -> None:
@@ -102,9 +105,15 @@ class Round:
         assert self.done() == len(self.keys)
 
 
-def assignments(worker: WorkerProcess) -> int:
-    """How many times the worker logged an assignment that includes partitions of the busy tier."""
-    return len(re.findall(r"assigned [^\n]*\.normal\[", worker.output()))
+def owned_busy_partitions(worker: WorkerProcess) -> set[int]:
+    """The partitions of the busy tier a worker owns now, replaying its assignment and revocation logs."""
+    owned: set[int] = set()
+    for line in worker.output().splitlines():
+        match = re.search(r" (assigned|revoked) (.*)", line)
+        if match:
+            parts = {int(p) for p in re.findall(r"\.normal\[(\d+)\]", match[2])}
+            owned = owned | parts if match[1] == "assigned" else owned - parts
+    return owned
 
 
 @pytest.mark.partitions(6)
@@ -115,7 +124,7 @@ def test_membership_changes_never_stall_a_tier_and_share_it_fairly(app: App, cas
         # first to join runs its half while the second is still being assigned the other.
         r = Round(app, tasks=600, sleep=0.05)
         a, b = r.spawn(), r.spawn()
-        r.wait_busy_tier(a, b)
+        r.wait_split(a, b)
         r.assert_exactly_once()
         r.assert_fair(0, r.seq(), [a, b], "two workers started together")
     elif case in ("join", "join_classic"):
@@ -124,31 +133,30 @@ def test_membership_changes_never_stall_a_tier_and_share_it_fairly(app: App, cas
         a = r.spawn()
         r.wait_done(60, "the first worker to be busy")
         b = r.spawn()
-        start = r.wait_busy_tier(b)
+        start = r.wait_split(a, b)
         r.assert_exactly_once()
         r.assert_fair(start, r.seq(), [a, b], "after a second worker joined")
     elif case == "join_and_leave":
         # A third worker joins mid-run, then one of the first two leaves (SIGTERM) mid-run.
         r = Round(app, tasks=1500, sleep=0.05)
         a, b = r.spawn(), r.spawn()
-        r.wait_busy_tier(a, b)
+        r.wait_split(a, b)
         r.wait_done(100, "two workers to be busy")
         c = r.spawn()
-        start = r.wait_busy_tier(c)
+        start = r.wait_split(a, b, c)
         r.wait_done(r.done() + 250, "three workers to share the tier")
-        seen = {w: assignments(w) for w in (b, c)}
         end = r.seq()
         a.terminate()
         assert a.wait(60) == 0, a.output()[-3000:]
         r.assert_fair(start, end, [a, b, c], "with three workers")
-        start = r.wait_busy_tier(b, c, after=seen)
+        start = r.wait_split(b, c)
         r.assert_exactly_once()
         r.assert_fair(start, r.seq(), [b, c], "after one of three left")
     else:
         # kill -9 of one of two workers: the survivor takes its partitions over after the session timeout.
         r = Round(app, tasks=800, sleep=0.05)
         a, b = r.spawn(), r.spawn()
-        start = r.wait_busy_tier(a, b)
+        start = r.wait_split(a, b)
         r.wait_done(r.done() + 200, "two workers to share the tier")
         end = r.seq()
         a.kill()

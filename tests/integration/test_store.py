@@ -57,7 +57,7 @@ def test_named_queries_return_a_row_rows_and_a_row_count(db: Database) -> None:
     assert row is not None and (row["state"], row["lease_owner"]) == ("running", "w")
     assert db.all("counts") == [{"state": "running", "n": 2}]
     db.all("fail", keys=["a", "b"], attempts=[1, 1], states=["dead", "dead"], errors=["x", "y"], owner="w")
-    assert db.execute("purge", ttl_seconds=-60, batch=10) == 2
+    assert db.execute("purge", ttl_seconds=-60, batch=10, keep=[]) == 2
 
 
 def test_a_transaction_commits_on_a_clean_exit_and_rolls_back_on_an_error(db: Database) -> None:
