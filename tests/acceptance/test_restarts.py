@@ -7,6 +7,7 @@ state dir, on other ports) and restart its services while worker processes run.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -191,13 +192,13 @@ def _postgres_down(app: App) -> bool:
     return False
 
 
-def _start_run(app: App, prefix: str, protocol: str = "consumer") -> list[str]:
+def _start_run(app: App, prefix: str, protocol: str = "consumer", progress: int = 30) -> list[str]:
     """300 keys, each enqueued twice (all on the broker before any outage), two workers making progress."""
     keys = [f"{prefix}{i:04d}" for i in range(300)]
     app.enqueue_ledger(keys, copies=2, sleep=0.05)
     for _ in range(2):
         app.spawn("--concurrency", "4", TASKQ_GROUP_PROTOCOL=protocol)
-    wait_until(lambda: _done(app) >= 30, timeout=180, what="progress before the outage")
+    wait_until(lambda: _done(app) >= progress, timeout=180, what="progress before the outage")
     return keys
 
 
@@ -249,7 +250,16 @@ def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_ke
     app = private_app
     # The classic protocol, whose client times its session out while the broker is away. (Under KIP-848 the
     # broker keeps the session and re-arms it when it restarts: that is the broker restart test above.)
-    keys = _start_run(app, "ko", protocol="classic")
+    # A member's session can only time out once it has one: both must be assigned and then run for a
+    # while (heartbeats every second) before the broker goes away, or neither may ever time out.
+    keys = _start_run(app, "ko", protocol="classic", progress=30)
+    wait_until(
+        lambda: all(re.search(r"assigned \S", w.output()) for w in app.workers),
+        timeout=60,
+        what="both workers to own partitions",
+    )
+    steady = min(_done(app) + 60, len(keys) - 20)  # about a second of work at two workers' pace
+    wait_until(lambda: _done(app) >= steady, timeout=60, what="steady progress with both workers")
     private_stack.run("stop", "kafka")
     # Down long enough that a group session times out: that worker's partitions are lost, not revoked.
     # (Not necessarily every worker's: one caught mid-rebalance has no session to time out.)
