@@ -64,9 +64,7 @@ def test_an_installed_taskq_runs_an_app_whose_own_modules_are_named_like_its_par
             f"""
             from pathlib import Path
 
-            import consumer
-            import producer
-            import schemas
+            import consumer, producer, schemas  # the app's own modules, not the library's
             from taskq import Handlers
 
             handlers = Handlers()
