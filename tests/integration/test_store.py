@@ -232,3 +232,31 @@ def test_a_thread_keeps_its_handler_connection_and_replaces_a_broken_one(effects
         assert _effects(effects) == ["c"]
     finally:
         store.close()
+
+
+def _plan(db: Database, name: str, **params: object) -> str:
+    """EXPLAIN of a named query on the kept connection (the one the worker's claims and completions use)."""
+    from taskq._core.db import queries
+
+    db.all("counts")  # open the kept connection
+    assert db._conn is not None
+    rows = db._conn.execute("EXPLAIN " + queries()[name], params).fetchall()
+    return "\n".join(str(next(iter(r.values()))) for r in rows)
+
+
+def test_claims_and_completions_reach_rows_by_key_on_a_new_unanalyzed_table(db: Database) -> None:
+    # A new deployment: a table of some thousands of rows and no statistics yet. Planned by default, the
+    # completion of a batch is a nested loop over a scan of the whole table (50 ms per 500 keys at 30,000).
+    store = Store(db)
+    for b in range(8):
+        keys = [f"k{b}-{i}" for i in range(500)]
+        store.claim("w", [ClaimRequest(k, k, "t", 60.0) for k in keys])
+        store.complete("w", [Finished(k, 1, "completed") for k in keys])
+    keys = [f"new-{i}" for i in range(500)]
+    claim = _plan(db, "claim", keys=keys, task_ids=keys, task_types=keys, leases=[60.0] * 500, owner="w")
+    complete = _plan(db, "complete", keys=keys, attempts=[1] * 500, results=[None] * 500, owner="w")
+    fail = _plan(db, "fail", keys=keys, attempts=[1] * 500, states=["dead"] * 500, errors=[""] * 500, owner="w")
+    for plan in (claim, complete, fail):
+        assert "Seq Scan on taskq_tasks" not in plan, plan
+        assert "Join Filter" not in plan, plan  # a nested loop comparing every key with every row
+    assert "Index Scan using taskq_tasks_pkey" in claim, claim

@@ -49,7 +49,13 @@ SELECT i.idempotency_key,
        EXTRACT(EPOCH FROM t.lease_expires_at - clock_timestamp()) AS lease_left
 FROM input i
 LEFT JOIN claimed c ON c.idempotency_key = i.idempotency_key
-LEFT JOIN taskq_tasks t ON t.idempotency_key = i.idempotency_key;
+-- Plan stability: one primary-key lookup per input key, whatever the table's statistics say (OFFSET 0 keeps
+-- the lookup a subquery of its own). A plain join is planned as a scan of the whole table while the table
+-- is new and unanalyzed, and such a plan is kept while the table grows.
+LEFT JOIN LATERAL (
+    SELECT state, attempts, lease_owner, lease_expires_at FROM taskq_tasks k
+    WHERE k.idempotency_key = i.idempotency_key OFFSET 0
+) t ON true;
 
 -- name: complete
 -- Record completions. Only the lease holder's current attempt may complete a key: a late attempt whose
@@ -58,8 +64,10 @@ UPDATE taskq_tasks t SET
     state = 'completed', result = c.result, completed_at = clock_timestamp(), updated_at = clock_timestamp(),
     lease_owner = NULL, lease_expires_at = NULL, last_error = NULL
 FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(results)s::jsonb[]) AS c(idempotency_key, attempts, result)
-WHERE t.idempotency_key = c.idempotency_key AND t.state = 'running'
-  AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
+-- Plan stability: `= ANY(keys)` makes the primary key the way in, whatever the statistics say; on a new,
+-- unanalyzed table the join alone was planned as a scan of the whole table per key.
+WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+  AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
 -- name: fail
@@ -68,8 +76,10 @@ UPDATE taskq_tasks t SET
     state = c.state, last_error = c.error, updated_at = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL
 FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(states)s::text[], %(errors)s::text[])
     AS c(idempotency_key, attempts, state, error)
-WHERE t.idempotency_key = c.idempotency_key AND t.state = 'running'
-  AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
+-- Plan stability: `= ANY(keys)` makes the primary key the way in, whatever the statistics say; on a new,
+-- unanalyzed table the join alone was planned as a scan of the whole table per key.
+WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+  AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
 -- name: reset_for_replay
