@@ -561,6 +561,31 @@ class InMemoryStore:
                     row.last_error = f.error[:4000]
         return lost
 
+    def release(self, claims: Sequence[tuple[str, int]]) -> set[str]:
+        """Give back claims whose attempts never started: uncounted, claimable at once (as in Postgres)."""
+        released: set[str] = set()
+        with self._lock:
+            now = self._clock()
+            for key, attempts in claims:
+                row = self._holds(key, attempts)
+                if row is not None:
+                    row.attempts -= 1
+                    row.lease_owner, row.lease_expires_at, row.updated_at = None, now - 1e-6, now  # expired
+                    released.add(key)
+        return released
+
+    def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]:
+        """Extend (key, attempt, seconds from now) leases held by this owner; returns the keys renewed."""
+        renewed: set[str] = set()
+        with self._lock:
+            now = self._clock()
+            for key, attempts, seconds in leases:
+                row = self._holds(key, attempts)
+                if row is not None:
+                    row.lease_expires_at, row.updated_at = now + seconds, now
+                    renewed.add(key)
+        return renewed
+
     @contextmanager
     def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Any]:
         """The handler's connection (from `connect`); the completion is recorded only if it commits."""

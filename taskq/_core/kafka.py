@@ -241,6 +241,11 @@ class Source:
             "isolation.level": "read_committed",
             "max.poll.interval.ms": 300000,
             "queued.max.messages.kbytes": 16384,
+            # A resumed partition joins the next fetch request, which waits for the one in flight: by
+            # default up to 500 ms when the other partitions have nothing new. A short wait keeps the
+            # worker's buffer from running dry after flow control resumes a tier.
+            "fetch.wait.max.ms": 10,
+            "fetch.queue.backoff.ms": 10,
         }
         # Every tier's partitions are spread over the members, topic by topic (range), so a second worker
         # takes half of a busy tier instead of the idle ones: a count-balancing assignor (sticky, uniform)
@@ -307,11 +312,16 @@ class Source:
                 self._c.pause(parts)
 
     def resume(self, tps: Iterable[TP]) -> None:
-        """Fetch these partitions again."""
+        """Fetch these partitions again, from where this consumer left them."""
         parts = [TopicPartition(t, p) for t, p in tps]
         if parts:
             with _errors("resuming partitions"):
                 self._c.resume(parts)
+                # With every partition paused librdkafka's fetcher sleeps for about a second, and a resume
+                # does not wake it: a seek to the position does (the records come in milliseconds).
+                for tp in self._c.position(parts):
+                    if tp.offset >= 0:
+                        self._c.seek(tp)
 
     def seek(self, tp: TP, offset: int) -> None:
         """Fetch a partition from this offset next."""

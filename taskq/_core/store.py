@@ -96,6 +96,24 @@ class Store:
         )
         return {r["idempotency_key"] for r in rows}
 
+    def release(self, owner: str, claims: Sequence[tuple[str, int]]) -> set[str]:
+        """Give back (key, attempt) claims whose attempts never started; returns the keys released."""
+        rows = self.database.all(
+            "release", keys=[k for k, _ in claims], attempts=[a for _, a in claims], owner=owner
+        )
+        return {r["idempotency_key"] for r in rows}
+
+    def renew(self, owner: str, leases: Sequence[tuple[str, int, float]]) -> set[str]:
+        """Extend (key, attempt, seconds from now) leases held by `owner`; returns the keys renewed."""
+        rows = self.database.all(
+            "renew",
+            keys=[k for k, _, _ in leases],
+            attempts=[a for _, a, _ in leases],
+            leases=[s for _, _, s in leases],
+            owner=owner,
+        )
+        return {r["idempotency_key"] for r in rows}
+
     def get(self, idempotency_key: str) -> Row | None:
         """The record of one key (its columns), or None."""
         return self.database.one("get", key=idempotency_key)

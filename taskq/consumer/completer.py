@@ -8,6 +8,7 @@ acknowledged by the broker. A task's offset is released only after that (invaria
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from taskq._core.errors import RecordTooLargeError, StoreUnavailableError
@@ -24,13 +25,19 @@ Durable = Callable[[], None]
 class Completer:
     """Batches outcome records for the store and publishes retry and DLQ records with acknowledgement."""
 
-    def __init__(self, store: TaskStore, sink: RecordSink) -> None:
+    def __init__(
+        self, store: TaskStore, sink: RecordSink, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._store = store
         self._sink = sink
+        self._clock = clock
         self._batch: list[tuple[Finished, Durable | None]] = []
+        self._since = 0.0  # when the oldest queued outcome was queued
 
     def record(self, finished: Finished, on_recorded: Durable | None = None) -> None:
         """Queue an attempt's end for the next round trip; `on_recorded` runs once it is in Postgres."""
+        if not self._batch:
+            self._since = self._clock()
         self._batch.append((finished, on_recorded))
 
     def publish(
@@ -57,9 +64,15 @@ class Completer:
             log.warning("%s; dead-lettering a bounded record instead", exc)
             self.publish(too_large(), on_acked)
 
-    def flush(self) -> None:
-        """Write the queued outcomes in one round trip; with Postgres away they wait for the next call."""
+    def flush(self, linger: float = 0.0) -> None:
+        """Write the queued outcomes in one round trip; with Postgres away they wait for the next call.
+
+        With `linger`, only once the oldest has waited that long or 500 are queued: fast tasks finish a
+        few at a time, and one statement (one commit) per few milliseconds records them all.
+        """
         if not self._batch:
+            return
+        if linger and len(self._batch) < 500 and self._clock() - self._since < linger:
             return
         batch, self._batch = self._batch, []
         try:

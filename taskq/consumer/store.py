@@ -30,6 +30,8 @@ class TaskStore(Protocol):
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
     def finish(self, finished: Sequence[Finished]) -> set[str]: ...
+    def release(self, claims: Sequence[tuple[str, int]]) -> set[str]: ...
+    def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]: ...
     def transaction(
         self, idempotency_key: str, attempts: int, result: Any = None
     ) -> AbstractContextManager[Any]: ...
@@ -75,6 +77,15 @@ class IdempotencyStore:
         if failed:
             lost |= {f.idempotency_key for f in failed} - self._store.fail(self.owner, failed)
         return lost
+
+    def release(self, claims: Sequence[tuple[str, int]]) -> set[str]:
+        """Give back (key, attempt) claims whose attempts never started: the attempt is uncounted and the
+        key can be claimed at once. Returns the keys released (the others' leases were taken over)."""
+        return self._store.release(self.owner, claims) if claims else set()
+
+    def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]:
+        """Extend (key, attempt, seconds from now) leases; returns the keys renewed (the others were lost)."""
+        return self._store.renew(self.owner, leases) if leases else set()
 
     @contextmanager
     def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Connection]:

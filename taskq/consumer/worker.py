@@ -77,6 +77,9 @@ class WorkerConfig:
     commit_interval: float = 1.0
     #: Lease of a claimed key when its task type has no timeout.
     default_lease: float = 300.0
+    #: Keys are claimed as their records arrive, and leased this much longer than the run needs while they
+    #: wait for a slot; a task that waited over half of it renews its lease before it starts.
+    claim_wait: float = 30.0
     metrics_port: int | None = None
     #: Where /metrics listens: loopback unless told otherwise.
     metrics_host: str = "127.0.0.1"
@@ -93,7 +96,7 @@ class WorkerConfig:
             )
         if self.buffer_bytes < 1024 * 1024:
             raise ConfigurationError(f"buffer_bytes must be >= 1 MiB, got {self.buffer_bytes}")
-        for name in ("shutdown_timeout", "revoke_timeout", "commit_interval", "default_lease"):
+        for name in ("shutdown_timeout", "revoke_timeout", "commit_interval", "default_lease", "claim_wait"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -105,7 +108,9 @@ class _Task:
     spec: HandlerSpec
     payload: Any
     generation: int
+    tier: Priority
     attempts: int = 0
+    claimed_at: float = 0.0
     recorded: bool = False  # the completion was recorded inside the handler's transaction
 
 
@@ -157,7 +162,9 @@ class Worker:
         self._running: dict[int, _Task] = {}
         self._held: list[_Held] = []
         self._undecoded: list[Record] = []
+        self._arrived: list[_Task] = []  # decoded this tick, to claim in one round trip
         self._paused: set[TP] = set()
+        self._resume_at: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)  # depth a paused tier resumes at
         self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
         self._assigned: set[TP] = set()
         self.heartbeat = metrics.Heartbeat()
@@ -176,6 +183,7 @@ class Worker:
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
         self._server: WSGIServer | None = None
         self._last_commit = 0.0
+        self._last_poll = 0.0
         self._last_lag = 0.0
         self._registry_retry_at = 0.0
         self._largest = 0  # the largest record accepted so far, in bytes
@@ -285,21 +293,33 @@ class Worker:
     def _tick(self) -> None:
         self.heartbeat.beat()
         assert self._source is not None
-        busy = bool(self._running or self._held or len(self._scheduler) or self._undecoded)
         waiting = len(self._scheduler) + len(self._held) + len(self._undecoded)
+        busy = bool(self._running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
-        # Poll even when full: it serves rebalance callbacks and keeps the group membership alive. With work
-        # in hand the poll must not block: a finished task would wait for it before being recorded.
-        records = self._source.poll(room, 0.0 if busy else 0.25)
+        now = self._clock()
+        records: list[Record] = []
+        # Fetch in batches of at least a quarter of the buffer, so claims go to Postgres hundreds at a time,
+        # not a slot's worth; and at least every 50 ms, which serves rebalance callbacks and keeps the group
+        # membership alive even when the buffer is full. With work in hand the poll must not block.
+        if room >= self.config.buffer_capacity // 4 or not busy or now - self._last_poll >= 0.05:
+            self._last_poll = now
+            # consume(n, timeout) waits for all n records or the timeout: take what is there, and block
+            # only while idle, for one record (then the rest that came with it), never on a timeout.
+            records = self._source.poll(room, 0.0)
+            if not records and not busy:
+                records = self._source.poll(1, 0.25)
+                if records and room > 1:
+                    records += self._source.poll(room - 1, 0.0)
         for record in self._undecoded_ready():
             self._accept(record, tracked=True)
         for record in records:
             self._accept(record)
+        self._claim_arrived()
         self._flow_control()
         self._release_held()
         self._dispatch()
         self._collect(block=0.0)
-        self._completer.flush()
+        self._completer.flush(linger=0.005)
         self._completer.serve()
         if self._clock() - self._last_commit >= self.config.commit_interval:
             self._commit()
@@ -371,8 +391,14 @@ class Worker:
                 error_type = f"{type(exc).__module__}.{type(exc).__name__}"
                 self._dead_letter_raw(record, f"upcaster failed: {exc}", error_type, 0)
                 return
-        task = _Task(record, envelope, spec, payload, self._generation.get(record.tp, 0))
-        self._scheduler.push(tier or envelope.priority, task)
+        generation = self._generation.get(record.tp, 0)
+        self._arrived.append(_Task(record, envelope, spec, payload, generation, tier or envelope.priority))
+
+    def _claim_arrived(self) -> None:
+        """Claim the keys of the tasks decoded this tick, all in one round trip."""
+        if self._arrived:
+            arrived, self._arrived = self._arrived, []
+            self._claim(arrived)
 
     def _flow_control(self) -> None:
         """Pause the partitions of saturated tiers, resume the others (bounded memory, no starvation)."""
@@ -388,11 +414,16 @@ class Worker:
             tier = self.topics.priority_of(tp[0])
             if tier is None:
                 continue
-            over = full and held[tier] + self._scheduler.depth(tier) >= self._scheduler.reserve(tier)
+            depth = self._scheduler.depth(tier)
+            over = full and held[tier] + depth >= self._scheduler.reserve(tier)
             if self._scheduler.saturated(tier) or over or heavy or self._stop.is_set():
                 if tp not in self._paused:
                     to_pause.append(tp)
-            elif tp in self._paused or tp in self._fresh:
+                    self._resume_at[tier] = depth // 2
+            elif tp in self._fresh or (tp in self._paused and depth <= self._resume_at[tier]):
+                # Hysteresis: a paused tier resumes once half of what it held has run, early enough for
+                # the refetch to arrive before it runs dry. Pausing drops the partition's prefetched
+                # records, so resuming at the first free place made every poll a pause and a refetch.
                 to_resume.append(tp)
         self._source.pause(to_pause)
         self._source.resume(to_resume)
@@ -415,10 +446,10 @@ class Worker:
         if not due:
             return
         self._held = [h for h in self._held if h.due > now]
-        for h in due:
-            self._claim_and_run([h.task])
+        self._claim([h.task for h in due])
 
     def _dispatch(self) -> None:
+        """Start claimed tasks in weighted order, as many as there are free slots."""
         free = self.executor.free_slots()
         batch: list[_Task] = []
         while len(batch) < free:
@@ -426,16 +457,22 @@ class Worker:
             if task is None:
                 break
             batch.append(task)
-        if batch:
-            self._claim_and_run(batch)
+        if not batch:
+            return
+        stale = self._clock() - self.config.claim_wait / 2
+        waited = [t for t in batch if t.claimed_at < stale]
+        if waited:
+            batch = [t for t in batch if t.claimed_at >= stale] + self._renew(waited)
+        for task in batch:
+            self._start(task)
 
-    def _lease_seconds(self, task: _Task) -> float:
+    def _run_lease(self, task: _Task) -> float:
         timeout = task.spec.timeout or task.envelope.timeout
         # A lease outlives the attempt it covers; past it another worker may take the key over.
         return timeout * 1.5 + 5 if timeout else self.config.default_lease
 
-    def _claim_and_run(self, batch: list[_Task]) -> None:
-        """Claim the batch's keys in one round trip, then run, skip or hold each task."""
+    def _claim(self, batch: list[_Task]) -> None:
+        """Claim the batch's keys in one round trip: buffer the claimed tasks, skip or hold the others."""
         try:
             claims = self.store.claim(
                 [
@@ -443,7 +480,8 @@ class Worker:
                         t.envelope.idempotency_key,
                         t.envelope.task_id,
                         t.envelope.task_type,
-                        self._lease_seconds(t),
+                        # Claimed as it arrives, the key is leased for its wait in the buffer as well.
+                        self._run_lease(t) + self.config.claim_wait,
                     )
                     for t in batch
                 ]
@@ -452,8 +490,42 @@ class Worker:
             log.warning("store unavailable, holding %d task(s): %s", len(batch), exc)
             self._held.extend(_Held(t, self._clock() + 1.0) for t in batch)
             return
+        now = self._clock()
         for task, claim in zip(batch, claims, strict=True):
+            task.claimed_at = now
             self._handle_claim(task, claim)
+
+    def _renew(self, waited: list[_Task]) -> list[_Task]:
+        """Extend the leases of tasks that waited long for a slot; those whose lease was lost are dropped."""
+        try:
+            renewed = self.store.renew(
+                [(t.envelope.idempotency_key, t.attempts, self._run_lease(t)) for t in waited]
+            )
+        except StoreUnavailableError as exc:
+            log.warning("store unavailable, holding %d task(s): %s", len(waited), exc)
+            # Held tasks are claimed again: their own lease answers 'running' until it expires.
+            self._held.extend(_Held(t, self._clock() + 1.0) for t in waited)
+            return []
+        now = self._clock()
+        kept = []
+        for task in waited:
+            if task.envelope.idempotency_key in renewed:
+                task.claimed_at = now
+                kept.append(task)
+            else:
+                # Taken over while it waited: the worker holding the lease now decides this key.
+                log.warning("task %s: lease taken over while it waited for a slot", task.envelope.task_id)
+                self._done(task)
+        return kept
+
+    def _release(self, tasks: list[_Task]) -> None:
+        """Give back the claims of buffered tasks that will not start here: their keys are free at once."""
+        if not tasks:
+            return
+        try:
+            self.store.release([(t.envelope.idempotency_key, t.attempts) for t in tasks])
+        except StoreUnavailableError as exc:
+            log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
 
     def _handle_claim(self, task: _Task, claim: Claim) -> None:
         if claim.outcome == "completed":
@@ -473,7 +545,7 @@ class Worker:
                 task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill"
             )
             return
-        self._start(task)
+        self._scheduler.push(task.tier, task)
 
     def _start(self, task: _Task) -> None:
         env = task.envelope
@@ -688,6 +760,8 @@ class Worker:
         # undecoded and running tasks, their pending offsets and their pause state (invariant 8).
         revoked = set(tps)
         dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
+        # Claimed ahead and never started: the partition's new owner claims them at once, same attempt.
+        self._release(dropped)
         self._held = [h for h in self._held if h.task.record.tp not in revoked]
         self._undecoded = [r for r in self._undecoded if r.tp not in revoked]
         self._drain(
@@ -726,6 +800,8 @@ class Worker:
         """Stop fetching, let in-flight tasks finish up to the timeout, record, commit, leave the group."""
         assert self._source is not None
         self._source.pause(list(self._assigned))
+        # Claimed ahead and never started: whoever reads these partitions next claims them at once.
+        self._release(self._scheduler.remove_if(lambda t: True))
         self._drain(lambda: bool(self._running), timeout=self.config.shutdown_timeout, ack_timeout=10.0)
         self._commit()
         abandoned = list(self._running.values())

@@ -96,3 +96,29 @@ def test_a_replay_is_marked_once_unless_forced_and_a_failed_one_leaves_no_mark(r
     assert replay_log.replayed("c.dlq")[3][1] == 2
     assert replay_log.replayed_between("c.dlq", 0, 4) == 1 and replay_log.replayed_between("c.dlq", 4, 9) == 0
     assert replay_log.replayed("other.dlq") == {}
+
+
+def test_a_released_claim_is_uncounted_and_claimed_at_once_by_another_worker(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    a.claim([req("k"), req("lost")])
+    assert a.finish([Finished("k", 1, "failed", error="boom")]) == set()
+    (second,) = a.claim([req("k")])
+    assert second.attempts == 2
+    # Claimed ahead, never started, its partition revoked: given back, the attempt uncounted.
+    assert b.release([("k", 2)]) == set()  # only the lease holder releases
+    assert a.release([("k", 1)]) == set()  # and only its current attempt
+    assert a.release([("k", 2)]) == {"k"}
+    (taken,) = b.claim([req("k")])
+    assert (taken.outcome, taken.attempts) == ("claimed", 2)
+    assert a.release([("k", 2)]) == set()  # b holds it now
+
+
+def test_a_renewed_lease_outlives_its_first_term_and_a_lost_one_is_not_renewed(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    a.claim([req("k", lease=0.05), req("gone", lease=0.05)])
+    assert a.renew([("k", 1, 30.0)]) == {"k"}
+    assert b.renew([("k", 1, 30.0)]) == set()
+    wait_until(lambda: b.claim([req("gone")])[0].outcome == "claimed", timeout=10, what="the lease to expire")
+    assert a.renew([("gone", 1, 30.0)]) == set()
+    (held,) = b.claim([req("k")])
+    assert held.outcome == "running" and held.lease_left > 10

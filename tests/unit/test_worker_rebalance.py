@@ -11,8 +11,10 @@ from taskq._core.kafka import TP, Record
 from taskq._core.settings import Settings
 from taskq.consumer.executor import Outcome
 from taskq.consumer.handlers import Handlers
+from taskq.consumer.store import ClaimRequest
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.schemas import avro
+from taskq.testing import InMemoryStore
 
 NS = "unit"
 SCHEMA = {"type": "record", "name": "Job", "namespace": NS, "fields": [{"name": "n", "type": "long"}]}
@@ -57,10 +59,16 @@ def worker() -> Worker:
     def job(payload: dict[str, Any], ctx: Any) -> None:
         pass
 
-    w = Worker(handlers, Settings(namespace=NS), WorkerConfig(forwarder=False))
+    w = Worker(handlers, Settings(namespace=NS), WorkerConfig(forwarder=False), store=InMemoryStore(owner="w"))
     w.registry._by_id[SCHEMA_ID] = avro.parse(SCHEMA)  # the writer schema, as if fetched once
     w._source = RecordingSource()  # type: ignore[assignment]
     return w
+
+
+def accept(w: Worker, r: Record) -> None:
+    """Fetched: decoded, and its key claimed (as a tick does for each poll's records)."""
+    w._accept(r)
+    w._claim_arrived()
 
 
 def buffered(w: Worker) -> list[tuple[TP, int]]:
@@ -72,8 +80,8 @@ def test_a_revoke_keeps_the_retained_partitions_buffered_running_and_paused_work
     w = worker
     w._assigned_cb([KEPT, MOVED])
     for offset in range(5):
-        w._accept(record(KEPT, offset))
-        w._accept(record(MOVED, offset))
+        accept(w, record(KEPT, offset))
+        accept(w, record(MOVED, offset))
     running = w._scheduler.pop()  # the head of KEPT is running on a slot
     assert running is not None and running.record.tp == KEPT
     running.recorded = True  # its completion was recorded in the handler's transaction
@@ -100,16 +108,16 @@ def test_records_fetched_before_a_revoke_are_dropped_and_read_again_if_the_parti
 ) -> None:
     w = worker
     w._assigned_cb([KEPT, MOVED])
-    w._accept(record(MOVED, 0))
+    accept(w, record(MOVED, 0))
     w._revoked_cb([MOVED])
     # One consume() call can serve the revocation and still return records of the revoked partition.
-    w._accept(record(MOVED, 1))
+    accept(w, record(MOVED, 1))
     assert buffered(w) == [] and w._tracker.pending(MOVED) == 0
     # The partition comes back (a later rebalance) and is read again from its committed offset: every
     # record is buffered and tracked, none is mistaken for a redelivery of something already held.
     w._assigned_cb([MOVED])
     for offset in range(3):
-        w._accept(record(MOVED, offset))
+        accept(w, record(MOVED, offset))
     assert buffered(w) == [(MOVED, o) for o in range(3)]
     assert w._tracker.pending(MOVED) == 3
 
@@ -124,3 +132,34 @@ def test_a_partition_assigned_again_is_resumed_even_if_it_was_paused_when_revoke
     w._assigned_cb([KEPT])  # librdkafka kept the pause across revoke and re-assign
     w._flow_control()
     assert KEPT not in w._source.paused  # type: ignore[union-attr]
+
+
+def test_keys_claimed_ahead_for_a_revoked_partition_are_claimed_at_once_by_its_new_owner(
+    worker: Worker,
+) -> None:
+    w = worker
+    w._assigned_cb([KEPT, MOVED])
+    for offset in range(3):
+        accept(w, record(MOVED, offset))
+    assert buffered(w) == [(MOVED, o) for o in range(3)]  # claimed as they arrived, none started
+    w._revoked_cb([MOVED])
+    store = w.store
+    assert isinstance(store, InMemoryStore)
+    other = InMemoryStore(owner="other", rows=store.rows)
+    claims = other.claim([ClaimRequest(f"k-1-{o}", f"id-1-{o}", f"{NS}.Job", 60.0) for o in range(3)])
+    # Not held until the first worker's leases expire, and no attempt used up by the claim that never ran.
+    assert [(c.outcome, c.attempts) for c in claims] == [("claimed", 1)] * 3
+
+
+def test_a_stopping_worker_gives_back_the_keys_it_claimed_ahead(worker: Worker) -> None:
+    w = worker
+    w._assigned_cb([KEPT])
+    for offset in range(3):
+        accept(w, record(KEPT, offset))
+    w._stop.set()
+    w._shutdown()
+    store = w.store
+    assert isinstance(store, InMemoryStore)
+    other = InMemoryStore(owner="other", rows=store.rows)
+    claims = other.claim([ClaimRequest(f"k-0-{o}", f"id-0-{o}", f"{NS}.Job", 60.0) for o in range(3)])
+    assert [(c.outcome, c.attempts) for c in claims] == [("claimed", 1)] * 3

@@ -82,6 +82,28 @@ WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempo
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
+-- name: release
+-- Give back keys claimed ahead whose attempts never started (their partition was revoked, or the worker is
+-- stopping): the attempt is uncounted and the lease ends now, so the partition's new owner claims the key at
+-- once with the same attempt number. Only the lease holder's current attempt is released.
+UPDATE taskq_tasks t SET
+    attempts = t.attempts - 1, lease_owner = NULL, lease_expires_at = clock_timestamp() - interval '1 microsecond',
+    updated_at = clock_timestamp()
+FROM unnest(%(keys)s::text[], %(attempts)s::int[]) AS c(idempotency_key, attempts)
+WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+  AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
+RETURNING t.idempotency_key;
+
+-- name: renew
+-- Extend the leases of claimed keys about to start after a long wait in the buffer: the lease then covers
+-- the run. A key whose lease was taken over meanwhile is not renewed (and must not run here).
+UPDATE taskq_tasks t SET
+    lease_expires_at = clock_timestamp() + c.lease_seconds * interval '1 second', updated_at = clock_timestamp()
+FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(leases)s::float8[]) AS c(idempotency_key, attempts, lease_seconds)
+WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+  AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
+RETURNING t.idempotency_key;
+
 -- name: reset_for_replay
 -- A DLQ replay starts the key's attempts over; a completed key stays completed (no second effect).
 UPDATE taskq_tasks SET attempts = 0, state = 'failed', updated_at = clock_timestamp()
