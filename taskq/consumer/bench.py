@@ -355,6 +355,8 @@ class _Workers:
         while not done():
             if self._finals:
                 raise TaskqError(f"bench: a worker stopped: {self._finals[0].error}")
+            if not any(r.is_alive() for r in self._runners):  # died before it could report (see stderr)
+                raise TaskqError("bench: every worker exited")
             if time.monotonic() > deadline:
                 raise TaskqError(f"bench: {what} within {timeout}s")
             self._take(min(0.5, max(0.0, deadline - time.monotonic())))
