@@ -187,21 +187,102 @@ def cmd_bench_worker(args: argparse.Namespace) -> int:
         _settings(args),
         count=args.count,
         concurrency=args.concurrency,
+        processes=args.processes,
         handler=args.handler,
         partitions=args.partitions,
         timeout=args.timeout,
         profile=args.profile,
     )
-    e2e, attempt = data["enqueue_to_completion_ms"], data["attempt_to_recorded_ms"]
+    _print(args, data, _worker_text(data))
+    return 0
+
+
+def _worker_text(data: dict[str, Any]) -> str:
+    start, e2e, attempt = (
+        data["enqueue_to_start_ms"],
+        data["enqueue_to_completion_ms"],
+        data["attempt_to_recorded_ms"],
+    )
+    return (
+        f"{data['completed']} tasks ({data['handler']}, {data['processes']} x concurrency "
+        f"{data['concurrency']}): {data['tasks_per_s']:.0f} tasks/s from worker start "
+        f"({data['tasks_per_s_after_assignment']:.0f}/s after partition assignment at "
+        f"{data['startup_s']:.2f} s, {data['tasks_per_s_from_first_enqueue']:.0f}/s from the first enqueue); "
+        f"worker CPU {data['worker_cpu_ms_per_task']:.2f} ms/task; "
+        f"enqueue-to-start p50 {start['p50']:.0f} ms, p99 {start['p99']:.0f} ms, "
+        f"enqueue-to-completion p50 {e2e['p50']:.0f} ms, p99 {e2e['p99']:.0f} ms (backlog included); "
+        f"attempt start to recorded p50 {attempt['p50']:.1f} ms, p99 {attempt['p99']:.1f} ms"
+    )
+
+
+def cmd_bench_ceiling(args: argparse.Namespace) -> int:
+    from taskq.consumer.bench import bench_ceiling
+
+    data = bench_ceiling(
+        _settings(args),
+        count=args.count,
+        partitions=args.partitions,
+        timeout=args.timeout,
+        with_worker=args.with_worker,
+        concurrency=args.concurrency,
+        processes=args.processes,
+    )
+
+    def row(label: str, rate: float, note: str = "") -> str:
+        return f"  {label:<38}{rate:8.0f} tasks/s{'   ' + note if note else ''}"
+
+    lines = [
+        f"{data['tasks']} tasks of {data['record_bytes']} bytes (value and headers), "
+        f"{data['partitions']} partitions per tier:",
+        row("consume + commit", data["consume_commit_per_s"]),
+        row(
+            "consume + claim + complete + commit",
+            data["consume_claim_complete_commit_per_s"],
+            f"(the ceiling of a worker; {data['completed']} completions recorded)",
+        ),
+        row("raw produce, acks=all", data["raw_produce_per_s"]),
+        row(
+            "TaskProducer, same records",
+            data["task_producer_per_s"],
+            f"({data['task_producer_fraction']:.0%} of raw produce)",
+        ),
+    ]
+    if "worker" in data:
+        w = data["worker"]
+        lines.append(
+            row(
+                f"worker ({w['processes']} x concurrency {w['concurrency']})",
+                w["tasks_per_s_after_assignment"],
+                f"({data['worker_fraction']:.0%} of the ceiling)",
+            )
+        )
+    _print(args, data, "\n".join(lines))
+    return 0
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from taskq.consumer.bench import bench_latency
+
+    data = bench_latency(
+        _settings(args),
+        rate=args.rate,
+        duration=args.duration,
+        concurrency=args.concurrency,
+        partitions=args.partitions,
+        timeout=args.timeout,
+    )
+
+    def ms(d: dict[str, float]) -> str:
+        return f"p50 {d['p50']:.1f}, p90 {d['p90']:.1f}, p99 {d['p99']:.1f}, max {d['max']:.1f} ms"
+
     _print(
         args,
         data,
-        f"{data['completed']} tasks ({data['handler']}, concurrency {data['concurrency']}): "
-        f"{data['tasks_per_s']:.0f} tasks/s from worker start "
-        f"({data['tasks_per_s_after_assignment']:.0f}/s after partition assignment at "
-        f"{data['startup_s']:.2f} s); enqueue-to-completion p50 {e2e['p50']:.0f} ms, p99 {e2e['p99']:.0f} ms "
-        f"(backlog included); attempt start to recorded p50 {attempt['p50']:.1f} ms, "
-        f"p99 {attempt['p99']:.1f} ms",
+        f"{data['completed']} of {data['tasks']} tasks at {data['achieved_rate_per_s']:.0f}/s "
+        f"(asked {data['rate']:g}/s; {data['late_sends']} sends late, at most "
+        f"{data['max_behind_schedule_ms']:.1f} ms):\n"
+        f"  enqueue to start       {ms(data['enqueue_to_start_ms'])}\n"
+        f"  enqueue to completion  {ms(data['enqueue_to_completion_ms'])}",
     )
     return 0
 
@@ -521,6 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("-n", "--count", type=int, default=5000)
     sp.add_argument("--concurrency", type=int, default=4)
+    sp.add_argument("--processes", type=int, default=1, help="worker processes in the group (spawned)")
     sp.add_argument(
         "--handler",
         choices=("noop", "transactional"),
@@ -530,6 +612,31 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
     sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every completion")
     sp.add_argument("--profile", metavar="PATH", help="write a cProfile of the worker loop's thread to PATH")
+    sp = leaf(
+        bench,
+        "ceiling",
+        cmd_bench_ceiling,
+        "what Kafka and Postgres allow without the framework: consume, claim, complete, commit; produce",
+    )
+    sp.add_argument("-n", "--count", type=int, default=20_000)
+    sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
+    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each pass")
+    sp.add_argument(
+        "--with-worker", action="store_true", help="also run `bench worker` on N tasks, as a fraction of it"
+    )
+    sp.add_argument("--concurrency", type=int, default=4, help="with --with-worker: the worker's slots")
+    sp.add_argument("--processes", type=int, default=1, help="with --with-worker: worker processes")
+    sp = leaf(
+        bench,
+        "latency",
+        cmd_bench_latency,
+        "enqueue at a fixed rate to a running worker; enqueue-to-start and -completion percentiles",
+    )
+    sp.add_argument("--rate", type=float, required=True, help="tasks per second, on a fixed schedule")
+    sp.add_argument("--duration", type=float, default=10.0, help="seconds of sending (default 10)")
+    sp.add_argument("--concurrency", type=int, default=4)
+    sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
+    sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for assignment, then tasks")
 
     db = sub.add_parser("db", help="the Postgres store").add_subparsers(dest="sub", required=True)
     leaf(db, "migrate", cmd_db_migrate, "apply pending migrations")

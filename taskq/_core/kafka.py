@@ -93,6 +93,53 @@ def base_config(settings: Settings) -> dict[str, Any]:
     return {"bootstrap.servers": settings.bootstrap_servers, "logger": LIBRDKAFKA_LOG, **settings.kafka}
 
 
+def producer_config(settings: Settings) -> dict[str, Any]:
+    """librdkafka settings of every taskq producer (a transactional one adds its id)."""
+    return base_config(settings) | {
+        # Delivery guarantee: a send is acknowledged only once every in-sync replica has it, and
+        # retries never duplicate or reorder (idempotent producer).
+        "acks": "all",
+        "enable.idempotence": True,
+        "compression.type": "lz4",
+        "linger.ms": 5,
+        "batch.num.messages": 10000,
+        "message.timeout.ms": 120000,
+    }
+
+
+def consumer_config(settings: Settings, *, group: str) -> dict[str, Any]:
+    """librdkafka settings of every taskq consumer in `group`: manual commits, read_committed."""
+    conf = base_config(settings) | {
+        "group.id": group,
+        # Delivery guarantee: offsets are committed by taskq only after each task's outcome is durable.
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+        "max.poll.interval.ms": 300000,
+        "queued.max.messages.kbytes": 16384,
+        # A resumed partition joins the next fetch request, which waits for the one in flight: by default
+        # up to 500 ms when the other partitions have nothing new. A short wait keeps the worker's buffer
+        # from running dry after flow control resumes a tier.
+        "fetch.wait.max.ms": 10,
+    }
+    # Every tier's partitions are spread over the members, topic by topic (range), so a second worker
+    # takes half of a busy tier instead of the idle ones: a count-balancing assignor (sticky, uniform)
+    # can leave one member every partition of the loaded tier. With KIP-848 the broker assigns and
+    # rebalances are incremental (members keep what does not move); the session timeout is the
+    # broker's (group.consumer.session.timeout.ms). Classic range rebalances revoke everything.
+    if settings.group_protocol == "consumer":
+        conf |= {"group.protocol": "consumer", "group.remote.assignor": "range"}
+    else:
+        conf |= {
+            "group.protocol": "classic",
+            "partition.assignment.strategy": "range",
+            "session.timeout.ms": 15000,
+            "heartbeat.interval.ms": 1000,
+        }
+    return conf
+
+
 C = TypeVar("C")
 
 
@@ -124,16 +171,7 @@ class Sink:
     """A Kafka producer with acks=all and idempotence; optionally transactional."""
 
     def __init__(self, settings: Settings, *, transactional_id: str | None = None, **overrides: Any) -> None:
-        conf = base_config(settings) | {
-            # Delivery guarantee: a send is acknowledged only once every in-sync replica has it, and
-            # retries never duplicate or reorder (idempotent producer).
-            "acks": "all",
-            "enable.idempotence": True,
-            "compression.type": "lz4",
-            "linger.ms": 5,
-            "batch.num.messages": 10000,
-            "message.timeout.ms": 120000,
-        }
+        conf = producer_config(settings)
         if transactional_id:
             conf["transactional.id"] = transactional_id
             conf["transaction.timeout.ms"] = 60000
@@ -232,35 +270,7 @@ class Source:
         on_revoke: Callable[[list[TP]], None] | None = None,
         **overrides: Any,
     ) -> None:
-        conf = base_config(settings) | {
-            "group.id": group,
-            # Delivery guarantee: offsets are committed by taskq only after each task's outcome is durable.
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
-            "isolation.level": "read_committed",
-            "max.poll.interval.ms": 300000,
-            "queued.max.messages.kbytes": 16384,
-            # A resumed partition joins the next fetch request, which waits for the one in flight: by
-            # default up to 500 ms when the other partitions have nothing new. A short wait keeps the
-            # worker's buffer from running dry after flow control resumes a tier.
-            "fetch.wait.max.ms": 10,
-            "fetch.queue.backoff.ms": 10,
-        }
-        # Every tier's partitions are spread over the members, topic by topic (range), so a second worker
-        # takes half of a busy tier instead of the idle ones: a count-balancing assignor (sticky, uniform)
-        # can leave one member every partition of the loaded tier. With KIP-848 the broker assigns and
-        # rebalances are incremental (members keep what does not move); the session timeout is the
-        # broker's (group.consumer.session.timeout.ms). Classic range rebalances revoke everything.
-        if settings.group_protocol == "consumer":
-            conf |= {"group.protocol": "consumer", "group.remote.assignor": "range"}
-        else:
-            conf |= {
-                "group.protocol": "classic",
-                "partition.assignment.strategy": "range",
-                "session.timeout.ms": 15000,
-                "heartbeat.interval.ms": 1000,
-            }
+        conf = consumer_config(settings, group=group)
         conf.update(overrides)
         self._c = _client(Consumer, conf)
         self._on_assign = on_assign
@@ -441,6 +451,19 @@ class Admin:
                 err = exc.args[0]
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
                     raise _wrap(f"deleting topic {name}", exc) from exc
+
+    def delete_groups(self, groups: Sequence[str]) -> None:
+        """Delete consumer groups that have no members left (missing ones are ignored)."""
+        if not groups:
+            return
+        futures = self._a.delete_consumer_groups(list(groups), request_timeout=self._timeout)
+        for group, fut in futures.items():
+            try:
+                fut.result()
+            except KafkaException as exc:
+                err = exc.args[0]
+                if not (isinstance(err, KafkaError) and err.code() == KafkaError.GROUP_ID_NOT_FOUND):
+                    raise _wrap(f"deleting group {group}", exc) from exc
 
     def partitions(self, topics: Sequence[str]) -> dict[str, int]:
         """Partition counts of existing topics (missing topics are left out)."""

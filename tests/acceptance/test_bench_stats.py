@@ -1,4 +1,4 @@
-"""`taskq bench worker` and `taskq stats --metrics-port` as real processes."""
+"""`taskq bench worker|ceiling|latency` and `taskq stats --metrics-port` as real processes."""
 
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ def _sample(metrics: str, name: str, labels: str = "") -> float | None:
     return float(m.group(1)) if m else None
 
 
-def _bench_worker(env: dict[str, str], *args: str) -> dict[str, Any]:
-    """`taskq bench worker ARGS --json` as a process; its JSON report."""
+def _bench(env: dict[str, str], command: str, *args: str) -> dict[str, Any]:
+    """`taskq bench COMMAND ARGS --json` as a process; its JSON report."""
     out = subprocess.run(
-        [sys.executable, "-m", "taskq.cli", "bench", "worker", *args, "--json"],
+        [sys.executable, "-m", "taskq.cli", "bench", command, *args, "--json"],
         env=env,
         capture_output=True,
         text=True,
@@ -58,15 +58,8 @@ def _bench_worker(env: dict[str, str], *args: str) -> dict[str, Any]:
     return report
 
 
-def test_bench_worker_runs_every_task_and_removes_its_namespace(
-    settings: Settings, env_of: Callable[..., dict[str, str]]
-) -> None:
-    data = _bench_worker(env_of(), "-n", "300", "--concurrency", "4")
-    assert data["completed"] == 300
-    assert data["tasks_per_s"] > 0
-    assert data["enqueue_to_completion_ms"]["p50"] > 0
-    # The run's namespace is its own, and gone afterwards: no topics, no Postgres schema.
-    ns = data["namespace"]
+def _assert_namespace_gone(settings: Settings, ns: str) -> None:
+    """A bench run's namespace was its own, and is gone afterwards: no topics, no Postgres schema."""
     assert ns.startswith("bench-") and ns != settings.namespace
     topics = Topics(ns, settings.delay_tiers)
     assert Admin(settings).partitions([*topics.priority_topics, *topics.delay_topics, topics.dlq]) == {}
@@ -77,9 +70,62 @@ def test_bench_worker_runs_every_task_and_removes_its_namespace(
     assert left is not None and left["n"] == 0
 
 
+def _percentiles(ms: dict[str, Any]) -> bool:
+    return set(ms) == {"p50", "p90", "p99", "max"} and all(v >= 0 for v in ms.values())
+
+
+def test_bench_worker_runs_every_task_and_removes_its_namespace(
+    settings: Settings, env_of: Callable[..., dict[str, str]]
+) -> None:
+    data = _bench(env_of(), "worker", "-n", "300", "--concurrency", "4")
+    assert data["completed"] == 300 and data["processes"] == 1
+    assert data["tasks_per_s"] > 0 and data["tasks_per_s_from_first_enqueue"] > 0
+    assert data["worker_cpu_ms_per_task"] > 0
+    assert data["enqueue_to_completion_ms"]["p50"] > 0
+    assert _percentiles(data["enqueue_to_start_ms"])
+    _assert_namespace_gone(settings, data["namespace"])
+
+
 def test_bench_worker_transactional_writes_one_row_per_task(env_of: Callable[..., dict[str, str]]) -> None:
-    data = _bench_worker(env_of(), "-n", "100", "--handler", "transactional")
+    data = _bench(env_of(), "worker", "-n", "100", "--handler", "transactional")
     assert data["completed"] == 100 and data["effects"] == 100
+
+
+def test_bench_worker_processes_share_the_tasks(
+    settings: Settings, env_of: Callable[..., dict[str, str]]
+) -> None:
+    data = _bench(env_of(), "worker", "-n", "200", "--processes", "2", "--concurrency", "2")
+    assert data["completed"] == 200 and data["processes"] == 2
+    # The CPU of both processes is counted (each reports its own), and every key's start came back too.
+    assert data["worker_cpu_ms_per_task"] > 0
+    assert _percentiles(data["enqueue_to_start_ms"]) and _percentiles(data["attempt_to_recorded_ms"])
+    _assert_namespace_gone(settings, data["namespace"])
+
+
+def test_bench_ceiling_claims_and_completes_every_task(
+    settings: Settings, env_of: Callable[..., dict[str, str]]
+) -> None:
+    data = _bench(env_of(), "ceiling", "-n", "200", "--with-worker", "--concurrency", "2")
+    assert data["tasks"] == 200
+    # The claim pass ran the worker's own claim and complete queries: one completion per task.
+    assert data["claimed"] == 200 and data["completed"] == 200
+    assert data["produced"] == 200 and data["record_bytes"] > 0
+    for name in ("consume_commit_per_s", "consume_claim_complete_commit_per_s", "raw_produce_per_s"):
+        assert data[name] > 0, name
+    assert data["task_producer_fraction"] > 0
+    assert data["worker"]["completed"] == 200 and data["worker_fraction"] > 0
+    _assert_namespace_gone(settings, data["namespace"])
+    _assert_namespace_gone(settings, data["worker"]["namespace"])
+
+
+def test_bench_latency_runs_every_scheduled_task(
+    settings: Settings, env_of: Callable[..., dict[str, str]]
+) -> None:
+    data = _bench(env_of(), "latency", "--rate", "100", "--duration", "1")
+    assert data["tasks"] == 100 and data["completed"] == 100
+    assert data["achieved_rate_per_s"] > 0
+    assert _percentiles(data["enqueue_to_start_ms"]) and _percentiles(data["enqueue_to_completion_ms"])
+    _assert_namespace_gone(settings, data["namespace"])
 
 
 def test_stats_serves_tier_and_dlq_depths_until_sigterm(
