@@ -37,7 +37,7 @@ from taskq.consumer.dlq import DeadLetters, DlqRecord, parse_record
 from taskq.consumer.events import Event, TaskCompleted
 from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers
-from taskq.consumer.store import Claim, ClaimRequest, Finished, LeaseLostError
+from taskq.consumer.store import Claim, ClaimRequest, Finished, LeaseLostError, Member
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.admin import topic_specs
 from taskq.producer.producer import TaskProducer
@@ -601,6 +601,40 @@ class InMemoryStore:
                 now = self._clock()
                 row.state, row.result, row.completed_at, row.updated_at = "completed", result, now, now
                 row.lease_owner, row.lease_expires_at, row.last_error = None, None, None
+        except BaseException:
+            if self._connect is not None:
+                conn.rollback()
+            raise
+        finally:
+            if self._connect is not None:
+                conn.close()
+
+    def run_group(self, members: Sequence[Member]) -> None:
+        """Run transactional attempts together and record the completions of those that returned, all or
+        nothing (as IdempotencyStore; a fake connection from `connect` has no savepoints)."""
+        conn = self._connect() if self._connect is not None else _NoDatabase()
+        try:
+            for member in members:
+                started = time.monotonic()
+                try:
+                    member.result = member.call(conn)
+                except Exception as exc:
+                    member.error = exc
+                member.seconds = time.monotonic() - started
+            with self._lock:
+                done = [m for m in members if m.error is None]
+                lost = frozenset(
+                    m.idempotency_key for m in done if not self._holds(m.idempotency_key, m.attempts)
+                )
+                if lost:
+                    raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
+                if self._connect is not None:
+                    conn.commit()
+                now = self._clock()
+                for m in done:
+                    row = self.rows[m.idempotency_key]
+                    row.state, row.result, row.completed_at, row.updated_at = "completed", None, now, now
+                    row.lease_owner, row.lease_expires_at, row.last_error = None, None, None
         except BaseException:
             if self._connect is not None:
                 conn.rollback()

@@ -47,6 +47,8 @@ class HandlerSpec:
     timeout: float | None
     transactional: bool
     isolation: Isolation
+    #: Transactional attempts ready together share one transaction (False: each commits alone).
+    group_commit: bool = True
     upcaster: Upcaster | None = None
     is_async: bool = field(default=False)
 
@@ -67,12 +69,19 @@ class Handlers:
         max_attempts: int = 5,
         timeout: float | None = None,
         transactional: bool = False,
+        group_commit: bool = True,
         isolation: Isolation = "thread",
         retry: RetryPolicy | None = None,
         non_retryable: tuple[type[BaseException], ...] = (),
         upcaster: Upcaster | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Register `fn(payload, ctx)` (or `async def`) as the handler of a task type."""
+        """Register `fn(payload, ctx)` (or `async def`) as the handler of a task type.
+
+        transactional=True: `ctx.db` is a connection in the transaction that records the completion, so the
+        handler's writes there happen exactly once. Attempts ready together run in one transaction, each
+        under a savepoint (group commit: their effects become visible together, and one that raises is
+        rolled back alone); group_commit=False commits each attempt alone.
+        """
         if task_type in self._specs:
             raise ConfigurationError(f"a handler for {task_type!r} is already registered")
         if isolation not in ("thread", "process"):
@@ -111,6 +120,7 @@ class Handlers:
                 policy=policy,
                 timeout=timeout,
                 transactional=transactional,
+                group_commit=group_commit,
                 isolation=isolation,
                 upcaster=upcaster,
                 is_async=is_async,

@@ -82,6 +82,11 @@ class PriorityScheduler(Generic[T]):
         self._buffers[tier].append(item)
         self._len += 1
 
+    def push_front(self, tier: Priority, item: T) -> None:
+        """Put `item` back at the head of `tier`'s FIFO (popped, then not taken after all)."""
+        self._buffers[tier].appendleft(item)
+        self._len += 1
+
     def pop(self) -> T | None:
         """Remove and return the next item by weighted round-robin over tiers, or None when all are empty."""
         if self._len == 0:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from taskq._core.db import Connection, Database, Row, in_transaction
+from taskq._core.db import Connection, Database, Row, Transaction, in_transaction
 from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Store
 
 __all__ = [
@@ -17,12 +19,34 @@ __all__ = [
     "Finished",
     "IdempotencyStore",
     "LeaseLostError",
+    "Member",
     "TaskStore",
 ]
 
 
 class LeaseLostError(Exception):
     """Another worker took over this key's lease; this attempt's completion was not recorded."""
+
+    def __init__(self, message: str, keys: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        #: The keys whose leases were lost (a group commit names the members it concerns).
+        self.keys = keys
+
+
+@dataclass(slots=True)
+class Member:
+    """One attempt of a group commit: its key, and the handler call to run on the group's connection.
+
+    After the group ran: `error` is what the call raised (its writes rolled back to its savepoint), or
+    None and `result` what it returned; `seconds` its wall time.
+    """
+
+    idempotency_key: str
+    attempts: int
+    call: Callable[[Any], Any]
+    result: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
 
 
 class TaskStore(Protocol):
@@ -35,6 +59,7 @@ class TaskStore(Protocol):
     def transaction(
         self, idempotency_key: str, attempts: int, result: Any = None
     ) -> AbstractContextManager[Any]: ...
+    def run_group(self, members: Sequence[Member]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -102,6 +127,38 @@ class IdempotencyStore:
                 if not self._store.complete(self.owner, [done], tx=tx):
                     # Raised inside the transaction, so the handler's writes roll back with it.
                     raise LeaseLostError(f"lease of {idempotency_key!r} attempt {attempts} was taken over")
+        finally:
+            if conn.closed or in_transaction(conn):
+                conn.close()
+                self._local.conn = None
+
+    def run_group(self, members: Sequence[Member]) -> None:
+        """Run transactional attempts in one transaction on one connection (group commit).
+
+        Each call runs under a savepoint: one that raises is rolled back alone and keeps its error. The
+        completions of the others are recorded in the same transaction, so the commit makes every effect
+        and its completion durable together, and a failed commit raises (the driver's error) and leaves
+        none. If another worker took over a member's lease, the whole group is rolled back: LeaseLostError
+        names the lost keys, and nothing of the group is recorded.
+        """
+        conn = self._thread_connection()
+        try:
+            with conn.transaction():  # the group's transaction, committed on a clean exit
+                for member in members:
+                    started = time.monotonic()
+                    try:
+                        with conn.transaction():  # a savepoint: a failing member rolls back alone
+                            member.result = member.call(conn)
+                    except Exception as exc:
+                        member.error = exc
+                    member.seconds = time.monotonic() - started
+                ok = [m for m in members if m.error is None]
+                done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]
+                recorded = self._store.complete(self.owner, done, tx=Transaction(self.database, conn))
+                lost = frozenset(f.idempotency_key for f in done) - recorded
+                if lost:
+                    # Raised inside the transaction: every member's writes roll back with it.
+                    raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
         finally:
             if conn.closed or in_transaction(conn):
                 conn.close()

@@ -45,19 +45,35 @@ from taskq.consumer.events import (
     WorkerStarted,
     WorkerStopped,
 )
-from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed
+from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
 from taskq.consumer.forwarder import Forwarder, run_in_thread
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
 from taskq.consumer.offsets import OffsetTracker
 from taskq.consumer.retry import Reject
 from taskq.consumer.routing import bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
-from taskq.consumer.store import Claim, ClaimRequest, Finished, IdempotencyStore, LeaseLostError, TaskStore
+from taskq.consumer.store import (
+    Claim,
+    ClaimRequest,
+    Finished,
+    IdempotencyStore,
+    LeaseLostError,
+    Member,
+    TaskStore,
+)
 from taskq.schemas import avro
 from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
 from taskq.schemas.registry import Registry, SchemaRegistry
 
 log = logging.getLogger("taskq.worker")
+
+#: Most transactional attempts in one group commit: each is a subtransaction, and past 64 in one
+#: transaction Postgres's snapshots overflow their subtransaction cache (slower for every session).
+GROUP_MAX = 50
+
+
+class GroupRolledBack(TaskqError):
+    """The attempt's group commit was rolled back because of another attempt in it; it runs again."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -449,22 +465,40 @@ class Worker:
         self._claim([h.task for h in due])
 
     def _dispatch(self) -> None:
-        """Start claimed tasks in weighted order, as many as there are free slots."""
+        """Start claimed tasks in weighted order, one slot each; transactional tasks ready together share
+        a slot and a transaction (group commit), the buffered ones spread over the free slots."""
         free = self.executor.free_slots()
-        batch: list[_Task] = []
-        while len(batch) < free:
+        if not free or not len(self._scheduler):
+            return
+        per_group = max(1, min(GROUP_MAX, -(-len(self._scheduler) // free)))
+        jobs: list[list[_Task]] = []
+        group: list[_Task] = []
+        while len(jobs) < free or 0 < len(group) < per_group:
             task = self._scheduler.pop()
             if task is None:
                 break
-            batch.append(task)
-        if not batch:
-            return
+            if not (task.spec.transactional and task.spec.group_commit):
+                if len(jobs) >= free:  # only the open group had room: the task waits, first in line
+                    self._scheduler.push_front(task.tier, task)
+                    break
+                jobs.append([task])
+                continue
+            if not group or len(group) >= per_group:
+                if len(jobs) >= free:
+                    self._scheduler.push_front(task.tier, task)
+                    break
+                group = []
+                jobs.append(group)
+            group.append(task)
         stale = self._clock() - self.config.claim_wait / 2
-        waited = [t for t in batch if t.claimed_at < stale]
-        if waited:
-            batch = [t for t in batch if t.claimed_at >= stale] + self._renew(waited)
-        for task in batch:
-            self._start(task)
+        for job in jobs:
+            waited = [t for t in job if t.claimed_at < stale]
+            if waited:
+                job[:] = [t for t in job if t.claimed_at >= stale] + self._renew(waited)
+            if job and job[0].spec.transactional and job[0].spec.group_commit:
+                self._start_group(job)
+            elif job:
+                self._start(job[0])
 
     def _run_lease(self, task: _Task) -> float:
         timeout = task.spec.timeout or task.envelope.timeout
@@ -549,17 +583,7 @@ class Worker:
 
     def _start(self, task: _Task) -> None:
         env = task.envelope
-        headers = {k: v for k, v in task.record.headers}
-        ctx = TaskContext(
-            task_id=env.task_id,
-            task_type=env.task_type,
-            attempt=task.attempts,
-            max_attempts=env.max_attempts or task.spec.policy.max_attempts,
-            idempotency_key=env.idempotency_key,
-            priority=env.priority,
-            headers=headers,
-            logger=logging.getLogger(f"taskq.task.{env.task_type}"),
-        )
+        ctx = self._context(task)
         call = None
         if task.spec.transactional:
             spec, store = task.spec, self.store
@@ -577,6 +601,74 @@ class Worker:
         self.executor.submit(
             Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call),
             lambda outcome: self._outcomes.put((task, outcome)),
+        )
+
+    def _context(self, task: _Task) -> TaskContext:
+        env = task.envelope
+        return TaskContext(
+            task_id=env.task_id,
+            task_type=env.task_type,
+            attempt=task.attempts,
+            max_attempts=env.max_attempts or task.spec.policy.max_attempts,
+            idempotency_key=env.idempotency_key,
+            priority=env.priority,
+            headers=dict(task.record.headers),
+            logger=logging.getLogger(f"taskq.task.{env.task_type}"),
+        )
+
+    def _start_group(self, tasks: list[_Task]) -> None:
+        """Run transactional tasks one after another in one transaction on one slot (group commit)."""
+        contexts = [self._context(t) for t in tasks]
+
+        def member(task: _Task, ctx: TaskContext) -> Member:
+            timeout = task.spec.timeout or task.envelope.timeout
+
+            def call(conn: Any) -> Any:
+                ctx.db = conn
+                ctx.deadline = time.monotonic() + timeout if timeout else None
+                return task.spec.fn(task.payload, ctx)
+
+            return Member(task.envelope.idempotency_key, task.attempts, call)
+
+        members = [member(t, c) for t, c in zip(tasks, contexts, strict=True)]
+        store = self.store
+
+        def run() -> list[Member]:
+            store.run_group(members)
+            return members
+
+        def report(outcome: Outcome) -> None:
+            # One outcome per task: its own when the group committed; the group's when it did not (a
+            # failed commit records nothing, so every task of the group runs again).
+            for task, m in zip(tasks, members, strict=True):
+                if not outcome.ok:
+                    error = outcome.error
+                    lost = isinstance(error, LeaseLostError) and m.idempotency_key in error.keys
+                    if isinstance(error, LeaseLostError) and not lost:
+                        error = GroupRolledBack(f"rolled back with its group: {error}")
+                        self._outcomes.put((task, failure(error, m.seconds)))
+                    else:
+                        self._outcomes.put((task, outcome))
+                elif m.error is not None:
+                    self._outcomes.put((task, failure(m.error, m.seconds)))
+                else:
+                    task.recorded = True
+                    self._outcomes.put((task, Outcome(ok=True, result=m.result, seconds=m.seconds)))
+
+        timeouts = [t.spec.timeout or t.envelope.timeout for t in tasks]
+        for task in tasks:
+            self._running[id(task)] = task
+            env = task.envelope
+            self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
+        self.executor.submit(
+            Job(
+                spec=tasks[0].spec,
+                payload=None,
+                ctx=contexts[0],
+                timeout=None if None in timeouts else sum(t or 0.0 for t in timeouts),
+                call=run,
+            ),
+            report,
         )
 
     def _collect(self, block: float) -> None:

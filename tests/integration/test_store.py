@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
@@ -14,7 +15,7 @@ from taskq._core.db import Database, Transaction
 from taskq._core.errors import StoreUnavailableError
 from taskq._core.settings import Settings
 from taskq._core.store import ClaimRequest, Finished, Store
-from taskq.consumer.store import IdempotencyStore, LeaseLostError
+from taskq.consumer.store import IdempotencyStore, LeaseLostError, Member
 from tests.acceptance.helpers import wait_until
 
 
@@ -260,3 +261,67 @@ def test_claims_and_completions_reach_rows_by_key_on_a_new_unanalyzed_table(db: 
         assert "Seq Scan on taskq_tasks" not in plan, plan
         assert "Join Filter" not in plan, plan  # a nested loop comparing every key with every row
     assert "Index Scan using taskq_tasks_pkey" in claim, claim
+
+
+def _group_store(db: Database) -> IdempotencyStore:
+    with db.connection() as conn:
+        # Deferred: a duplicate is found only at commit, which is how a commit can fail after every member ran.
+        conn.execute("CREATE TABLE group_effects (k text, CONSTRAINT once UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)")
+    store = IdempotencyStore(db, owner="w")
+    store.claim([ClaimRequest(k, k, "t", 60.0) for k in ("a", "b", "c")])
+    return store
+
+
+def _insert(value: str, *, then_raise: bool = False) -> Any:
+    def call(conn: Any) -> None:
+        conn.execute("INSERT INTO group_effects (k) VALUES (%s)", (value,))
+        if then_raise:
+            raise ValueError(f"member {value} failed after its write")
+
+    return call
+
+
+def _group_effects(db: Database) -> list[str]:
+    with db.connection() as conn:
+        return sorted(r["k"] for r in conn.execute("SELECT k FROM group_effects").fetchall())
+
+
+def test_a_group_commit_records_the_members_that_returned_and_rolls_back_the_one_that_raised(
+    db: Database,
+) -> None:
+    store = _group_store(db)
+    members = [
+        Member("a", 1, _insert("a")),
+        Member("b", 1, _insert("b", then_raise=True)),
+        Member("c", 1, _insert("c")),
+    ]
+    store.run_group(members)
+    assert [type(m.error).__name__ if m.error else None for m in members] == [None, "ValueError", None]
+    assert _group_effects(db) == ["a", "c"]  # the raising member's write rolled back to its savepoint, alone
+    assert [store.get(k)["state"] for k in ("a", "b", "c")] == ["completed", "running", "completed"]
+    store.close()
+
+
+def test_a_failed_group_commit_leaves_no_effect_and_no_completion(db: Database) -> None:
+    store = _group_store(db)
+    members = [Member("a", 1, _insert("x")), Member("b", 1, _insert("y")), Member("c", 1, _insert("x"))]
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        store.run_group(members)  # every member returned; the commit itself fails
+    assert _group_effects(db) == []
+    assert [store.get(k)["state"] for k in ("a", "b", "c")] == ["running"] * 3
+    # The connection is usable again for the next group.
+    store.run_group([Member("a", 1, _insert("a"))])
+    assert _group_effects(db) == ["a"]
+    store.close()
+
+
+def test_a_group_whose_member_lost_its_lease_records_nothing(db: Database) -> None:
+    store = _group_store(db)
+    store.release([("b", 1)])
+    IdempotencyStore(db, owner="other").claim([ClaimRequest("b", "b", "t", 60.0)])
+    members = [Member("a", 1, _insert("a")), Member("b", 1, _insert("b"))]
+    with pytest.raises(LeaseLostError) as lost:
+        store.run_group(members)
+    assert lost.value.keys == {"b"}
+    assert _group_effects(db) == [] and store.get("a")["state"] == "running"
+    store.close()

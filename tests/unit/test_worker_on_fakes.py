@@ -201,3 +201,27 @@ def test_large_records_are_bounded_in_bytes_not_only_in_count() -> None:
     release.set()
     run(w, lambda: len(parts.rows) == 100 and w.idle(), "every task")
     w.close()
+
+
+def test_transactional_tasks_ready_together_share_a_group_and_a_raising_one_fails_alone() -> None:
+    handlers, connections = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB, transactional=True, max_attempts=1)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        connections.append(ctx.db)  # kept alive, so no two connections share an id
+        if payload["n"] == 3:
+            raise ValueError("three is rejected")
+
+    parts = Parts(handlers)
+    for n in range(6):
+        parts.producer.enqueue("unit.Job", {"n": n}, idempotency_key=f"k{n}")
+    parts.producer.flush()
+    w = parts.worker("a", concurrency=1)
+    for _ in range(50):
+        w.step()
+        if len(connections) == 6 and w.idle():
+            break
+    assert len({id(c) for c in connections}) == 1  # one slot, six ready tasks: one group, one transaction
+    assert sorted(k for k, row in parts.rows.items() if row.state == "completed") == ["k0", "k1", "k2", "k4", "k5"]
+    assert parts.rows["k3"].state == "dead"
+    w.close()

@@ -40,6 +40,7 @@ __all__ = [
     "TaskFailed",
     "TaskTimeout",
     "bound_traceback",
+    "failure",
     "qualified_name",
 ]
 
