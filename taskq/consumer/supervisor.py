@@ -244,11 +244,11 @@ class Supervisor:
             b = slot.backoff
             failure = (
                 f"worker process {slot.index} died {b.max_deaths} times within {b.window:g} s "
-                f"(last: pid {pid}, {_status(code)}); stopped the others and gave up"
+                f"(last: pid {pid}, {_status(code)})"
             )
-            log.error("%s", failure)
+            log.error("%s: stopping the others, then giving up", failure)
             self._stop_all()
-            return failure
+            return f"{failure}; stopped the others and gave up"
         log.warning(
             "worker process %d (pid %s) died after %.1f s: %s; restarting it in %g s",
             slot.index,
