@@ -303,8 +303,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from taskq.consumer.handlers import load
     from taskq.consumer.worker import Worker, WorkerConfig
 
+    if args.processes < 1:
+        raise ConfigurationError(f"--processes must be >= 1, got {args.processes}")
     sys.path.insert(0, os.getcwd())
-    handlers = load(args.handlers)
+    handlers = load(args.handlers)  # with --processes too: a bad MODULE:ATTR fails here, in one line
     weights = DEFAULT_WEIGHTS
     if args.weights:
         parts = args.weights.split(",")
@@ -327,6 +329,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
         buffer_bytes=args.buffer_mb * 1024 * 1024,
         forwarder=not args.no_forwarder,
     )
+    if args.processes > 1:
+        from taskq.consumer.supervisor import Supervisor
+
+        supervisor = Supervisor(
+            args.handlers,
+            _settings(args),
+            config,
+            processes=args.processes,
+            setup=functools.partial(_configure_logging, args.verbose, args.command, pids=True),
+        )
+        return supervisor.run()
     worker = Worker(handlers, _settings(args), config)
     worker.install_signal_handlers()
     log = logging.getLogger("taskq.worker")
@@ -658,6 +671,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--no-forwarder", action="store_true", help="do not run the delay forwarder in this process"
     )
+    sp.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N worker processes (each with --concurrency slots) under a supervisor, which forwards "
+        "SIGTERM/SIGINT to them, runs the delay forwarder in one of them, serves one /metrics summing them "
+        "all, and restarts one that dies after 1 s, doubling up to 30 s (back to 1 s once it ran 60 s); "
+        "it stops them and exits 2 when one died 5 times within 60 s (default: 1, no supervisor)",
+    )
 
     leaf(
         sub,
@@ -696,21 +719,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `taskq` console script."""
-    args = build_parser().parse_args(argv)
+def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> None:
+    """Log to stderr: INFO for the long-running commands or with -v, else WARNING; `pids` puts the process
+    id in each line (the supervisor and the worker processes of `--processes N` share one stderr)."""
+    process = "[%(process)d]" if pids else ""
     logging.basicConfig(
-        level=logging.INFO if args.verbose or args.command in ("worker", "forwarder") else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if verbose or command in ("worker", "forwarder") else logging.WARNING,
+        format=f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s",
         stream=sys.stderr,
     )
     for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if not args.verbose and args.command not in ("worker", "forwarder"):
+    if not verbose and command not in ("worker", "forwarder"):
         # A short-lived command reports what failed in one line; librdkafka's retries and the producer's
         # per-task delivery log would only repeat it.
         for repeats in ("taskq.librdkafka", "taskq.producer"):
             logging.getLogger(repeats).setLevel(logging.CRITICAL)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `taskq` console script."""
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose, args.command, pids=getattr(args, "processes", 1) > 1)
     try:
         return int(args.fn(args))
     except (TaskqError, SchemaError) as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -96,6 +98,12 @@ class Settings:
         object.__setattr__(self, "delay_tiers", tuple(sorted(set(self.delay_tiers))))
         if not self.worker_group:
             object.__setattr__(self, "worker_group", f"{self.namespace}.workers")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as the constructor call (a MappingProxyType cannot be pickled): the worker processes of
+        # `taskq worker --processes N` receive their settings this way.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return (functools.partial(Settings, **{**fields, "kafka": dict(self.kafka)}), ())
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

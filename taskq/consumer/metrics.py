@@ -71,16 +71,31 @@ class PrometheusHook:
             buckets=_LATENCY,
             registry=r,
         )
-        self.in_flight = Gauge("taskq_tasks_in_flight", "Attempts running now", registry=r)
-        self.slots = Gauge("taskq_slot_utilisation_ratio", "Busy execution slots / concurrency", registry=r)
+        # multiprocess_mode counts only under `taskq worker --processes N` (PROMETHEUS_MULTIPROC_DIR set):
+        # one /metrics for every worker process, summing the counts and the sizes of live processes, and a
+        # ratio per process (a `pid` label).
+        self.in_flight = Gauge(
+            "taskq_tasks_in_flight", "Attempts running now", registry=r, multiprocess_mode="livesum"
+        )
+        self.slots = Gauge(
+            "taskq_slot_utilisation_ratio",
+            "Busy execution slots / concurrency",
+            registry=r,
+            multiprocess_mode="liveall",
+        )
         self.buffered = Gauge(
-            "taskq_buffered_tasks", "Tasks fetched and waiting for a slot, by tier", ["priority"], registry=r
+            "taskq_buffered_tasks",
+            "Tasks fetched and waiting for a slot, by tier",
+            ["priority"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.lag = Gauge(
             "taskq_consumer_lag",
             "Records of assigned partitions not yet consumed, by tier",
             ["priority"],
             registry=r,
+            multiprocess_mode="livesum",
         )
 
     def __call__(self, event: Event) -> None:

@@ -315,8 +315,10 @@ def _exit_message(exitcode: int | None) -> str:
 # -- the child process ------------------------------------------------------------------------------------
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    # If the worker is killed -9 nobody kills its children: on Linux the kernel does it (PR_SET_PDEATHSIG;
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process die with its parent: the handler children of a worker, and the worker processes of
+    a supervisor (`taskq worker --processes N`)."""
+    # If the parent is killed -9 nobody kills its children: on Linux the kernel does it (PR_SET_PDEATHSIG;
     # it fires when the *thread* that started the child ends, and pool threads live as long as the executor).
     # Elsewhere, and as a second line, the child's idle loop checks its parent pid.
     if sys.platform == "linux":
@@ -328,7 +330,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _child_main(conn: Connection, handlers_path: str, parent_pid: int) -> None:
     """Entry point of a child process: load the handlers, then run the attempts sent over the pipe."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     # Ctrl-C and a SIGTERM to the whole group (systemd's default) are for the worker, which finishes or
     # times out what its children run; children die by SIGKILL from it, or with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
