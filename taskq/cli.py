@@ -268,6 +268,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         rate=args.rate,
         duration=args.duration,
         concurrency=args.concurrency,
+        processes=args.processes,
         partitions=args.partitions,
         timeout=args.timeout,
     )
@@ -648,6 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--rate", type=float, required=True, help="tasks per second, on a fixed schedule")
     sp.add_argument("--duration", type=float, default=10.0, help="seconds of sending (default 10)")
     sp.add_argument("--concurrency", type=int, default=4)
+    sp.add_argument(
+        "--processes", type=int, default=1, help="worker processes, apart from the sender's (default 1)"
+    )
     sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
     sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for assignment, then tasks")
 

@@ -37,7 +37,7 @@ from taskq.consumer.dlq import DeadLetters, DlqRecord, parse_record
 from taskq.consumer.events import Event, TaskCompleted
 from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers
-from taskq.consumer.store import Claim, ClaimRequest, Finished, LeaseLostError, Member
+from taskq.consumer.store import Claim, ClaimRequest, Finished, LeaseLostError, Member, NotStarted
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.admin import topic_specs
 from taskq.producer.producer import TaskProducer
@@ -615,6 +615,9 @@ class InMemoryStore:
         conn = self._connect() if self._connect is not None else _NoDatabase()
         try:
             for member in members:
+                if member.skip():
+                    member.error = NotStarted(f"{member.idempotency_key}: not started")
+                    continue
                 started = time.monotonic()
                 try:
                     member.result = member.call(conn)

@@ -291,9 +291,12 @@ def _spawned_worker(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, 
 
 
 class _Workers:
-    """N bench workers in one group: a thread of this process for one, spawned processes for more."""
+    """N bench workers in one group: a thread of this process for one (unless `spawn`), spawned processes
+    for more."""
 
-    def __init__(self, spec: _WorkerSpec, *, processes: int = 1, profile: str | None = None) -> None:
+    def __init__(
+        self, spec: _WorkerSpec, *, processes: int = 1, profile: str | None = None, spawn: bool = False
+    ) -> None:
         if processes < 1:
             raise ConfigurationError(f"processes must be >= 1, got {processes}")
         if profile and processes > 1:
@@ -306,7 +309,7 @@ class _Workers:
         self.cpu_s = 0.0
         self._finals: list[_Report] = []
         self._runners: list[threading.Thread | multiprocessing.process.BaseProcess] = []
-        if processes == 1:
+        if processes == 1 and not spawn:
             self._out: _Channel = queue.Queue()
             self._stop: _Flag = threading.Event()
             self._runners.append(
@@ -451,10 +454,12 @@ def bench_latency(
     rate: float,
     duration: float = 10.0,
     concurrency: int = 4,
+    processes: int = 1,
     partitions: int = 6,
     timeout: float = 120.0,
 ) -> dict[str, Any]:
-    """Run a Worker, enqueue `rate` tasks/s on a fixed schedule for `duration` s, time each task's way."""
+    """Run Workers in processes of their own, enqueue `rate` tasks/s on a fixed schedule for `duration` s
+    from this one, and time each task's way."""
     if not rate > 0:
         raise ConfigurationError(f"rate must be > 0, got {rate}")
     if not duration > 0:
@@ -466,7 +471,10 @@ def bench_latency(
     behind: list[float] = []
     with _namespace(settings, partitions=partitions) as run:
         all_partitions = 4 * partitions
-        with _Workers(_WorkerSpec.of(run, "noop", concurrency)) as workers:
+        # The workers never share this process's interpreter with the sender: under one GIL each would
+        # delay the other, and the figures would be of the benchmark.
+        spec = _WorkerSpec.of(run, "noop", concurrency)
+        with _Workers(spec, processes=processes, spawn=True) as workers:
             workers.wait(
                 lambda: sum(workers.partitions.values()) >= all_partitions,
                 timeout,
@@ -501,6 +509,7 @@ def bench_latency(
         "tasks": count,
         "completed": len(keys),
         "concurrency": concurrency,
+        "processes": processes,
         "partitions": partitions,
         "namespace": run.settings.namespace,
         # Sends per second actually made over the schedule (the rate when the sender kept up).

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from taskq._core.db import Connection, Database, Row, Transaction, in_transaction
+from taskq._core.errors import TaskqError
 from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Store
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "IdempotencyStore",
     "LeaseLostError",
     "Member",
+    "NotStarted",
     "TaskStore",
 ]
 
@@ -33,17 +35,27 @@ class LeaseLostError(Exception):
         self.keys = keys
 
 
+class NotStarted(TaskqError):
+    """The group stopped before this attempt started: the worker is stopping or the partition was revoked."""
+
+
+def _never() -> bool:
+    return False
+
+
 @dataclass(slots=True)
 class Member:
     """One attempt of a group commit: its key, and the handler call to run on the group's connection.
 
     After the group ran: `error` is what the call raised (its writes rolled back to its savepoint), or
-    None and `result` what it returned; `seconds` its wall time.
+    NotStarted if `skip()` was true when its turn came, or None and `result` what it returned; `seconds`
+    its wall time.
     """
 
     idempotency_key: str
     attempts: int
     call: Callable[[Any], Any]
+    skip: Callable[[], bool] = _never
     result: Any = None
     error: BaseException | None = None
     seconds: float = 0.0
@@ -145,12 +157,18 @@ class IdempotencyStore:
         try:
             with conn.transaction():  # the group's transaction, committed on a clean exit
                 for member in members:
+                    if member.skip():
+                        member.error = NotStarted(f"{member.idempotency_key}: not started")
+                        continue
                     started = time.monotonic()
+                    # A savepoint per member, so a failing member rolls back alone. Never released: a
+                    # RELEASE would be one more round trip per member, and the group commits them all.
+                    conn.execute("SAVEPOINT taskq_member")
                     try:
-                        with conn.transaction():  # a savepoint: a failing member rolls back alone
-                            member.result = member.call(conn)
+                        member.result = member.call(conn)
                     except Exception as exc:
                         member.error = exc
+                        conn.execute("ROLLBACK TO SAVEPOINT taskq_member")
                     member.seconds = time.monotonic() - started
                 ok = [m for m in members if m.error is None]
                 done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]

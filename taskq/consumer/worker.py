@@ -59,6 +59,7 @@ from taskq.consumer.store import (
     IdempotencyStore,
     LeaseLostError,
     Member,
+    NotStarted,
     TaskStore,
 )
 from taskq.schemas import avro
@@ -95,7 +96,7 @@ class WorkerConfig:
     default_lease: float = 300.0
     #: Keys are claimed as their records arrive, and leased this much longer than the run needs while they
     #: wait for a slot; a task that waited over half of it renews its lease before it starts.
-    claim_wait: float = 30.0
+    claim_wait: float = 10.0
     metrics_port: int | None = None
     #: Where /metrics listens: loopback unless told otherwise.
     metrics_host: str = "127.0.0.1"
@@ -179,6 +180,8 @@ class Worker:
         self._held: list[_Held] = []
         self._undecoded: list[Record] = []
         self._arrived: list[_Task] = []  # decoded this tick, to claim in one round trip
+        self._unstarted: list[_Task] = []  # left out of a group that stopped early, to release
+        self._revoking: set[TP] = set()  # partitions whose revocation is being served
         self._paused: set[TP] = set()
         self._resume_at: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)  # depth a paused tier resumes at
         self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
@@ -470,7 +473,9 @@ class Worker:
         free = self.executor.free_slots()
         if not free or not len(self._scheduler):
             return
-        per_group = max(1, min(GROUP_MAX, -(-len(self._scheduler) // free)))
+        # At most half of what is buffered goes into the groups of one dispatch: the rest, and what is
+        # fetched meanwhile, keeps the weighted order deciding what runs next.
+        per_group = max(1, min(GROUP_MAX, len(self._scheduler) // (2 * free)))
         jobs: list[list[_Task]] = []
         group: list[_Task] = []
         while len(jobs) < free or 0 < len(group) < per_group:
@@ -628,7 +633,15 @@ class Worker:
                 ctx.deadline = time.monotonic() + timeout if timeout else None
                 return task.spec.fn(task.payload, ctx)
 
-            return Member(task.envelope.idempotency_key, task.attempts, call)
+            tp = task.record.tp
+            # A member whose turn comes after SIGTERM or its partition's revocation is not started: the
+            # group commits what ran, and shutdown and revoke wait for one attempt, not a whole group.
+            return Member(
+                task.envelope.idempotency_key,
+                task.attempts,
+                call,
+                skip=lambda: self._stop.is_set() or tp in self._revoking,
+            )
 
         members = [member(t, c) for t, c in zip(tasks, contexts, strict=True)]
         store = self.store
@@ -686,6 +699,9 @@ class Worker:
             self._outcome(task, outcome)
             block = 0.0
             deadline = self._clock()
+            if self._unstarted:
+                unstarted, self._unstarted = self._unstarted, []
+                self._release(unstarted)
 
     def _outcome(self, task: _Task, outcome: Outcome) -> None:
         env, spec = task.envelope, task.spec
@@ -706,6 +722,9 @@ class Worker:
         error = outcome.error or Exception(outcome.message)
         if isinstance(error, TaskFailed) and isinstance(error.__cause__, Exception):
             error = error.__cause__  # a process-isolated handler's own exception, when it survived pickling
+        if isinstance(error, NotStarted):
+            self._unstarted.append(task)  # its claim is given back; its offset stays uncommitted
+            return
         if isinstance(error, LeaseLostError):
             log.warning("task %s: %s", env.task_id, error)
             self._done(task)  # the worker that took the lease over decides this key
@@ -800,21 +819,29 @@ class Worker:
         if self._generation.get(record.tp) == generation and record.tp in self._assigned:
             self._tracker.done(record.tp, record.offset)
 
-    def _commit(self, tps: set[TP] | None = None) -> None:
+    def _commit(self, tps: set[TP] | None = None) -> bool:
+        """Commit what is committable (of `tps`, if given); False if the commit failed."""
         assert self._source is not None
         offsets = self._tracker.committable()
         if tps is not None:
             offsets = {tp: o for tp, o in offsets.items() if tp in tps}
         self._last_commit = self._clock()
         if not offsets:
-            return
+            return True
         try:
             self._source.commit(offsets)
         except TaskqError as exc:
             log.warning("commit failed, will retry: %s", exc)
-            return
+            return False
         self._tracker.mark_committed(offsets)
         self._emit(OffsetsCommitted(offsets))
+        return True
+
+    def _serve_group(self) -> None:
+        """Poll while stopping: serves rebalance callbacks. Records fetched meanwhile (of partitions assigned
+        during shutdown) are left untracked and uncommitted: their next owner reads them again."""
+        assert self._source is not None
+        self._source.poll(500, 0.0)
 
     def _observe(self) -> None:
         lag: dict[Priority, int] | None = None
@@ -851,6 +878,7 @@ class Worker:
         # Only the revoked partitions' work is dropped: retained partitions keep their buffered, held,
         # undecoded and running tasks, their pending offsets and their pause state (invariant 8).
         revoked = set(tps)
+        self._revoking = revoked
         dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
         # Claimed ahead and never started: the partition's new owner claims them at once, same attempt.
         self._release(dropped)
@@ -870,16 +898,26 @@ class Worker:
             self._assigned.discard(tp)
             self._paused.discard(tp)
             self._generation[tp] = self._generation.get(tp, 0) + 1
+        self._revoking = set()
         log.info(
             "revoked %s (%d buffered task(s) dropped)", ", ".join(f"{t}[{p}]" for t, p in tps), len(dropped)
         )
         self._emit(PartitionsRevoked(list(tps), len(dropped)))
 
-    def _drain(self, running: Callable[[], bool], *, timeout: float, ack_timeout: float) -> None:
+    def _drain(
+        self, running: Callable[[], bool], *, timeout: float, ack_timeout: float, serve_group: bool = False
+    ) -> None:
         """Let running tasks report while `running()` holds (up to `timeout`), record their outcomes and
-        wait for the broker to acknowledge every retry and DLQ record: what revoke and shutdown share."""
+        wait for the broker to acknowledge every retry and DLQ record: what revoke and shutdown share.
+
+        `serve_group`: keep polling the consumer meanwhile (never from inside a rebalance callback), so a
+        rebalance that starts during shutdown is answered: a member that stops polling is fenced after the
+        rebalance timeout, and its final commit fails.
+        """
         deadline = self._clock() + timeout
         while running() and self._clock() < deadline:
+            if serve_group:
+                self._serve_group()
             self._collect(block=0.1)
             self._completer.flush()
             self._completer.serve(0.01)
@@ -894,8 +932,22 @@ class Worker:
         self._source.pause(list(self._assigned))
         # Claimed ahead and never started: whoever reads these partitions next claims them at once.
         self._release(self._scheduler.remove_if(lambda t: True))
-        self._drain(lambda: bool(self._running), timeout=self.config.shutdown_timeout, ack_timeout=10.0)
-        self._commit()
+        self._drain(
+            lambda: bool(self._running),
+            timeout=self.config.shutdown_timeout,
+            ack_timeout=10.0,
+            serve_group=True,
+        )
+        # Delivery guarantee: what finished is committed before the group is left. A commit refused while a
+        # rebalance is in flight is tried again after serving it (revoked partitions commit in the callback).
+        deadline = self._clock() + 10.0
+        while not self._commit() and self._clock() < deadline:
+            self._serve_group()
+        # Delivery guarantee: what is still running is abandoned here, and its keys freed below. A late
+        # outcome (a lease lost to that freeing, say) must never mark its offset done: closing the consumer
+        # serves a last revocation, whose commit would then skip the task for good.
+        for tp in self._assigned:
+            self._generation[tp] = self._generation.get(tp, 0) + 1
         abandoned = list(self._running.values())
         if abandoned:
             # Their attempts end with this process: free the keys now rather than at lease expiry.

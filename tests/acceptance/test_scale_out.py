@@ -167,3 +167,19 @@ def test_membership_changes_never_stall_a_tier_and_share_it_fairly(app: App, cas
         r.assert_fair(start, end, [a, b], "before the kill")
         r.assert_exactly_once()
         assert b.proc.poll() is None, b.output()[-3000:]
+
+
+@pytest.mark.partitions(6)
+def test_a_worker_stopped_while_a_rebalance_is_in_flight_commits_what_it_finished(app: App) -> None:
+    # SIGTERM reaches the first worker just as a second one joins: it finishes what it runs while the group
+    # rebalances around it, and must still answer the rebalance and commit what it finished before it leaves
+    # (tests/unit/test_worker_on_fakes.py pins down the hand-over itself).
+    r = Round(app, tasks=1500, sleep=0.05)
+    a = r.spawn()
+    r.wait_done(100, "the first worker to be busy")
+    b = r.spawn()
+    r.wait(lambda: "handler(s), group" in b.output(), "the second worker to start joining")
+    a.terminate()
+    assert a.wait(60) == 0, a.output()[-3000:]
+    assert "commit failed" not in a.output(), a.output()[-3000:]
+    r.assert_exactly_once()

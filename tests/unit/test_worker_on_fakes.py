@@ -17,6 +17,7 @@ from taskq.producer.admin import topic_specs
 from taskq.producer.producer import TaskProducer
 from taskq.schemas import avro
 from taskq.testing import Clock, InMemoryBroker, InMemoryQueue, InMemoryRegistry, InMemoryStore
+from tests.acceptance.helpers import wait_until
 
 JOB = {"type": "record", "name": "Job", "namespace": "unit", "fields": [{"name": "n", "type": "long"}]}
 
@@ -221,7 +222,70 @@ def test_transactional_tasks_ready_together_share_a_group_and_a_raising_one_fail
         w.step()
         if len(connections) == 6 and w.idle():
             break
-    assert len({id(c) for c in connections}) == 1  # one slot, six ready tasks: one group, one transaction
+    # One slot, six ready tasks: the first group takes half of them, in one transaction.
+    assert len({id(c) for c in connections}) == 4
     assert sorted(k for k, row in parts.rows.items() if row.state == "completed") == ["k0", "k1", "k2", "k4", "k5"]
     assert parts.rows["k3"].state == "dead"
     w.close()
+
+
+def test_a_task_abandoned_at_shutdown_keeps_its_offset_uncommitted_whatever_it_reports_later() -> None:
+    handlers, started, release = Handlers(), threading.Event(), threading.Event()
+
+    @handlers.task("unit.Job", schema=JOB, transactional=True, group_commit=False)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        started.set()
+        release.wait(10)
+
+    parts = Parts(handlers)
+    parts.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="slow")
+    parts.producer.flush()
+    w = parts.worker("a", concurrency=1, shutdown_timeout=0.2)
+    for _ in range(100):
+        if started.is_set():
+            break
+        w.step()
+    assert started.wait(10)
+    w.stop()
+    w._shutdown()  # the attempt outlives the shutdown timeout: abandoned, its key freed for the next owner
+    assert parts.rows["slow"].state == "failed"
+    release.set()  # the abandoned attempt ends; its completion finds the lease gone (LeaseLostError)
+    wait_until(lambda: not w._outcomes.empty(), timeout=10, what="the abandoned attempt to report")
+    w._revoked_cb(sorted(w._assigned))  # what closing the Kafka consumer does: a last revocation and commit
+    # Had the late outcome marked its offset done, that commit would skip the task for good.
+    assert parts.broker.uncommitted(w.group, w.topics.priority_topics) == 1
+
+
+def test_a_stopping_worker_hands_its_partitions_over_while_it_finishes_what_runs() -> None:
+    # SIGTERM, then a second worker joins while the first still finishes a long task: the first keeps
+    # serving the group, so the newcomer gets its share at once instead of after the first one has left.
+    handlers, started, release = Handlers(), threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        if payload["n"] == 0:
+            started.set()
+            release.wait(30)
+        runs.append(payload["n"])
+
+    parts = Parts(handlers)
+    parts.producer.enqueue("unit.Job", {"n": 0}, priority="critical")
+    for n in range(1, 41):
+        parts.producer.enqueue("unit.Job", {"n": n}, priority="normal")
+    parts.producer.flush()
+    a = parts.worker("a", concurrency=1, shutdown_timeout=30, revoke_timeout=0.2)
+    run(a, started.is_set, "the long task to start")
+    a.stop()
+    stopping = threading.Thread(target=a._shutdown)
+    stopping.start()
+    b = parts.worker("b", concurrency=2)
+    run(b, lambda: parts.completed.get("b", 0) > 0, "the newcomer to run tasks while the first one stops")
+    assert stopping.is_alive()  # the first worker is still finishing its long task
+    release.set()
+    stopping.join(30)
+    a.close()
+    topics = b.topics.priority_topics
+    run(b, lambda: b.idle() and parts.broker.uncommitted(b.group, topics) == 0, "everything committed")
+    assert sorted(runs) == list(range(41))
+    b.close()
