@@ -598,9 +598,7 @@ class InMemoryStore:
                     raise LeaseLostError(f"lease of {idempotency_key!r} attempt {attempts} was taken over")
                 if self._connect is not None:
                     conn.commit()
-                now = self._clock()
-                row.state, row.result, row.completed_at, row.updated_at = "completed", result, now, now
-                row.lease_owner, row.lease_expires_at, row.last_error = None, None, None
+                self._complete(row, result)
         except BaseException:
             if self._connect is not None:
                 conn.rollback()
@@ -608,6 +606,11 @@ class InMemoryStore:
         finally:
             if self._connect is not None:
                 conn.close()
+
+    def _complete(self, row: _Row, result: Any) -> None:
+        now = self._clock()
+        row.state, row.result, row.completed_at, row.updated_at = "completed", result, now, now
+        row.lease_owner, row.lease_expires_at, row.last_error = None, None, None
 
     def run_group(self, members: Sequence[Member]) -> None:
         """Run transactional attempts together and record the completions of those that returned, all or
@@ -633,11 +636,8 @@ class InMemoryStore:
                     raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
                 if self._connect is not None:
                     conn.commit()
-                now = self._clock()
                 for m in done:
-                    row = self.rows[m.idempotency_key]
-                    row.state, row.result, row.completed_at, row.updated_at = "completed", None, now, now
-                    row.lease_owner, row.lease_expires_at, row.last_error = None, None, None
+                    self._complete(self.rows[m.idempotency_key], None)
         except BaseException:
             if self._connect is not None:
                 conn.rollback()
