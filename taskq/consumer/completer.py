@@ -2,12 +2,16 @@
 
 Completions and failures are recorded in Postgres in one round trip per batch; retry and DLQ records are
 acknowledged by the broker. A task's offset is released only after that (invariant 1): `record` and
-`publish` take the callback that releases it.
+`publish` take the callback that releases it. With a `recorder` store the round trips run on a thread of
+their own, so the worker's loop goes on fetching and dispatching while Postgres commits; the callbacks
+still run on the loop's thread, in `serve`.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -26,13 +30,25 @@ class Completer:
     """Batches outcome records for the store and publishes retry and DLQ records with acknowledgement."""
 
     def __init__(
-        self, store: TaskStore, sink: RecordSink, *, clock: Callable[[], float] = time.monotonic
+        self,
+        store: TaskStore,
+        sink: RecordSink,
+        *,
+        recorder: TaskStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self._sink = sink
         self._clock = clock
         self._batch: list[tuple[Finished, Durable | None]] = []
         self._since = 0.0  # when the oldest queued outcome was queued
+        self._recorder = recorder
+        self._writing = 0  # outcomes handed to the recorder thread and not yet settled
+        self._to_write: queue.SimpleQueue[list[tuple[Finished, Durable | None]] | None] = queue.SimpleQueue()
+        self._written: queue.SimpleQueue[tuple[list[tuple[Finished, Durable | None]], object]] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
 
     def record(self, finished: Finished, on_recorded: Durable | None = None) -> None:
         """Queue an attempt's end for the next round trip; `on_recorded` runs once it is in Postgres."""
@@ -75,12 +91,40 @@ class Completer:
         if linger and len(self._batch) < 500 and self._clock() - self._since < linger:
             return
         batch, self._batch = self._batch, []
+        if self._recorder is not None:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._record_loop, name="taskq-recorder", daemon=True)
+                self._thread.start()
+            self._writing += len(batch)
+            self._to_write.put(batch)
+            return
         try:
             lost = self._store.finish([f for f, _ in batch])
         except StoreUnavailableError as exc:
-            log.warning("store unavailable, will record %d outcome(s) again: %s", len(batch), exc)
+            self._settle(batch, exc)
+            return
+        self._settle(batch, lost)
+
+    def _record_loop(self) -> None:
+        assert self._recorder is not None
+        while (batch := self._to_write.get()) is not None:
+            result: object
+            try:
+                result = self._recorder.finish([f for f, _ in batch])
+            except Exception as exc:  # settled on the loop's thread: unavailable is retried, a bug raised
+                result = exc
+            self._written.put((batch, result))
+
+    def _settle(self, batch: list[tuple[Finished, Durable | None]], result: object) -> None:
+        """On the loop's thread: run a written batch's callbacks, or queue it again if Postgres was away."""
+        if isinstance(result, StoreUnavailableError):
+            log.warning("store unavailable, will record %d outcome(s) again: %s", len(batch), result)
             self._batch = batch + self._batch
             return
+        if isinstance(result, BaseException):
+            raise result
+        assert isinstance(result, set)
+        lost: set[str] = result
         for finished, on_recorded in batch:
             if finished.idempotency_key in lost:
                 log.warning(
@@ -90,8 +134,27 @@ class Completer:
                 on_recorded()
 
     def serve(self, timeout: float = 0.0) -> None:
-        """Serve the broker's acknowledgements that arrived (running their callbacks)."""
+        """Run the callbacks of what was recorded and acknowledged since the last call."""
+        self._settle_written(0.0)
         self._sink.poll(timeout)
+
+    def _settle_written(self, timeout: float) -> None:
+        block = timeout
+        while self._writing:
+            try:
+                batch, result = self._written.get(timeout=block) if block > 0 else self._written.get_nowait()
+            except queue.Empty:
+                return
+            self._writing -= len(batch)
+            self._settle(batch, result)
+            block = 0.0
+
+    def wait_recorded(self, timeout: float) -> None:
+        """Write what is queued and wait up to `timeout` for what the recorder thread is writing."""
+        self.flush()
+        deadline = time.monotonic() + timeout
+        while self._writing and time.monotonic() < deadline:
+            self._settle_written(deadline - time.monotonic())
 
     def wait_acked(self, timeout: float) -> int:
         """Wait for every published record's acknowledgement; returns how many are still unacknowledged."""
@@ -99,4 +162,11 @@ class Completer:
 
     def pending(self) -> int:
         """Outcomes not yet recorded plus records not yet acknowledged."""
-        return len(self._batch) + len(self._sink)
+        return len(self._batch) + self._writing + len(self._sink)
+
+    def close(self) -> None:
+        """Stop the recorder thread (after `wait_recorded`)."""
+        if self._thread is not None:
+            self._to_write.put(None)
+            self._thread.join(10)
+            self._thread = None

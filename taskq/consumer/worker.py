@@ -71,6 +71,9 @@ log = logging.getLogger("taskq.worker")
 #: Most transactional attempts in one group commit: each is a subtransaction, and past 64 in one
 #: transaction Postgres's snapshots overflow their subtransaction cache (slower for every session).
 GROUP_MAX = 50
+#: A group starts no member after it has run this long (seconds): slow tasks commit in small groups, and
+#: no effect waits long for the rest of its group.
+GROUP_WINDOW = 0.05
 
 
 class GroupRolledBack(TaskqError):
@@ -128,6 +131,7 @@ class _Task:
     tier: Priority
     attempts: int = 0
     claimed_at: float = 0.0
+    grouped: bool = False  # runs in a group commit
     recorded: bool = False  # the completion was recorded inside the handler's transaction
 
 
@@ -190,14 +194,22 @@ class Worker:
         self._clock = clock
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._database = None
+        recorder: IdempotencyStore | None = None
         if store is None:
             self._database = Database(self.settings.database_url, schema=self.settings.database_schema)
             store = IdempotencyStore(self._database, owner=self.worker_id)
+            # Outcomes are recorded on a connection and a thread of their own, so the loop goes on
+            # fetching, claiming and dispatching while Postgres commits them.
+            recorder = IdempotencyStore(
+                Database(self.settings.database_url, schema=self.settings.database_schema),
+                owner=self.worker_id,
+            )
         self.store: TaskStore = store
+        self._recorder = recorder
         self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
-        self._completer = Completer(self.store, self._sink)
+        self._completer = Completer(self.store, self._sink, recorder=recorder)
         self._source: RecordSource | None = None
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
         self._server: WSGIServer | None = None
@@ -296,6 +308,9 @@ class Worker:
             self._source.close()
             self._source = None
         self.executor.shutdown(timeout=1.0)
+        self._completer.close()
+        if self._recorder is not None:
+            self._recorder.close()
         self.store.close()
         self.registry.close()
         if self._server is not None:
@@ -636,12 +651,21 @@ class Worker:
             tp = task.record.tp
             # A member whose turn comes after SIGTERM or its partition's revocation is not started: the
             # group commits what ran, and shutdown and revoke wait for one attempt, not a whole group.
+            # Nor one whose turn comes after the group's window: it goes back to the buffer, still
+            # claimed, and a group's effects are never held back for long.
             return Member(
                 task.envelope.idempotency_key,
                 task.attempts,
                 call,
-                skip=lambda: self._stop.is_set() or tp in self._revoking,
+                skip=lambda: self._stop.is_set() or tp in self._revoking or window_passed(),
             )
+
+        began: list[float] = []
+
+        def window_passed() -> bool:
+            if not began:
+                began.append(time.monotonic())
+            return time.monotonic() - began[0] > GROUP_WINDOW
 
         members = [member(t, c) for t, c in zip(tasks, contexts, strict=True)]
         store = self.store
@@ -654,7 +678,9 @@ class Worker:
             # One outcome per task: its own when the group committed; the group's when it did not (a
             # failed commit records nothing, so every task of the group runs again).
             for task, m in zip(tasks, members, strict=True):
-                if not outcome.ok:
+                if isinstance(m.error, NotStarted):
+                    self._outcomes.put((task, failure(m.error, 0.0)))
+                elif not outcome.ok:
                     error = outcome.error
                     lost = isinstance(error, LeaseLostError) and m.idempotency_key in error.keys
                     if isinstance(error, LeaseLostError) and not lost:
@@ -671,8 +697,7 @@ class Worker:
         timeouts = [t.spec.timeout or t.envelope.timeout for t in tasks]
         for task in tasks:
             self._running[id(task)] = task
-            env = task.envelope
-            self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
+            task.grouped = True  # AttemptStarted is emitted when it reports: a member may never start
         self.executor.submit(
             Job(
                 spec=tasks[0].spec,
@@ -705,6 +730,17 @@ class Worker:
 
     def _outcome(self, task: _Task, outcome: Outcome) -> None:
         env, spec = task.envelope, task.spec
+        if task.grouped:
+            task.grouped = False
+            if isinstance(outcome.error, NotStarted):
+                tp = task.record.tp
+                current = tp in self._assigned and self._generation.get(tp) == task.generation
+                if current and not self._stop.is_set() and tp not in self._revoking:
+                    self._scheduler.push_front(task.tier, task)  # past its group's window: still claimed
+                else:
+                    self._unstarted.append(task)  # its claim is given back; its offset stays uncommitted
+                return
+            self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
         if outcome.ok:
             self._emit(
                 AttemptSucceeded(
@@ -722,9 +758,6 @@ class Worker:
         error = outcome.error or Exception(outcome.message)
         if isinstance(error, TaskFailed) and isinstance(error.__cause__, Exception):
             error = error.__cause__  # a process-isolated handler's own exception, when it survived pickling
-        if isinstance(error, NotStarted):
-            self._unstarted.append(task)  # its claim is given back; its offset stays uncommitted
-            return
         if isinstance(error, LeaseLostError):
             log.warning("task %s: %s", env.task_id, error)
             self._done(task)  # the worker that took the lease over decides this key
@@ -922,7 +955,7 @@ class Worker:
             self._completer.flush()
             self._completer.serve(0.01)
             self.heartbeat.beat()
-        self._completer.flush()
+        self._completer.wait_recorded(ack_timeout)
         self._completer.wait_acked(ack_timeout)
 
     # ------------------------------------------------------------------------------------------ shutdown

@@ -99,11 +99,18 @@ def test_sigterm_stops_every_process_gracefully_and_what_ran_is_committed(app: A
     assert len(re.findall(r"taskq\.worker\[\d+\]: SIGTERM: stopping", out)) == 2, out[-3000:]
     assert len(re.findall(r"worker process \d \(pid \d+\) stopped: exit code 0", out)) == 2, out[-3000:]
     assert all(_gone(pid) for pid in children)
-    # Each process finished what it ran and committed it: what is left is exactly what never ran.
+    # Each process finished what it ran and committed it: what is left is what never ran, plus what ran
+    # after a task of its partition that was given back unstarted (offsets commit contiguously; such a
+    # task is skipped as a duplicate when it is read again).
     done = _done(app)
     left = uncommitted(app.settings)
-    assert left is not None and sum(left.values()) == n - done, (left, done)
+    assert left is not None and sum(left.values()) >= n - done, (left, done)
     assert app.scalar("SELECT count(*) FROM ledger") == done
+    # Nothing lost, nothing doubled: another worker runs the rest, each task once.
+    app.spawn("--concurrency", "4")
+    wait_until(lambda: _done(app) == n, timeout=120, what="the rest on another worker")
+    wait_until(lambda: all_committed(app.settings), timeout=60, what="every offset committed")
+    app.assert_once_each([f"s{i:04d}" for i in range(n)])
 
 
 def test_a_process_that_keeps_dying_at_start_makes_the_supervisor_give_up_in_one_line(app: App) -> None:
