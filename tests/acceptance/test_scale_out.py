@@ -107,13 +107,14 @@ class Round:
         assert self.done() == len(self.keys)
 
 
-def owned_busy_partitions(worker: WorkerProcess) -> set[int]:
-    """The partitions of the busy tier a worker owns now, replaying its assignment and revocation logs."""
+def owned_busy_partitions(worker: WorkerProcess, tier: str = "normal") -> set[int]:
+    """The partitions of a tier (the busy one unless told) a worker owns now, replaying its assignment and
+    revocation logs."""
     owned: set[int] = set()
     for line in worker.output().splitlines():
         match = re.search(r" (assigned|revoked) (.*)", line)
         if match:
-            parts = {int(p) for p in re.findall(r"\.normal\[(\d+)\]", match[2])}
+            parts = {int(p) for p in re.findall(rf"\.{tier}\[(\d+)\]", match[2])}
             owned = owned | parts if match[1] == "assigned" else owned - parts
     return owned
 
@@ -136,6 +137,12 @@ def test_membership_changes_never_stall_a_tier_and_share_it_fairly(app: App, cas
         r.wait_done(60, "the first worker to be busy")
         b = r.spawn()
         start = r.wait_split(a, b)
+        # Started one after the other, each holds half of every tier's partitions, not only the busy one's.
+        for tier in ("critical", "high", "low"):
+            r.wait(
+                lambda t=tier: [len(owned_busy_partitions(w, t)) for w in (a, b)] == [3, 3],
+                f"the {tier} tier to be split over both workers",
+            )
         r.wait_done(r.done() + 300, "two workers to share the tier")
         r.assert_fair(start, r.seq(), [a, b], "after a second worker joined")
         r.assert_exactly_once()
