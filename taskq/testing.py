@@ -587,10 +587,24 @@ class InMemoryStore:
         return renewed
 
     @contextmanager
-    def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Any]:
-        """The handler's connection (from `connect`); the completion is recorded only if it commits."""
+    def _connection(self) -> Iterator[Any]:
+        """The handler's connection (from `connect`, or one that says it is missing): rolled back if the
+        block raises, closed at its end."""
         conn = self._connect() if self._connect is not None else _NoDatabase()
         try:
+            yield conn
+        except BaseException:
+            if self._connect is not None:
+                conn.rollback()
+            raise
+        finally:
+            if self._connect is not None:
+                conn.close()
+
+    @contextmanager
+    def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Any]:
+        """The handler's connection (from `connect`); the completion is recorded only if it commits."""
+        with self._connection() as conn:
             yield conn
             with self._lock:
                 row = self._holds(idempotency_key, attempts)
@@ -599,13 +613,6 @@ class InMemoryStore:
                 if self._connect is not None:
                     conn.commit()
                 self._complete(row, result)
-        except BaseException:
-            if self._connect is not None:
-                conn.rollback()
-            raise
-        finally:
-            if self._connect is not None:
-                conn.close()
 
     def _complete(self, row: _Row, result: Any) -> None:
         now = self._clock()
@@ -615,8 +622,7 @@ class InMemoryStore:
     def run_group(self, members: Sequence[Member]) -> None:
         """Run transactional attempts together and record the completions of those that returned, all or
         nothing (as IdempotencyStore; a fake connection from `connect` has no savepoints)."""
-        conn = self._connect() if self._connect is not None else _NoDatabase()
-        try:
+        with self._connection() as conn:
             for member in members:
                 if member.skip():
                     member.error = NotStarted(f"{member.idempotency_key}: not started")
@@ -638,13 +644,6 @@ class InMemoryStore:
                     conn.commit()
                 for m in done:
                     self._complete(self.rows[m.idempotency_key], None)
-        except BaseException:
-            if self._connect is not None:
-                conn.rollback()
-            raise
-        finally:
-            if self._connect is not None:
-                conn.close()
 
     def get(self, idempotency_key: str) -> dict[str, Any] | None:
         """The record of one key, or None."""
