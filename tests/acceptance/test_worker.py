@@ -123,8 +123,14 @@ def test_sigterm_finishes_in_flight_tasks_and_the_rest_run_once_elsewhere(app: A
     app.enqueue_ledger(keys, copies=1, sleep=1.5)
     shutdown_timeout = 10
     first = app.spawn("--concurrency", "2", "--shutdown-timeout", str(shutdown_timeout))
+    # A task in flight: a handler running in its group's transaction (a key in state 'running' is only
+    # claimed, possibly still waiting in the buffer).
     wait_until(
-        lambda: app.scalar("SELECT count(*) FROM taskq_tasks WHERE state = 'running'") >= 1,
+        lambda: app.scalar(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE state = 'idle in transaction' AND query = 'SAVEPOINT taskq_member'"
+        )
+        >= 1,
         timeout=60,
         what="tasks in flight",
     )
@@ -147,7 +153,11 @@ def test_a_second_signal_exits_at_once(app: App) -> None:
     app.enqueue_ledger(["slow"], copies=1, sleep=3.0)
     worker = app.spawn("--concurrency", "1", "--shutdown-timeout", "60")
     wait_until(
-        lambda: app.scalar("SELECT count(*) FROM taskq_tasks WHERE state = 'running'") == 1,
+        lambda: app.scalar(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE state = 'idle in transaction' AND query = 'SAVEPOINT taskq_member'"
+        )
+        == 1,
         timeout=60,
         what="the slow task in flight",
     )
