@@ -140,9 +140,7 @@ class IdempotencyStore:
                     # Raised inside the transaction, so the handler's writes roll back with it.
                     raise LeaseLostError(f"lease of {idempotency_key!r} attempt {attempts} was taken over")
         finally:
-            if conn.closed or in_transaction(conn):
-                conn.close()
-                self._local.conn = None
+            self._check_in(conn)
 
     def run_group(self, members: Sequence[Member]) -> None:
         """Run transactional attempts in one transaction on one connection (group commit).
@@ -178,9 +176,13 @@ class IdempotencyStore:
                     # Raised inside the transaction: every member's writes roll back with it.
                     raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
         finally:
-            if conn.closed or in_transaction(conn):
-                conn.close()
-                self._local.conn = None
+            self._check_in(conn)
+
+    def _check_in(self, conn: Connection) -> None:
+        """After a handler's use: close a connection left in any state but idle (replaced next time)."""
+        if conn.closed or in_transaction(conn):
+            conn.close()
+            self._local.conn = None
 
     def _thread_connection(self) -> Connection:
         # One connection per executor thread, kept between tasks: a connect per task would cost more than

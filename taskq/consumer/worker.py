@@ -511,10 +511,12 @@ class Worker:
                 jobs.append(group)
             group.append(task)
         stale = self._clock() - self.config.claim_wait / 2
+        waited = [t for job in jobs for t in job if t.claimed_at < stale]
+        if waited:
+            # One statement renews every long-waiting task of this dispatch; those not renewed are dropped.
+            lost = {id(t) for t in waited} - {id(t) for t in self._renew(waited)}
+            jobs = [[t for t in job if id(t) not in lost] for job in jobs]
         for job in jobs:
-            waited = [t for t in job if t.claimed_at < stale]
-            if waited:
-                job[:] = [t for t in job if t.claimed_at >= stale] + self._renew(waited)
             if job and job[0].spec.transactional and job[0].spec.group_commit:
                 self._start_group(job)
             elif job:

@@ -289,3 +289,29 @@ def test_a_stopping_worker_hands_its_partitions_over_while_it_finishes_what_runs
     run(b, lambda: b.idle() and parts.broker.uncommitted(b.group, topics) == 0, "everything committed")
     assert sorted(runs) == list(range(41))
     b.close()
+
+
+def test_tasks_that_waited_long_renew_their_leases_and_one_taken_over_meanwhile_is_dropped() -> None:
+    handlers, runs = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        runs.append(payload["n"])
+
+    parts = Parts(handlers)
+    for n in range(3):
+        parts.producer.enqueue("unit.Job", {"n": n}, priority="normal", idempotency_key=f"k{n}")
+    parts.producer.flush()
+    w = parts.worker("a", concurrency=2, claim_wait=10.0)
+    w._source.poll(0, 0.0)  # type: ignore[union-attr]  # joins the group: partitions assigned
+    for record in w._source.poll(10, 0.0):  # type: ignore[union-attr]
+        w._accept(record)
+    w._claim_arrived()
+    parts.clock.advance(400)  # they waited past their leases (the default lease plus claim_wait)
+    other = InMemoryStore(owner="b", clock=parts.clock.time, rows=parts.rows)
+    (taken,) = other.claim([ClaimRequest("k1", "t", "unit.Job", 300.0)])
+    assert taken.outcome == "claimed"
+    run(w, lambda: w.idle(), "the buffered tasks")
+    assert sorted(runs) == [0, 2]  # k1 belongs to the worker that took it over
+    assert parts.rows["k0"].state == parts.rows["k2"].state == "completed"
+    w.close()
