@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -116,6 +117,7 @@ class _TaskType:
     schema_id: int
     parsed: avro.ParsedSchema
     fetched_at: float
+    check: avro.Check | None  # the quick payload test; full validation when it is None or says no
 
 
 class TaskProducer:
@@ -143,6 +145,8 @@ class TaskProducer:
         self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._metrics = producer_metrics()
+        # Label children bound once per (task type, priority): labels() costs a lock and a tuple per call.
+        self._enqueued: dict[tuple[str, str], Any] = {}
         self._sink = self.broker.sink(**dict(kafka_config or {}))
         self._max_payload = max_payload_bytes
         self._auto_register = auto_register
@@ -188,8 +192,7 @@ class TaskProducer:
     # ---------------------------------------------------------------- schemas
     def _task_type(self, task_type: str) -> _TaskType:
         now = time.monotonic()
-        with self._lock:
-            hit = self._types.get(task_type)
+        hit = self._types.get(task_type)  # a dict read is atomic; the lock guards the writes
         if hit is not None and (task_type in self._local_schemas or now - hit.fetched_at < self._schema_ttl):
             return hit
         local = self._local_schemas.get(task_type)
@@ -211,7 +214,7 @@ class TaskProducer:
                 f"unknown task type {task_type!r}: no schema is registered under that subject "
                 "(register it with `taskq schemas register PATH`)"
             ) from exc
-        entry = _TaskType(reg.schema_id, reg.parsed, now)
+        entry = _TaskType(reg.schema_id, reg.parsed, now, avro.compile_check(reg.parsed))
         with self._lock:
             self._types[task_type] = entry
         return entry
@@ -245,7 +248,8 @@ class TaskProducer:
             )
         not_before = self._not_before(spec.delay, now)
         tt = self._task_type(spec.task_type)
-        avro.validate(tt.parsed, spec.payload, task_type=spec.task_type)
+        if tt.check is None or not tt.check(spec.payload):
+            avro.validate(tt.parsed, spec.payload, task_type=spec.task_type)
         body = avro.encode(tt.parsed, spec.payload)
         if len(body) > self._max_payload:
             raise PayloadTooLargeError(
@@ -353,31 +357,44 @@ class TaskProducer:
             except QueueFullError:
                 self._metrics.rejected.labels("queue_full").inc()
                 raise
-        try:
-            self._limiter.acquire([(env.task_type, env.priority) for _, _, _, env in prepared])
-        except RateLimitedError:
-            self._metrics.rejected.labels("rate_limited").inc()
-            raise
+        if self._limiter.limited:
+            try:
+                self._limiter.acquire([(env.task_type, env.priority) for _, _, _, env in prepared])
+            except RateLimitedError:
+                self._metrics.rejected.labels("rate_limited").inc()
+                raise
         receipts: list[Receipt] = []
         confirmed: dict[str, Receipt] = {}
-        pending = threading.Semaphore(0)
+        # A record needs a callback of its own only when someone waits for its offset: the caller (wait) or
+        # the on_delivery hook. Any other is reported only if it fails (_undelivered), which saves turning
+        # every acknowledgement into a record and a receipt.
+        pending = threading.Semaphore(0) if wait or self._on_delivery is not None else None
+        counters = self._enqueued
         for (topic, value, key, env), spec in zip(prepared, specs, strict=True):
             receipt = Receipt(
                 env.task_id, env.task_type, topic, env.priority, env.idempotency_key, env.not_before
             )
             receipts.append(receipt)
-            headers = env.to_headers() + list(spec.extra_headers)
+            headers = env.to_headers()
+            if spec.extra_headers:
+                headers.extend(spec.extra_headers)
             self._sink.send(
                 topic,
                 value,
                 key=key,
                 headers=headers,
-                on_delivery=self._delivered(receipt, confirmed, pending),
+                on_delivery=None if pending is None else self._delivered(receipt, confirmed, pending),
+                on_failure=partial(self._undelivered, receipt),
             )
-            self._metrics.enqueued.labels(env.task_type, env.priority).inc()
+            counter = counters.get((env.task_type, env.priority))
+            if counter is None:
+                counter = counters[env.task_type, env.priority] = self._metrics.enqueued.labels(
+                    env.task_type, env.priority
+                )
+            counter.inc()
         self._sink.poll(0)
         self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
-        if not wait:
+        if not wait or pending is None:
             return receipts
         for _ in receipts:
             while not pending.acquire(timeout=0.05):
@@ -394,6 +411,13 @@ class TaskProducer:
                     del self._failures[i]
                     return err
         return None
+
+    def _undelivered(self, receipt: Receipt, err: str) -> None:
+        """A task sent without a delivery callback was not acknowledged: remember it for flush()."""
+        self._metrics.delivery_failed.inc()
+        log.error("task %s (%s) was not acknowledged: %s", receipt.task_id, receipt.task_type, err)
+        with self._lock:
+            self._failures.append((receipt.task_id, err))
 
     def _delivered(
         self, receipt: Receipt, confirmed: dict[str, Receipt], pending: threading.Semaphore

@@ -182,6 +182,11 @@ class RateLimiter:
             self._buckets.append((limit, bucket))
         self._namespace = namespace
 
+    @property
+    def limited(self) -> bool:
+        """Whether any limit applies at all (without one, acquire() is a no-op not worth calling)."""
+        return bool(self._buckets)
+
     def acquire(self, tasks: Sequence[tuple[str, str]]) -> None:
         """Take the tokens of these (task type, tier) pairs from every matching bucket, or none at all."""
         if not self._buckets:
