@@ -120,6 +120,18 @@ class _TaskType:
     check: avro.Check | None  # the quick payload test; full validation when it is None or says no
 
 
+#: An accepted task, ready to send: topic, framed value, message key, envelope.
+_Prepared = tuple[str, bytes, bytes, Envelope]
+
+
+def _settled(outcomes: Sequence[tuple[Receipt, str | None]]) -> list[Receipt]:
+    """The acknowledged receipts of a batch someone waited for; DeliveryError if any task failed."""
+    failed = [(r.task_id, err) for r, err in outcomes if err is not None]
+    if failed:
+        raise DeliveryError(f"{len(failed)} task(s) not acknowledged: {failed[0][1]}", failures=failed)
+    return [r for r, _ in outcomes]
+
+
 class TaskProducer:
     """Enqueues typed tasks: validates, rate-limits, checks depth, then hands them to Kafka (acks=all)."""
 
@@ -225,7 +237,7 @@ class TaskProducer:
             raise InvalidPriorityError(f"priority {priority!r} is not one of {', '.join(PRIORITIES)}")
         return priority
 
-    def _prepare(self, spec: TaskSpec, now: datetime) -> tuple[str, bytes, bytes, Envelope]:
+    def _prepare(self, spec: TaskSpec, now: datetime) -> _Prepared:
         """Validate and encode one task; raises before anything is sent."""
         if self._closed:
             raise ProducerClosedError()
@@ -333,8 +345,33 @@ class TaskProducer:
     def enqueue_many(self, tasks: Iterable[TaskSpec], *, wait: bool = False) -> list[Receipt]:
         """Enqueue a batch: every task is validated first, so an invalid one means none is sent."""
         started = time.perf_counter()
-        now = datetime.now(UTC)
         specs = list(tasks)
+        prepared = self._accept(specs)
+        if not wait:
+            receipts = self._send(prepared, specs, None)
+            self._sink.poll(0)
+            self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
+            return receipts
+        outcomes: list[tuple[Receipt, str | None] | None] = [None] * len(specs)
+        pending = threading.Semaphore(0)
+
+        def settle(i: int, receipt: Receipt, err: str | None) -> None:
+            outcomes[i] = (receipt, err)
+            pending.release()
+
+        receipts = self._send(prepared, specs, settle)
+        self._sink.poll(0)
+        self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
+        for _ in receipts:
+            while not pending.acquire(timeout=0.05):
+                self._sink.poll(0.05)
+        return _settled([o for o in outcomes if o is not None])
+
+    # The two halves of an enqueue, for AsyncTaskProducer too: _accept may wait on the registry or a shared
+    # rate limit (_may_block says whether it can), _send only hands records to the Kafka client.
+    def _accept(self, specs: Sequence[TaskSpec]) -> list[_Prepared]:
+        """Validate, encode, and pass the depth and rate limits; raises, having sent nothing."""
+        now = datetime.now(UTC)
         try:
             prepared = [self._prepare(s, now) for s in specs]
         except PayloadValidationError:
@@ -363,14 +400,37 @@ class TaskProducer:
             except RateLimitedError:
                 self._metrics.rejected.labels("rate_limited").inc()
                 raise
+        return prepared
+
+    def _may_block(self, specs: Sequence[TaskSpec]) -> bool:
+        """Whether _accept could wait on I/O: a schema to fetch from the registry, or a shared rate limit."""
+        if self._limiter.shared:
+            return True
+        now = time.monotonic()
+        for spec in specs:
+            hit = self._types.get(spec.task_type)
+            if hit is None or (
+                spec.task_type not in self._local_schemas and now - hit.fetched_at >= self._schema_ttl
+            ):
+                return True
+        return False
+
+    def _send(
+        self,
+        prepared: Sequence[_Prepared],
+        specs: Sequence[TaskSpec],
+        settle: Callable[[int, Receipt, str | None], None] | None,
+    ) -> list[Receipt]:
+        """Hand accepted tasks to the Kafka client. `settle(i, receipt, error)` hears of the i-th task's
+        acknowledgement (with its partition and offset) or failure, from whichever thread polls the client;
+        a failure nobody settles is kept for flush()."""
         receipts: list[Receipt] = []
-        confirmed: dict[str, Receipt] = {}
-        # A record needs a callback of its own only when someone waits for its offset: the caller (wait) or
-        # the on_delivery hook. Any other is reported only if it fails (_undelivered), which saves turning
+        # A record needs a callback of its own only when someone waits for its offset: the caller (settle)
+        # or the on_delivery hook. Any other is reported only if it fails (_undelivered), which saves turning
         # every acknowledgement into a record and a receipt.
-        pending = threading.Semaphore(0) if wait or self._on_delivery is not None else None
+        reported = settle is not None or self._on_delivery is not None
         counters = self._enqueued
-        for (topic, value, key, env), spec in zip(prepared, specs, strict=True):
+        for i, ((topic, value, key, env), spec) in enumerate(zip(prepared, specs, strict=True)):
             receipt = Receipt(
                 env.task_id, env.task_type, topic, env.priority, env.idempotency_key, env.not_before
             )
@@ -383,7 +443,9 @@ class TaskProducer:
                 value,
                 key=key,
                 headers=headers,
-                on_delivery=None if pending is None else self._delivered(receipt, confirmed, pending),
+                on_delivery=self._delivered(receipt, None if settle is None else partial(settle, i))
+                if reported
+                else None,
                 on_failure=partial(self._undelivered, receipt),
             )
             counter = counters.get((env.task_type, env.priority))
@@ -392,44 +454,25 @@ class TaskProducer:
                     env.task_type, env.priority
                 )
             counter.inc()
-        self._sink.poll(0)
-        self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
-        if not wait or pending is None:
-            return receipts
-        for _ in receipts:
-            while not pending.acquire(timeout=0.05):
-                self._sink.poll(0.05)
-        failed = [(r.task_id, err) for r in receipts if (err := self._failure_of(r.task_id))]
-        if failed:
-            raise DeliveryError(f"{len(failed)} task(s) not acknowledged: {failed[0][1]}", failures=failed)
-        return [confirmed.get(r.task_id, r) for r in receipts]
+        return receipts
 
-    def _failure_of(self, task_id: str) -> str | None:
-        with self._lock:
-            for i, (tid, err) in enumerate(self._failures):
-                if tid == task_id:
-                    del self._failures[i]
-                    return err
-        return None
-
-    def _undelivered(self, receipt: Receipt, err: str) -> None:
-        """A task sent without a delivery callback was not acknowledged: remember it for flush()."""
+    def _undelivered(self, receipt: Receipt, err: str, *, waited: bool = False) -> None:
+        """A task was not acknowledged: kept for flush() unless its waiter raises it (reported once)."""
         self._metrics.delivery_failed.inc()
         log.error("task %s (%s) was not acknowledged: %s", receipt.task_id, receipt.task_type, err)
-        with self._lock:
-            self._failures.append((receipt.task_id, err))
+        if not waited:
+            with self._lock:
+                self._failures.append((receipt.task_id, err))
 
     def _delivered(
-        self, receipt: Receipt, confirmed: dict[str, Receipt], pending: threading.Semaphore
+        self, receipt: Receipt, settle: Callable[[Receipt, str | None], None] | None
     ) -> Callable[[str | None, Record | None], None]:
         def done(err: str | None, record: Record | None) -> None:
             if err is not None:
-                self._metrics.delivery_failed.inc()
-                log.error("task %s (%s) was not acknowledged: %s", receipt.task_id, receipt.task_type, err)
-                with self._lock:
-                    self._failures.append((receipt.task_id, err))
-            elif record is not None:
-                confirmed[receipt.task_id] = Receipt(
+                self._undelivered(receipt, err, waited=settle is not None)
+            final = receipt
+            if record is not None:
+                final = Receipt(
                     receipt.task_id,
                     receipt.task_type,
                     receipt.topic,
@@ -440,8 +483,9 @@ class TaskProducer:
                     record.offset,
                 )
             if self._on_delivery is not None:
-                self._on_delivery(confirmed.get(receipt.task_id, receipt), err)
-            pending.release()
+                self._on_delivery(final, err)
+            if settle is not None:
+                settle(final, err)
 
         return done
 

@@ -183,6 +183,11 @@ class RateLimiter:
         self._namespace = namespace
 
     @property
+    def shared(self) -> bool:
+        """Whether acquire() may wait on Postgres (a shared limit applies)."""
+        return any(isinstance(bucket, SharedBucket) for _, bucket in self._buckets)
+
+    @property
     def limited(self) -> bool:
         """Whether any limit applies at all (without one, acquire() is a no-op not worth calling)."""
         return bool(self._buckets)
