@@ -490,7 +490,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "retries": retries,
         "retried_tasks": retried_tasks,
     }
-    lines = [f"tier depth (not yet committed by {s.worker_group}):"]
+    # Tier depths are offsets, not records: each of the forwarder's transactions leaves a commit marker
+    # in the tiers it wrote to. Counting records would mean reading every tier, so they are estimates.
+    lines = [f"tier depth, estimated (offsets not yet committed by {s.worker_group}, markers included):"]
     lines += [f"  {p:<9} {n}" for p, n in tiers.items()]
     lines.append(f"DLQ depth (not replayed): {dlq_depth}")
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
@@ -505,7 +507,11 @@ def _tier_depth_gauge() -> Any:
     # Created on first use, not at import: only `taskq stats --metrics-port` exports it.
     from prometheus_client import Gauge
 
-    return Gauge("taskq_tier_depth", "Tasks of a tier the worker group has not committed yet", ["priority"])
+    return Gauge(
+        "taskq_tier_depth",
+        "Estimated tasks of a tier the worker group has not committed (offsets: transaction markers count)",
+        ["priority"],
+    )
 
 
 def _serve_stats(s: Settings, port: int, interval: float, host: str) -> int:

@@ -6,6 +6,7 @@ group and commits nothing; which records were replayed lives in Postgres (`taskq
 
 from __future__ import annotations
 
+import bisect
 import builtins
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -229,6 +230,9 @@ class DeadLetters:
         )
         self._sink: RecordSink | None = None
         self._registry: SchemaRegistry | None = registry
+        # What depth() has counted: the offsets of the DLQ's records below _counted_to.
+        self._record_offsets: builtins.list[int] = []
+        self._counted_to = 0
 
     # ------------------------------------------------------------------------------------------------ read
     def list(
@@ -273,9 +277,19 @@ class DeadLetters:
             return replace(rec, payload_error=str(exc))
 
     def depth(self) -> int:
-        """How many DLQ records were not replayed yet; also sets the taskq_dlq_depth gauge."""
+        """How many DLQ records (not offsets) were not replayed yet; sets the taskq_dlq_depth gauge."""
         start, end = self._bounds()
-        depth = max(0, end - start - self._store.replayed_between(self.topics.dlq, start, end))
+        if end < self._counted_to:  # the topic was deleted and created again: count from scratch
+            self._record_offsets, self._counted_to = [], 0
+        # Offsets are not records: the forwarder dead-letters in transactions, and each commit marker
+        # takes an offset no reader ever sees. So the records are counted by reading them, once: a later
+        # call reads only what was added since (the DLQ is small, and only grows at its end).
+        if self._counted_to < end:
+            self._record_offsets.extend(r.offset for r in self._read(max(self._counted_to, start), end))
+            self._counted_to = end
+        del self._record_offsets[: bisect.bisect_left(self._record_offsets, start)]  # gone by retention
+        replayed = self._store.replayed_between(self.topics.dlq, start, end)
+        depth = max(0, len(self._record_offsets) - replayed)
         dlq_depth_gauge().set(depth)
         return depth
 

@@ -156,3 +156,4 @@ def test_stats(taskq: Run, dlq_records: list[Record]) -> None:
 
     text = taskq("stats")
     assert "DLQ depth (not replayed): 4" in text.stdout and "dead 3" in text.stdout
+    assert "tier depth, estimated (offsets" in text.stdout  # markers count: the output says so
