@@ -47,7 +47,7 @@ def cmd_schemas_register(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry, load_schema
 
     out = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for path in args.paths:
             reg = registry.register(load_schema(path))
             out.append(
@@ -65,7 +65,7 @@ def cmd_schemas_list(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry
 
     rows = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for subject in sorted(registry.subjects()):
             latest = registry.latest(subject)
             rows.append({"subject": subject, "latest_version": latest.version, "id": latest.schema_id})
@@ -77,7 +77,7 @@ def cmd_schemas_check(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry, full_name, load_schema
 
     results = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for path in args.paths:
             schema = load_schema(path)
             results.append(
@@ -137,7 +137,7 @@ def cmd_bench_produce(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry
 
     settings = _settings(args)
-    with Registry(settings.schema_registry_url) as registry:
+    with Registry.from_settings(settings) as registry:
         registry.register(demo_schema("send_email"))
     create_topics(settings)
     n = args.count

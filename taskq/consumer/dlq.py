@@ -414,7 +414,7 @@ class DeadLetters:
 
     def _schemas(self) -> SchemaRegistry:
         if self._registry is None:
-            self._registry = Registry(self.settings.schema_registry_url)
+            self._registry = Registry.from_settings(self.settings)
         return self._registry
 
     def _not_found(self, offsets: builtins.list[int]) -> DlqRecordNotFoundError:
