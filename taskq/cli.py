@@ -420,8 +420,9 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
 def cmd_dlq_show(args: argparse.Namespace) -> int:
     from taskq.consumer.dlq import DeadLetters
 
-    with DeadLetters(_settings(args)) as dlq:
-        data = dlq.show(args.offset).to_dict(full=True)
+    settings = _settings(args)
+    with DeadLetters(settings) as dlq:
+        data = dlq.show(args.offset).redacted([*settings.dlq_redact, *args.redact]).to_dict(full=True)
     lines = [f"DLQ record {data['offset']}"]
     fields = "task_type task_id idempotency_key priority attempts failed_at worker reason error_type original"
     for name in [*fields.split(), "replayed_at", "envelope_error"]:
@@ -707,6 +708,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--all", action="store_true", help="include replayed records")
     sp = leaf(dlq, "show", cmd_dlq_show, "one DLQ record: decoded payload, every header, traceback")
     sp.add_argument("offset", type=int)
+    sp.add_argument(
+        "--redact",
+        action="append",
+        default=[],
+        metavar="FIELD/HEADER",
+        help="also show this header or payload field (dotted path, or its last part; * matches anything) "
+        "as *** (repeatable; TASKQ_DLQ_REDACT sets the ones always hidden: authorization, cookie, "
+        "*password*, *secret*, *token*, ... by default)",
+    )
     replay_help = "re-enqueue DLQ records with their original task id and key (exit 1 if any is refused)"
     sp = leaf(dlq, "replay", cmd_dlq_replay, replay_help)
     sp.add_argument("offsets", nargs="*", type=int, metavar="OFFSET")

@@ -25,6 +25,23 @@ _RESERVED_KAFKA = frozenset(
 GROUP_PROTOCOLS = ("consumer", "classic")
 
 
+#: What `taskq dlq show` hides unless TASKQ_DLQ_REDACT says otherwise: headers and payload fields by name
+#: (`*` matches any run of characters, case is ignored).
+DEFAULT_DLQ_REDACT = (
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "set-cookie",
+    "*password*",
+    "*passwd*",
+    "*secret*",
+    "*token*",
+    "*api-key*",
+    "*api_key*",
+    "*apikey*",
+    "*credential*",
+)
+
 #: Settings that hold secrets: never shown, not even in a repr.
 _SECRET_FIELDS = frozenset({"schema_registry_password", "schema_registry_token"})
 #: librdkafka properties that hold secrets (sasl.password, ssl.key.password, sasl.jaas.config, ...).
@@ -83,6 +100,8 @@ class Settings:
     schema_registry_ca_file: str = ""
     schema_registry_cert_file: str = ""
     schema_registry_key_file: str = ""
+    #: Headers and payload fields `taskq dlq show` prints as '***': names, dotted paths or `*` patterns.
+    dlq_redact: tuple[str, ...] = DEFAULT_DLQ_REDACT
 
     def __post_init__(self) -> None:
         if not _NAMESPACE.match(self.namespace):
@@ -104,6 +123,11 @@ class Settings:
                 f"group_protocol must be one of {', '.join(GROUP_PROTOCOLS)}, got {self.group_protocol!r}"
             )
         self._validate_registry_auth()
+        if isinstance(self.dlq_redact, str) or any(not n.strip() or n != n.strip() for n in self.dlq_redact):
+            raise ConfigurationError(
+                f"dlq_redact must be names, each non-empty and unpadded, got {self.dlq_redact!r}"
+            )
+        object.__setattr__(self, "dlq_redact", tuple(self.dlq_redact))
         reserved = _RESERVED_KAFKA & set(self.kafka)
         if reserved:
             raise ConfigurationError(
@@ -180,6 +204,8 @@ class Settings:
                 values[name] = env[var]
         if env.get("TASKQ_DELAY_TIERS"):
             values["delay_tiers"] = tuple(parse_duration(t) for t in env["TASKQ_DELAY_TIERS"].split(","))
+        if "TASKQ_DLQ_REDACT" in env:  # set but empty: nothing is hidden
+            values["dlq_redact"] = tuple(n.strip() for n in env["TASKQ_DLQ_REDACT"].split(",") if n.strip())
         kafka = {
             var[len("TASKQ_KAFKA_") :].lower().replace("_", "."): value
             for var, value in env.items()

@@ -128,3 +128,12 @@ def test_an_at_sign_in_the_registry_path_is_not_a_credential() -> None:
 
 def test_redact_removes_secrets_given_outside_a_url() -> None:
     assert redact("refused token t0k%41en and t0kAen", secrets=["t0k%41en"]) == "refused token *** and ***"
+
+
+def test_the_dlq_redact_list_is_names() -> None:
+    assert "authorization" in Settings().dlq_redact and "*password*" in Settings().dlq_redact
+    assert Settings.from_env({"TASKQ_DLQ_REDACT": " card.number , x-*,"}).dlq_redact == ("card.number", "x-*")
+    assert Settings.from_env({"TASKQ_DLQ_REDACT": ""}).dlq_redact == ()
+    for bad in ("password", ("ok", " padded"), ("",)):
+        with pytest.raises(ConfigurationError, match="dlq_redact must be names"):
+            Settings(dlq_redact=bad)  # type: ignore[arg-type]
