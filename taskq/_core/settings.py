@@ -45,7 +45,7 @@ DEFAULT_DLQ_REDACT = (
 #: Settings that hold secrets: never shown, not even in a repr.
 _SECRET_FIELDS = frozenset({"schema_registry_password", "schema_registry_token"})
 #: librdkafka properties that hold secrets (sasl.password, ssl.key.password, sasl.jaas.config, ...).
-_SECRET_KAFKA = re.compile(r"password|secret|token|jaas|key\.pem", re.IGNORECASE)
+_SECRET_KAFKA = re.compile(r"password|secret|token|jaas|oauthbearer\.config|key\.pem", re.IGNORECASE)
 
 _URL_PASSWORD = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s]*@")
 _PARAM_SECRET = re.compile(
@@ -170,7 +170,7 @@ class Settings:
             elif f.name.endswith("_url"):
                 value = redact(value, value)
             elif f.name == "kafka":
-                value = {k: "***" if _SECRET_KAFKA.search(k) else v for k, v in value.items()}
+                value = {k: "***" if _SECRET_KAFKA.search(k) else redact(v) for k, v in value.items()}
             shown.append(f"{f.name}={value!r}")
         return f"Settings({', '.join(shown)})"
 

@@ -64,12 +64,17 @@ def test_settings_repr_shows_no_secret() -> None:
     s = Settings(
         database_url="postgresql://app:db-s3cret@db/taskq",
         schema_registry_url="https://ops:url-s3cret@registry/apis/ccompat/v7",
-        kafka={"sasl.username": "app", "sasl.password": "kafka-s3cret", "ssl.key.password": "key-s3cret"},
+        kafka={
+            "sasl.username": "app",
+            "sasl.password": "kafka-s3cret",
+            "ssl.key.password": "key-s3cret",
+            "sasl.oauthbearer.config": "clientId=app clientSecret=oauth-s3cret",
+        },
     )
     with_auth = Settings(schema_registry_user="ops", schema_registry_password="reg-s3cret")
     with_token = Settings(schema_registry_token="tok-s3cret")
     shown = " ".join([repr(s), str(s), repr(with_auth), repr(with_token)])
-    for secret in ("db-s3cret", "url-s3cret", "kafka-s3cret", "key-s3cret", "reg-s3cret", "tok-s3cret"):
+    for secret in ("db-s3cret", "url-s3cret", "kafka-s3cret", "key-s3cret", "oauth-s3cret", "reg-s3cret", "tok-s3cret"):
         assert secret not in shown
     assert "postgresql://app:***@db/taskq" in shown and "'sasl.username': 'app'" in shown
     assert "schema_registry_user='ops'" in shown and "schema_registry_token='***'" in shown
