@@ -713,9 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="FIELD/HEADER",
-        help="also show this header or payload field (dotted path, or its last part; * matches anything) "
-        "as *** (repeatable; TASKQ_DLQ_REDACT sets the ones always hidden: authorization, cookie, "
-        "*password*, *secret*, *token*, ... by default)",
+        help="also hide this header or payload field (a dotted path or its end; * matches anything): it "
+        "shows as *** (repeatable; TASKQ_DLQ_REDACT names the ones always hidden, by default authorization, "
+        "cookie, *password*, *secret*, *token* and the like)",
     )
     replay_help = "re-enqueue DLQ records with their original task id and key (exit 1 if any is refused)"
     sp = leaf(dlq, "replay", cmd_dlq_replay, replay_help)
