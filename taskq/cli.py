@@ -47,7 +47,7 @@ def cmd_schemas_register(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry, load_schema
 
     out = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for path in args.paths:
             reg = registry.register(load_schema(path))
             out.append(
@@ -65,7 +65,7 @@ def cmd_schemas_list(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry
 
     rows = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for subject in sorted(registry.subjects()):
             latest = registry.latest(subject)
             rows.append({"subject": subject, "latest_version": latest.version, "id": latest.schema_id})
@@ -77,7 +77,7 @@ def cmd_schemas_check(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry, full_name, load_schema
 
     results = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for path in args.paths:
             schema = load_schema(path)
             results.append(
@@ -137,7 +137,7 @@ def cmd_bench_produce(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry
 
     settings = _settings(args)
-    with Registry(settings.schema_registry_url) as registry:
+    with Registry.from_settings(settings) as registry:
         registry.register(demo_schema("send_email"))
     create_topics(settings)
     n = args.count
@@ -420,8 +420,9 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
 def cmd_dlq_show(args: argparse.Namespace) -> int:
     from taskq.consumer.dlq import DeadLetters
 
-    with DeadLetters(_settings(args)) as dlq:
-        data = dlq.show(args.offset).to_dict(full=True)
+    settings = _settings(args)
+    with DeadLetters(settings) as dlq:
+        data = dlq.show(args.offset).redacted([*settings.dlq_redact, *args.redact]).to_dict(full=True)
     lines = [f"DLQ record {data['offset']}"]
     fields = "task_type task_id idempotency_key priority attempts failed_at worker reason error_type original"
     for name in [*fields.split(), "replayed_at", "envelope_error"]:
@@ -490,7 +491,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "retries": retries,
         "retried_tasks": retried_tasks,
     }
-    lines = [f"tier depth (not yet committed by {s.worker_group}):"]
+    # Tier depths are offsets, not records: each of the forwarder's transactions leaves a commit marker
+    # in the tiers it wrote to. Counting records would mean reading every tier, so they are estimates.
+    lines = [f"tier depth, estimated (offsets not yet committed by {s.worker_group}, markers included):"]
     lines += [f"  {p:<9} {n}" for p, n in tiers.items()]
     lines.append(f"DLQ depth (not replayed): {dlq_depth}")
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
@@ -505,7 +508,11 @@ def _tier_depth_gauge() -> Any:
     # Created on first use, not at import: only `taskq stats --metrics-port` exports it.
     from prometheus_client import Gauge
 
-    return Gauge("taskq_tier_depth", "Tasks of a tier the worker group has not committed yet", ["priority"])
+    return Gauge(
+        "taskq_tier_depth",
+        "Estimated tasks of a tier the worker group has not committed (offsets: transaction markers count)",
+        ["priority"],
+    )
 
 
 def _serve_stats(s: Settings, port: int, interval: float, host: str) -> int:
@@ -701,6 +708,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--all", action="store_true", help="include replayed records")
     sp = leaf(dlq, "show", cmd_dlq_show, "one DLQ record: decoded payload, every header, traceback")
     sp.add_argument("offset", type=int)
+    sp.add_argument(
+        "--redact",
+        action="append",
+        default=[],
+        metavar="FIELD/HEADER",
+        help="also hide this header or payload field (a dotted path or its end; * matches anything): it "
+        "shows as *** (repeatable; TASKQ_DLQ_REDACT names the ones always hidden, by default authorization, "
+        "cookie, *password*, *secret*, *token* and the like)",
+    )
     replay_help = "re-enqueue DLQ records with their original task id and key (exit 1 if any is refused)"
     sp = leaf(dlq, "replay", cmd_dlq_replay, replay_help)
     sp.add_argument("offsets", nargs="*", type=int, metavar="OFFSET")

@@ -206,7 +206,7 @@ class Worker:
             )
         self.store: TaskStore = store
         self._recorder = recorder
-        self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
+        self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)

@@ -154,7 +154,7 @@ class TaskProducer:
         self.settings = settings or Settings.from_env()
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
         self._owns_registry = registry is None
-        self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
+        self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._metrics = producer_metrics()
         # Label children bound once per (task type, priority): labels() costs a lock and a tuple per call.
