@@ -329,6 +329,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         buffer_capacity=args.buffer,
         buffer_bytes=args.buffer_mb * 1024 * 1024,
         forwarder=not args.no_forwarder,
+        relay=not args.no_relay,
     )
     if args.processes > 1:
         from taskq.consumer.supervisor import Supervisor
@@ -346,6 +347,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
     log = logging.getLogger("taskq.worker")
     log.info("worker %s: %d handler(s), group %s", worker.worker_id, len(handlers), worker.group)
     worker.run()
+    return 0
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    """Publish the outbox (tasks staged with enqueue(..., conn=)) until SIGTERM/SIGINT."""
+    import signal
+
+    from taskq._core.db import Database
+    from taskq.producer.outbox import OutboxRelay
+
+    relay = OutboxRelay(_settings(args), batch=args.batch)
+    Database(relay.settings.database_url, schema=relay.settings.database_schema).migrate()
+    signal.signal(signal.SIGTERM, lambda signum, frame: relay.stop())
+    signal.signal(signal.SIGINT, lambda signum, frame: relay.stop())
+    logging.getLogger("taskq.relay").info("relay: publishing the outbox of %s", relay.namespace)
+    relay.run()
     return 0
 
 
@@ -467,6 +484,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from taskq._core.db import Database
     from taskq._core.envelope import Topics
     from taskq._core.kafka import Admin
+    from taskq._core.store import Store
     from taskq.consumer.dlq import DeadLetters
     from taskq.consumer.store import IdempotencyStore
     from taskq.producer.backpressure import tier_depths
@@ -481,6 +499,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     try:
         counts = store.counts()
         retried_tasks, retries = store.retries()
+        outbox_rows, outbox_oldest = Store(store.database).outbox_backlog(s.namespace)
     finally:
         store.close()
     data = {
@@ -490,6 +509,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "idempotency": counts,
         "retries": retries,
         "retried_tasks": retried_tasks,
+        "outbox": {"waiting": outbox_rows, "oldest_seconds": round(outbox_oldest, 3)},
     }
     # Tier depths are offsets, not records: each of the forwarder's transactions leaves a commit marker
     # in the tiers it wrote to. Counting records would mean reading every tier, so they are estimates.
@@ -499,6 +519,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     lines.append(f"idempotency records: {by_state or 'none'}")
     lines.append(f"retries: {retries} attempt(s) beyond the first, over {retried_tasks} task(s)")
+    lines.append(f"outbox: {outbox_rows} task(s) waiting for the relay, the oldest for {outbox_oldest:.1f}s")
     _print(args, data, "\n".join(lines))
     return 0
 
@@ -683,16 +704,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-forwarder", action="store_true", help="do not run the delay forwarder in this process"
     )
     sp.add_argument(
+        "--no-relay", action="store_true", help="do not run the outbox relay in this process (taskq relay)"
+    )
+    sp.add_argument(
         "--processes",
         type=int,
         default=1,
         metavar="N",
         help="run N worker processes (each with --concurrency slots) under a supervisor, which forwards "
-        "SIGTERM/SIGINT to them, runs the delay forwarder in one of them, serves one /metrics summing them "
-        "all, and restarts one that dies after 1 s, doubling up to 30 s (back to 1 s once it ran 60 s); "
-        "it stops them and exits 2 when one died 5 times within 60 s (default: 1, no supervisor)",
+        "SIGTERM/SIGINT to them, runs the delay forwarder and the outbox relay in one of them, serves one "
+        "/metrics summing them all, and restarts one that dies after 1 s, doubling up to 30 s (back to 1 s "
+        "once it ran 60 s); it stops them and exits 2 when one died 5 times within 60 s "
+        "(default: 1, no supervisor)",
     )
 
+    sp = leaf(
+        sub,
+        "relay",
+        cmd_relay,
+        "publish tasks staged in the outbox by enqueue(..., conn=) (also runs inside workers)",
+        json_flag=False,
+    )
+    sp.add_argument("--batch", type=int, default=500, help="rows published per transaction (default 500)")
     leaf(
         sub,
         "forwarder",
@@ -744,13 +777,13 @@ def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> No
     id in each line (the supervisor and the worker processes of `--processes N` share one stderr)."""
     process = "[%(process)d]" if pids else ""
     logging.basicConfig(
-        level=logging.INFO if verbose or command in ("worker", "forwarder") else logging.WARNING,
+        level=logging.INFO if verbose or command in ("worker", "forwarder", "relay") else logging.WARNING,
         format=f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s",
         stream=sys.stderr,
     )
     for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if not verbose and command not in ("worker", "forwarder"):
+    if not verbose and command not in ("worker", "forwarder", "relay"):
         # A short-lived command reports what failed in one line; librdkafka's retries and the producer's
         # per-task delivery log would only repeat it.
         for repeats in ("taskq.librdkafka", "taskq.producer"):

@@ -62,6 +62,8 @@ from taskq.consumer.store import (
     NotStarted,
     TaskStore,
 )
+from taskq.producer.outbox import OutboxRelay
+from taskq.producer.outbox import run_in_thread as run_relay
 from taskq.schemas import avro
 from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
 from taskq.schemas.registry import Registry, SchemaRegistry
@@ -105,6 +107,8 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
     #: Run the delay forwarder in this process too (a thread); `taskq forwarder` runs it alone.
     forwarder: bool = True
+    #: Run the outbox relay in this process too (a thread); `taskq relay` runs it alone.
+    relay: bool = True
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -212,6 +216,7 @@ class Worker:
         self._completer = Completer(self.store, self._sink, recorder=recorder)
         self._source: RecordSource | None = None
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
+        self._relay: tuple[OutboxRelay, threading.Thread] | None = None
         self._server: WSGIServer | None = None
         self._last_commit = 0.0
         self._last_poll = 0.0
@@ -271,6 +276,9 @@ class Worker:
         if self.config.forwarder:
             forwarder = Forwarder(self.settings, instance_id=self.worker_id, broker=self.broker)
             self._forwarder = (forwarder, run_in_thread(forwarder))
+        if self.config.relay and self._database is not None:  # the outbox is in Postgres, not in the fakes
+            relay = OutboxRelay(self.settings, broker=self.broker)
+            self._relay = (relay, run_relay(relay))
         self._emit(WorkerStarted(self.worker_id, self.group))
 
     def step(self) -> None:
@@ -304,6 +312,11 @@ class Worker:
             forwarder.stop()
             thread.join(timeout=15)
             self._forwarder = None
+        if self._relay is not None:
+            relay, thread = self._relay
+            relay.stop()
+            thread.join(timeout=15)
+            self._relay = None
         if self._source is not None:
             self._source.close()
             self._source = None

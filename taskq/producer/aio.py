@@ -16,6 +16,8 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
+import psycopg
+
 from taskq._core.errors import ProducerClosedError
 from taskq._core.settings import Settings
 from taskq.producer.producer import Receipt, TaskProducer, TaskSpec, _settled
@@ -60,8 +62,10 @@ class AsyncTaskProducer:
         max_attempts: int | None = None,
         timeout: float | timedelta | None = None,
         wait: bool = False,
+        conn: psycopg.AsyncConnection[Any] | None = None,
     ) -> Receipt:
-        """Enqueue one task (see TaskProducer.enqueue); with wait, until the broker acknowledges it."""
+        """Enqueue one task (see TaskProducer.enqueue); with wait, until the broker acknowledges it; with
+        `conn` (an async psycopg connection in an open transaction), staged in the outbox through it."""
         spec = TaskSpec(
             task_type=task_type,
             payload=payload,
@@ -72,17 +76,33 @@ class AsyncTaskProducer:
             max_attempts=max_attempts,
             timeout=timeout,
         )
-        return (await self.enqueue_many([spec], wait=wait))[0]
+        return (await self.enqueue_many([spec], wait=wait, conn=conn))[0]
 
-    async def enqueue_many(self, tasks: Iterable[TaskSpec], *, wait: bool = False) -> list[Receipt]:
-        """Enqueue a batch: every task is validated first, so an invalid one means none is sent."""
+    async def enqueue_many(
+        self,
+        tasks: Iterable[TaskSpec],
+        *,
+        wait: bool = False,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+    ) -> list[Receipt]:
+        """Enqueue a batch: every task is validated first, so an invalid one means none is sent. With
+        `conn`, staged in the outbox inside that connection's transaction (see TaskProducer.enqueue_many)."""
         producer = self._producer
         specs = list(tasks)
         loop = asyncio.get_running_loop()
+        if conn is not None:
+            producer._check_stageable(wait)
         if producer._may_block(specs):
             prepared = await loop.run_in_executor(None, producer._accept, specs)
         else:
             prepared = producer._accept(specs)
+        if conn is not None:
+            statement, params, receipts = producer._staged(prepared, specs)
+            try:
+                await conn.execute(statement, params)
+            except psycopg.Error as exc:
+                raise producer._stage_failed(exc) from exc
+            return receipts
         if not wait:
             return producer._send(prepared, specs, None)
         futures: list[asyncio.Future[tuple[Receipt, str | None]]] = [loop.create_future() for _ in specs]

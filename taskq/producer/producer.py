@@ -18,6 +18,9 @@ from types import TracebackType
 from typing import Any
 from uuid import UUID
 
+import psycopg
+from psycopg import sql
+
 from taskq._core.db import Database
 from taskq._core.durations import pick_delay_tier
 from taskq._core.envelope import (
@@ -39,10 +42,12 @@ from taskq._core.errors import (
     ProducerClosedError,
     QueueFullError,
     RateLimitedError,
+    StoreUnavailableError,
     UnknownTaskTypeError,
 )
 from taskq._core.kafka import Broker, KafkaBroker, Record
-from taskq._core.settings import Settings
+from taskq._core.settings import Settings, redact
+from taskq._core.store import outbox_stage
 from taskq.producer.backpressure import DepthMonitor
 from taskq.producer.metrics import producer_metrics
 from taskq.producer.ratelimit import RateLimit, RateLimiter
@@ -328,8 +333,10 @@ class TaskProducer:
         max_attempts: int | None = None,
         timeout: float | timedelta | None = None,
         wait: bool = False,
+        conn: psycopg.Connection[Any] | None = None,
     ) -> Receipt:
-        """Enqueue one task; raises, sending nothing, on invalid input, a full tier or an exhausted limit."""
+        """Enqueue one task; raises, sending nothing, on invalid input, a full tier or an exhausted limit.
+        With `conn`, the task is staged in the outbox inside that connection's transaction (enqueue_many)."""
         spec = TaskSpec(
             task_type=task_type,
             payload=payload,
@@ -340,12 +347,29 @@ class TaskProducer:
             max_attempts=max_attempts,
             timeout=timeout,
         )
-        return self.enqueue_many([spec], wait=wait)[0]
+        return self.enqueue_many([spec], wait=wait, conn=conn)[0]
 
-    def enqueue_many(self, tasks: Iterable[TaskSpec], *, wait: bool = False) -> list[Receipt]:
-        """Enqueue a batch: every task is validated first, so an invalid one means none is sent."""
+    def enqueue_many(
+        self, tasks: Iterable[TaskSpec], *, wait: bool = False, conn: psycopg.Connection[Any] | None = None
+    ) -> list[Receipt]:
+        """Enqueue a batch: every task is validated first, so an invalid one means none is sent.
+
+        With `conn` (a psycopg connection in the application's open transaction) the tasks are staged in the
+        outbox through it instead: they are published by a relay after, and only if, that transaction
+        commits.
+        """
         started = time.perf_counter()
         specs = list(tasks)
+        if conn is not None:
+            self._check_stageable(wait)
+            prepared = self._accept(specs)
+            statement, params, receipts = self._staged(prepared, specs)
+            try:
+                conn.execute(statement, params)
+            except psycopg.Error as exc:
+                raise self._stage_failed(exc) from exc
+            self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
+            return receipts
         prepared = self._accept(specs)
         if not wait:
             receipts = self._send(prepared, specs, None)
@@ -402,6 +426,47 @@ class TaskProducer:
                 raise
         return prepared
 
+    @staticmethod
+    def _check_stageable(wait: bool) -> None:
+        if wait:
+            raise InvalidTaskError(
+                "wait=True cannot be combined with conn=: a task staged in your transaction is published "
+                "after it commits"
+            )
+
+    def _staged(
+        self, prepared: Sequence[_Prepared], specs: Sequence[TaskSpec]
+    ) -> tuple[sql.Composed, dict[str, Any], list[Receipt]]:
+        """The statement staging accepted tasks in the outbox, its parameters, and their receipts."""
+        records = []
+        receipts = []
+        for (topic, value, key, env), spec in zip(prepared, specs, strict=True):
+            headers = env.to_headers()
+            if spec.extra_headers:
+                headers.extend(spec.extra_headers)
+            records.append((topic, key, value, headers))
+            receipts.append(
+                Receipt(env.task_id, env.task_type, topic, env.priority, env.idempotency_key, env.not_before)
+            )
+            self._count(env)
+        statement, params = outbox_stage(self.settings.database_schema, self.settings.namespace, records)
+        return statement, params, receipts
+
+    def _stage_failed(self, exc: psycopg.Error) -> StoreUnavailableError:
+        hint = " (run `taskq db migrate`)" if isinstance(exc, psycopg.errors.UndefinedTable) else ""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return StoreUnavailableError(
+            redact(f"staging tasks in the outbox failed: {text}{hint}", self.settings.database_url)
+        )
+
+    def _count(self, env: Envelope) -> None:
+        counter = self._enqueued.get((env.task_type, env.priority))
+        if counter is None:
+            counter = self._enqueued[env.task_type, env.priority] = self._metrics.enqueued.labels(
+                env.task_type, env.priority
+            )
+        counter.inc()
+
     def _may_block(self, specs: Sequence[TaskSpec]) -> bool:
         """Whether _accept could wait on I/O: a schema to fetch from the registry, or a shared rate limit."""
         if self._limiter.shared:
@@ -429,7 +494,6 @@ class TaskProducer:
         # or the on_delivery hook. Any other is reported only if it fails (_undelivered), which saves turning
         # every acknowledgement into a record and a receipt.
         reported = settle is not None or self._on_delivery is not None
-        counters = self._enqueued
         for i, ((topic, value, key, env), spec) in enumerate(zip(prepared, specs, strict=True)):
             receipt = Receipt(
                 env.task_id, env.task_type, topic, env.priority, env.idempotency_key, env.not_before
@@ -448,12 +512,7 @@ class TaskProducer:
                 else None,
                 on_failure=partial(self._undelivered, receipt),
             )
-            counter = counters.get((env.task_type, env.priority))
-            if counter is None:
-                counter = counters[env.task_type, env.priority] = self._metrics.enqueued.labels(
-                    env.task_type, env.priority
-                )
-            counter.inc()
+            self._count(env)
         return receipts
 
     def _undelivered(self, receipt: Receipt, err: str, *, waited: bool = False) -> None:
