@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import psycopg
 from prometheus_client import Counter, Histogram
@@ -74,9 +75,8 @@ class OutboxRelay:
         self._store = Store(self._database)
         # A record not acknowledged within publish_timeout fails then, rather than reaching Kafka later,
         # after its row was given back: the next batch would publish it a second time.
-        self._sink: RecordSink = (broker or KafkaBroker(settings)).sink(
-            **{"message.timeout.ms": int(publish_timeout * 1000)}
-        )
+        timeout: dict[str, Any] = {"message.timeout.ms": int(publish_timeout * 1000)}
+        self._sink: RecordSink = (broker or KafkaBroker(settings)).sink(**timeout)
         self._conn: Connection | None = None
         self._stop = threading.Event()
         self._metrics = relay_metrics()
