@@ -220,6 +220,32 @@ class Store:
         return (int(row["n"]), float(row["oldest"])) if row is not None else (0, 0.0)
 
 
+    # ------------------------------------------------------------------------------------- periodic tasks
+    def periodic_lock(self, tx: Transaction, namespace: str, name: str) -> tuple[bool, datetime | None]:
+        """Lock a periodic task's row in `tx` (creating it): (False, None) if another scheduler holds it,
+        else (True, the last slot staged, or None if none ever was)."""
+        tx.execute("periodic_ensure", namespace=namespace, name=name)
+        row = tx.one("periodic_lock", namespace=namespace, name=name)
+        return (False, None) if row is None else (True, row["last_slot"])
+
+    def periodic_advance(
+        self, tx: Transaction, namespace: str, name: str, slot: datetime, schedule: str, catch_up: str
+    ) -> None:
+        """Record `slot` as the last one staged, in the transaction that staged it."""
+        tx.execute(
+            "periodic_advance",
+            namespace=namespace,
+            name=name,
+            slot=slot,
+            schedule=schedule,
+            catch_up=catch_up,
+        )
+
+    def periodic_list(self, namespace: str) -> list[Row]:
+        """Every periodic task of a namespace a scheduler has seen: name, schedule, catch_up, last_slot."""
+        return self.database.all("periodic_list", namespace=namespace)
+
+
 def _result_json(result: Any) -> str | None:
     if result is None:
         return None

@@ -359,6 +359,7 @@ def _worker_process(
                 worker_id=default_worker_id(),
                 forwarder=config.forwarder and index == 0,
                 relay=config.relay and index == 0,
+                periodic=config.periodic and index == 0,
                 metrics_port=None,  # the supervisor serves every process's metrics
             ),
         )

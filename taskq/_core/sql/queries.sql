@@ -186,3 +186,24 @@ FROM taskq_outbox WHERE namespace = %(namespace)s;
 -- name: outbox_listen
 -- Wake a relay when a transaction that staged tasks commits (outbox_stage notifies).
 LISTEN taskq_outbox
+
+-- name: periodic_ensure
+-- Make sure a periodic task has its row (a new one has no last slot yet).
+INSERT INTO taskq_periodic (namespace, name) VALUES (%(namespace)s, %(name)s)
+ON CONFLICT (namespace, name) DO NOTHING;
+
+-- name: periodic_lock
+-- Lock a periodic task's row for this scheduler's transaction; no row if another scheduler holds it.
+SELECT last_slot FROM taskq_periodic WHERE namespace = %(namespace)s AND name = %(name)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: periodic_advance
+-- Record the last slot staged, in the transaction that staged it.
+UPDATE taskq_periodic SET last_slot = %(slot)s, schedule = %(schedule)s, catch_up = %(catch_up)s,
+    staged_at = clock_timestamp()
+WHERE namespace = %(namespace)s AND name = %(name)s;
+
+-- name: periodic_list
+-- Every periodic task of a namespace that a scheduler has seen, with its last slot.
+SELECT name, schedule, catch_up, last_slot, staged_at FROM taskq_periodic
+WHERE namespace = %(namespace)s ORDER BY name;
