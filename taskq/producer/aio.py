@@ -59,6 +59,7 @@ class AsyncTaskProducer:
         idempotency_key: str | None = None,
         key: str | bytes | None = None,
         delay: timedelta | float | datetime | None = None,
+        at: datetime | None = None,
         max_attempts: int | None = None,
         timeout: float | timedelta | None = None,
         wait: bool = False,
@@ -73,6 +74,7 @@ class AsyncTaskProducer:
             idempotency_key=idempotency_key,
             key=key,
             delay=delay,
+            at=at,
             max_attempts=max_attempts,
             timeout=timeout,
         )

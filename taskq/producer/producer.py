@@ -85,6 +85,8 @@ class TaskSpec:
     idempotency_key: str | None = None
     key: str | bytes | None = None
     delay: timedelta | float | datetime | None = None
+    #: When the task is due (a timezone-aware datetime; a past one runs now), instead of a delay.
+    at: datetime | None = None
     max_attempts: int | None = None
     timeout: float | timedelta | None = None
     task_id: str | None = None
@@ -263,7 +265,12 @@ class TaskProducer:
                 f"timeout must be a positive number of seconds up to {MAX_TIMEOUT_SECONDS:.0f} (7 days), "
                 f"got {spec.timeout!r}"
             )
-        not_before = self._not_before(spec.delay, now)
+        if spec.at is not None:
+            if spec.delay is not None:
+                raise InvalidTaskError("give delay= or at=, not both")
+            if not isinstance(spec.at, datetime):
+                raise InvalidTaskError(f"at must be a timezone-aware datetime, got {spec.at!r}")
+        not_before = self._not_before(spec.at if spec.at is not None else spec.delay, now)
         tt = self._task_type(spec.task_type)
         if tt.check is None or not tt.check(spec.payload):
             avro.validate(tt.parsed, spec.payload, task_type=spec.task_type)
@@ -307,7 +314,7 @@ class TaskProducer:
             return None
         if isinstance(delay, datetime):
             if delay.tzinfo is None:
-                raise InvalidTaskError("an absolute delay must be a timezone-aware datetime")
+                raise InvalidTaskError(f"a due time must be a timezone-aware datetime, got {delay!r} (naive)")
             at = delay
         elif isinstance(delay, timedelta | int | float) and not isinstance(delay, bool):
             # NaN and out-of-range delays would escape as ValueError/OverflowError, not as a bad argument.
@@ -330,6 +337,7 @@ class TaskProducer:
         idempotency_key: str | None = None,
         key: str | bytes | None = None,
         delay: timedelta | float | datetime | None = None,
+        at: datetime | None = None,
         max_attempts: int | None = None,
         timeout: float | timedelta | None = None,
         wait: bool = False,
@@ -344,6 +352,7 @@ class TaskProducer:
             idempotency_key=idempotency_key,
             key=key,
             delay=delay,
+            at=at,
             max_attempts=max_attempts,
             timeout=timeout,
         )
