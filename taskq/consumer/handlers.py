@@ -55,6 +55,8 @@ class HandlerSpec:
     group_commit: bool = True
     upcaster: Upcaster | None = None
     is_async: bool = field(default=False)
+    #: Tasks with the same key (the `key=` they were enqueued with) run one at a time, in enqueue order.
+    ordered: bool = False
 
 
 class Handlers:
@@ -79,8 +81,13 @@ class Handlers:
         retry: RetryPolicy | None = None,
         non_retryable: tuple[type[BaseException], ...] = (),
         upcaster: Upcaster | None = None,
+        ordered: bool = False,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register `fn(payload, ctx)` (or `async def`) as the handler of a task type.
+
+        ordered=True: tasks enqueued with the same `key=` (in one tier) run one at a time, in enqueue order.
+        A failing one is retried in place, holding its key's later tasks back until it succeeds or is
+        dead-lettered.
 
         transactional=True: `ctx.db` is a connection in the transaction that records the completion, so the
         handler's writes there happen exactly once. Attempts ready together run in one transaction, each
@@ -129,6 +136,7 @@ class Handlers:
                 isolation=isolation,
                 upcaster=upcaster,
                 is_async=is_async,
+                ordered=ordered,
             )
             return fn
 

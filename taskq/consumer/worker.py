@@ -150,6 +150,11 @@ class _Held:
     due: float
 
 
+def _key(task: _Task) -> tuple[TP, bytes | None]:
+    """What an ordered task type serializes on: its partition and message key."""
+    return task.record.tp, task.record.key
+
+
 def _size(record: Record) -> int:
     """Bytes a buffered record holds: its value and headers."""
     return len(record.value or b"") + sum(len(k) + len(v) for k, v in record.headers)
@@ -194,6 +199,8 @@ class Worker:
         self._undecoded: list[Record] = []
         self._arrived: list[_Task] = []  # decoded this tick, to claim in one round trip
         self._unstarted: list[_Task] = []  # left out of a group that stopped early, to release
+        # Ordered task types: the task that holds each (partition, key) while it runs or waits to retry.
+        self._key_holder: dict[tuple[TP, bytes | None], int] = {}
         self._revoking: set[TP] = set()  # partitions whose revocation is being served
         self._paused: set[TP] = set()
         self._resume_at: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)  # depth a paused tier resumes at
@@ -543,15 +550,20 @@ class Worker:
         per_group = max(1, min(GROUP_MAX, len(self._scheduler) // (2 * free)))
         jobs: list[list[_Task]] = []
         group: list[_Task] = []
+        waiting: list[_Task] = []  # ordered tasks whose key is held by an earlier task: they keep their place
         while len(jobs) < free or 0 < len(group) < per_group:
             task = self._scheduler.pop()
             if task is None:
                 break
+            if task.spec.ordered and self._key_holder.get(_key(task), id(task)) != id(task):
+                waiting.append(task)
+                continue
             if not (task.spec.transactional and task.spec.group_commit):
                 if len(jobs) >= free:  # only the open group had room: the task waits, first in line
                     self._scheduler.push_front(task.tier, task)
                     break
                 jobs.append([task])
+                self._hold_key(task)
                 continue
             if not group or len(group) >= per_group:
                 if len(jobs) >= free:
@@ -560,11 +572,18 @@ class Worker:
                 group = []
                 jobs.append(group)
             group.append(task)
+            self._hold_key(task)
+        for task in reversed(waiting):
+            self._scheduler.push_front(task.tier, task)
         stale = self._clock() - self.config.claim_wait / 2
         waited = [t for job in jobs for t in job if t.claimed_at < stale]
         if waited:
             # One statement renews every long-waiting task of this dispatch; those not renewed are dropped.
             lost = {id(t) for t in waited} - {id(t) for t in self._renew(waited)}
+            for job in jobs:
+                for t in job:
+                    if id(t) in lost:
+                        self._free_key(t)
             jobs = [[t for t in job if id(t) not in lost] for job in jobs]
         for job in jobs:
             if job and job[0].spec.transactional and job[0].spec.group_commit:
@@ -826,6 +845,13 @@ class Worker:
             )
             self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
             return
+        if spec.ordered:
+            # Retried in place: its offset stays pending and its key stays held, so the key's later tasks
+            # wait for it (what ordering means); a restart or rebalance redelivers it first.
+            self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
+            self._completer.record(Finished(env.idempotency_key, task.attempts, "failed", error=message))
+            self._held.append(_Held(task, self._clock() + delay.total_seconds()))
+            return
         now = datetime.now(UTC)
         out = retry_record(
             task.record,
@@ -898,7 +924,16 @@ class Worker:
         self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
 
     def _done(self, task: _Task) -> None:
+        self._free_key(task)
         self._offset_done(task.record, task.generation)
+
+    def _hold_key(self, task: _Task) -> None:
+        if task.spec.ordered:
+            self._key_holder[_key(task)] = id(task)
+
+    def _free_key(self, task: _Task) -> None:
+        if task.spec.ordered and self._key_holder.get(_key(task)) == id(task):
+            del self._key_holder[_key(task)]
 
     def _offset_done(self, record: Record, generation: int) -> None:
         if self._generation.get(record.tp) == generation and record.tp in self._assigned:
@@ -969,6 +1004,7 @@ class Worker:
         self._release(dropped)
         self._held = [h for h in self._held if h.task.record.tp not in revoked]
         self._undecoded = [r for r in self._undecoded if r.tp not in revoked]
+        self._key_holder = {k: v for k, v in self._key_holder.items() if k[0] not in revoked}
         self._drain(
             lambda: any(t.record.tp in revoked for t in self._running.values()),
             timeout=self.config.revoke_timeout,
