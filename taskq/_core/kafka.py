@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -48,6 +49,9 @@ class Record:
     value: bytes | None
     headers: Headers
     timestamp_ms: int
+    #: Why the headers could not be read (they are then empty): the record is input that never becomes a
+    #: task, dead-lettered with this as its reason.
+    header_error: str | None = None
 
     @property
     def tp(self) -> TP:
@@ -63,20 +67,36 @@ class Record:
 
 
 def _record(msg: Message) -> Record:
+    headers, error = _headers(msg)
     return Record(
         topic=msg.topic() or "",
         partition=msg.partition() or 0,
         offset=msg.offset() or 0,
         key=msg.key(),
         value=msg.value(),
-        headers=[(str(k), _bytes(v)) for k, v in _headers(msg)],
+        headers=headers,
         timestamp_ms=msg.timestamp()[1],
+        header_error=error,
     )
 
 
-def _headers(msg: Message) -> list[tuple[str, Any]]:
-    raw: Any = msg.headers() or []
-    return list(raw)
+#: Message.headers(), called so that its result is always checked. The client decodes each header key as
+#: UTF-8; on a key that is not, it returns a list holding a tuple with a missing key *and* sets the
+#: exception. A plain `msg.headers()` that the interpreter has specialised (a hot call site) skips the
+#: check: the list comes back, and unpacking the broken tuple kills the process with SIGSEGV. Called this
+#: way the call always raises SystemError (from the UnicodeDecodeError) and the list is never seen.
+_read_headers = operator.methodcaller("headers")
+
+
+def _headers(msg: Message) -> tuple[Headers, str | None]:
+    """The record's headers, or none and why they could not be read."""
+    try:
+        raw: Any = _read_headers(msg) or []
+    except (UnicodeError, SystemError) as exc:
+        cause = exc if isinstance(exc, UnicodeError) else exc.__cause__ or exc.__context__
+        detail = f" ({cause})" if isinstance(cause, UnicodeError) else ""
+        return [], f"unreadable headers: a header key is not valid UTF-8{detail}"
+    return [(str(k), _bytes(v)) for k, v in raw], None
 
 
 def _bytes(value: str | bytes | None) -> bytes:
