@@ -182,9 +182,23 @@ def _errors(what: str) -> Iterator[None]:
         raise _wrap(what, exc) from exc
 
 
-def _wrap(what: str, exc: KafkaException) -> KafkaUnavailableError:
+#: Errors meaning no broker answered in time: the message says where it asked and how long it waited.
+_UNREACHABLE = frozenset(
+    {KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE}
+)
+
+
+def _wrap(
+    what: str, exc: KafkaException, *, servers: str = "", timeout: float = 0.0
+) -> KafkaUnavailableError:
     err = exc.args[0] if exc.args else exc
-    return KafkaUnavailableError(f"{what}: {err}")
+    if not isinstance(err, KafkaError):
+        return KafkaUnavailableError(f"{what}: {err}")
+    if servers and err.code() in _UNREACHABLE:
+        return KafkaUnavailableError(
+            f"{what}: no answer from the Kafka broker at {servers} within {timeout:g} s ({err.str()})"
+        )
+    return KafkaUnavailableError(f"{what}: {err.str()} ({err.name()})")
 
 
 class Sink:
@@ -426,9 +440,13 @@ class TopicSpec:
 class Admin:
     """Topic provisioning and offset look-ups."""
 
-    def __init__(self, settings: Settings, *, timeout: float = 30.0) -> None:
+    def __init__(self, settings: Settings, *, timeout: float | None = None) -> None:
         self._a = _client(AdminClient, base_config(settings))
-        self._timeout = timeout
+        self._timeout = settings.kafka_timeout if timeout is None else timeout
+        self._servers = redact(settings.bootstrap_servers)
+
+    def _wrap(self, what: str, exc: KafkaException) -> KafkaUnavailableError:
+        return _wrap(what, exc, servers=self._servers, timeout=self._timeout)
 
     def create_topics(self, specs: Sequence[TopicSpec]) -> dict[str, bool]:
         """Create topics that do not exist; returns name -> created (False: it existed already)."""
@@ -457,20 +475,23 @@ class Admin:
                 if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     created[name] = False
                 else:
-                    raise _wrap(f"creating topic {name}", exc) from exc
+                    raise self._wrap(f"creating topic {name}", exc) from exc
         return created
 
     def delete_topics(self, names: Sequence[str]) -> None:
         """Delete topics (missing ones are ignored)."""
         if not names:
             return
-        for name, fut in self._a.delete_topics(list(names), operation_timeout=self._timeout).items():
+        futures = self._a.delete_topics(
+            list(names), operation_timeout=self._timeout, request_timeout=self._timeout
+        )
+        for name, fut in futures.items():
             try:
                 fut.result()
             except KafkaException as exc:
                 err = exc.args[0]
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
-                    raise _wrap(f"deleting topic {name}", exc) from exc
+                    raise self._wrap(f"deleting topic {name}", exc) from exc
 
     def delete_groups(self, groups: Sequence[str]) -> None:
         """Delete consumer groups that have no members left (missing ones are ignored)."""
@@ -483,14 +504,14 @@ class Admin:
             except KafkaException as exc:
                 err = exc.args[0]
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.GROUP_ID_NOT_FOUND):
-                    raise _wrap(f"deleting group {group}", exc) from exc
+                    raise self._wrap(f"deleting group {group}", exc) from exc
 
     def partitions(self, topics: Sequence[str]) -> dict[str, int]:
         """Partition counts of existing topics (missing topics are left out)."""
         try:
             md = self._a.list_topics(timeout=self._timeout)
         except KafkaException as exc:
-            raise _wrap("listing topics", exc) from exc
+            raise self._wrap("listing topics", exc) from exc
         return {
             t: len(md.topics[t].partitions) for t in topics if t in md.topics and md.topics[t].error is None
         }
@@ -520,7 +541,7 @@ class Admin:
                 err = exc.args[0] if exc.args else None
                 transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_MOVING)
                 if not transient or time.monotonic() + backoff > deadline:
-                    raise _wrap("listing offsets", exc) from exc
+                    raise self._wrap("listing offsets", exc) from exc
             time.sleep(backoff)
             backoff = min(1.0, backoff * 2)
 
@@ -536,7 +557,7 @@ class Admin:
             )[group]
             res = fut.result()
         except KafkaException as exc:
-            raise _wrap(f"reading offsets of group {group}", exc) from exc
+            raise self._wrap(f"reading offsets of group {group}", exc) from exc
         return {(p.topic, p.partition): (p.offset if p.offset >= 0 else -1) for p in res.topic_partitions}
 
 
