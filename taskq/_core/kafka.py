@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import operator
+import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -107,9 +110,48 @@ def _bytes(value: str | bytes | None) -> bytes:
 #: shows warnings), instead of straight to stderr.
 LIBRDKAFKA_LOG = logging.getLogger("taskq.librdkafka")
 
+_DIGITS = re.compile(r"\d+")
+
+
+class RepeatFilter(logging.Filter):
+    """Collapses a flood of one kind of log line: the first is logged, then at most one every `window`
+    seconds, saying how many like it were held back since the last one shown.
+
+    A kind is the level and the line with its numbers blanked out: while a broker is away librdkafka
+    reports "Connect to ... failed (after 0ms in state CONNECT)" about every 50 ms per client.
+    """
+
+    def __init__(self, window: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._kinds: dict[tuple[int, str], tuple[float, int]] = {}  # kind -> (last shown, held back since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether to log this record; the one that ends a held-back run says how many it stood for."""
+        text = record.getMessage()
+        kind = (record.levelno, _DIGITS.sub("#", text))
+        now = self._clock()
+        with self._lock:
+            shown, held = self._kinds.get(kind, (-math.inf, 0))
+            if now - shown < self.window:
+                self._kinds[kind] = (shown, held + 1)
+                return False
+            if len(self._kinds) >= 1000:  # bounded: forget the kinds that are quiet
+                self._kinds = {k: v for k, v in self._kinds.items() if now - v[0] < self.window}
+            self._kinds[kind] = (now, 0)
+        if held:
+            record.msg, record.args = f"{text} [repeated {held} times in the last {now - shown:.0f} s]", None
+        return True
+
+
+_REPEATS = RepeatFilter()
+
 
 def base_config(settings: Settings) -> dict[str, Any]:
     """librdkafka settings common to every client: brokers plus the pass-through security settings."""
+    LIBRDKAFKA_LOG.addFilter(_REPEATS)  # once: addFilter ignores a filter it has
     return {"bootstrap.servers": settings.bootstrap_servers, "logger": LIBRDKAFKA_LOG, **settings.kafka}
 
 
