@@ -16,7 +16,6 @@ from typing import Any, Protocol, TypeVar
 from confluent_kafka import (
     OFFSET_INVALID,
     Consumer,
-    ConsumerGroupTopicPartitions,
     KafkaError,
     KafkaException,
     Message,
@@ -30,9 +29,17 @@ from taskq._core.settings import Settings, redact
 
 log = logging.getLogger("taskq.kafka")
 
-#: Errors meaning a partition's leader is not (yet) known where asked: retried until the admin timeout.
-_LEADER_MOVING = frozenset(
-    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+#: Errors meaning a partition's leader or a group's coordinator is not (yet) ready where asked: retried
+#: until the admin timeout.
+_NOT_READY = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    }
 )
 
 TP = tuple[str, int]
@@ -203,6 +210,7 @@ def consumer_config(settings: Settings, *, group: str) -> dict[str, Any]:
 
 
 C = TypeVar("C")
+R = TypeVar("R")
 
 
 def _client(factory: Callable[[dict[str, Any]], C], conf: dict[str, Any]) -> C:
@@ -486,6 +494,8 @@ class Admin:
         self._a = _client(AdminClient, base_config(settings))
         self._timeout = settings.kafka_timeout if timeout is None else timeout
         self._servers = redact(settings.bootstrap_servers)
+        self._settings = settings
+        self._readers: dict[str, Consumer] = {}  # group -> a consumer that reads its offsets
 
     def _wrap(self, what: str, exc: KafkaException) -> KafkaUnavailableError:
         return _wrap(what, exc, servers=self._servers, timeout=self._timeout)
@@ -571,21 +581,12 @@ class Admin:
         req = {TopicPartition(t, p): spec for t, n in counts.items() for p in range(n)}
         if not req:
             return {}
-        deadline = time.monotonic() + self._timeout
-        backoff = 0.05
-        while True:
-            try:
-                futures = self._a.list_offsets(req, request_timeout=self._timeout)
-                return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
-            except KafkaException as exc:
-                # Right after a topic is created (or a leader moves) the broker answers "not leader"
-                # for a moment; that is a state to wait out, not a failure to report.
-                err = exc.args[0] if exc.args else None
-                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_MOVING)
-                if not transient or time.monotonic() + backoff > deadline:
-                    raise self._wrap("listing offsets", exc) from exc
-            time.sleep(backoff)
-            backoff = min(1.0, backoff * 2)
+
+        def list_offsets(left: float) -> dict[TP, int]:
+            futures = self._a.list_offsets(req, request_timeout=left)
+            return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+
+        return self._answered("listing offsets", list_offsets)
 
     def committed(self, group: str, topics: Sequence[str]) -> dict[TP, int]:
         """A group's committed offsets on these topics (-1 where it committed nothing)."""
@@ -593,14 +594,35 @@ class Admin:
         parts = [TopicPartition(t, p) for t, n in counts.items() for p in range(n)]
         if not parts:
             return {}
-        try:
-            fut = self._a.list_consumer_group_offsets(
-                [ConsumerGroupTopicPartitions(group, parts)], request_timeout=self._timeout
-            )[group]
-            res = fut.result()
-        except KafkaException as exc:
-            raise self._wrap(f"reading offsets of group {group}", exc) from exc
-        return {(p.topic, p.partition): (p.offset if p.offset >= 0 else -1) for p in res.topic_partitions}
+        # Read by a consumer of the group (which does not join it), not by list_consumer_group_offsets:
+        # librdkafka (2.13 to 2.16 at least) kills the process with SIGSEGV when that admin request meets a
+        # coordinator still loading, as on a broker's first seconds: its OffsetFetch error path calls into
+        # a consumer group the admin client does not have (rd_kafka_handle_OffsetFetch -> rd_kafka_cgrp_op).
+        reader = self._readers.get(group)
+        if reader is None:
+            conf = base_config(self._settings) | {"group.id": group, "enable.auto.commit": False}
+            reader = self._readers[group] = _client(Consumer, conf)
+        found = self._answered(
+            f"reading offsets of group {group}", lambda left: reader.committed(parts, timeout=left)
+        )
+        return {(p.topic, p.partition): (p.offset if p.offset >= 0 else -1) for p in found}
+
+    def _answered(self, what: str, call: Callable[[float], R]) -> R:
+        """`call(seconds left)`, again while the broker answers that it is not ready yet (a leader or a
+        group coordinator being elected or loading, as right after a topic or the broker starts), until
+        the admin timeout; that is a state to wait out, not a failure to report."""
+        deadline = time.monotonic() + self._timeout
+        backoff = 0.05
+        while True:
+            try:
+                return call(max(0.1, deadline - time.monotonic()))
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in _NOT_READY)
+                if not transient or time.monotonic() + backoff > deadline:
+                    raise self._wrap(what, exc) from exc
+            time.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
 
 
 # ------------------------------------------------------------------------------------------------ the seam
