@@ -27,10 +27,12 @@ class Lines(logging.Handler):
 
 @pytest.fixture
 def lines() -> Iterator[Lines]:
-    handler = Lines()
+    handler, level = Lines(), LIBRDKAFKA_LOG.level
     LIBRDKAFKA_LOG.addHandler(handler)
+    LIBRDKAFKA_LOG.setLevel(logging.WARNING)  # as in a worker (the CLI's one-off commands quiet it)
     yield handler
     LIBRDKAFKA_LOG.removeHandler(handler)
+    LIBRDKAFKA_LOG.setLevel(level)
 
 
 def connect_failed(log: logging.Logger, client: str, after_ms: int) -> None:
