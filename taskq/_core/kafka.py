@@ -104,8 +104,9 @@ def _headers(msg: Message) -> tuple[Headers, str | None]:
         raw: Any = _read_headers(msg) or []
     except (UnicodeError, SystemError) as exc:
         cause = exc if isinstance(exc, UnicodeError) else exc.__cause__ or exc.__context__
-        detail = f" ({cause})" if isinstance(cause, UnicodeError) else ""
-        return [], f"unreadable headers: a header key is not valid UTF-8{detail}"
+        if isinstance(cause, UnicodeError):
+            return [], f"unreadable headers: a header key is not valid UTF-8 ({cause})"
+        return [], f"unreadable headers: {str(exc)[:200]}"
     return [(str(k), _bytes(v)) for k, v in raw], None
 
 
