@@ -263,6 +263,8 @@ class Sink:
             conf["message.timeout.ms"] = 60000  # librdkafka requires it <= transaction.timeout.ms
         conf.update(overrides)
         self._p = _client(Producer, conf)
+        self._servers = redact(settings.bootstrap_servers)
+        self._message_timeout = float(conf["message.timeout.ms"]) / 1000
 
     def send(
         self,
@@ -279,7 +281,10 @@ class Sink:
         if on_delivery is not None:
 
             def cb(err: KafkaError | None, msg: Message) -> None:
-                on_delivery(None if err is None else str(err), _record(msg) if err is None else None)
+                if err is None:
+                    on_delivery(None, _record(msg))
+                else:
+                    on_delivery(self._failure(err), None)
 
         kw: dict[str, Any] = {"key": key, "value": value, "headers": headers, "on_delivery": cb}
         if partition is not None:
@@ -299,6 +304,14 @@ class Sink:
                         f"producing to {topic}: a record of {size} bytes is too large"
                     ) from exc
                 raise _wrap(f"producing to {topic}", exc) from exc
+
+    def _failure(self, err: KafkaError) -> str:
+        if err.code() == KafkaError._MSG_TIMED_OUT:
+            return (
+                f"no answer from the Kafka broker at {self._servers} within {self._message_timeout:g} s "
+                f"({err.str()})"
+            )
+        return f"{err.str()} ({err.name()})"
 
     def poll(self, timeout: float = 0.0) -> int:
         """Serve delivery callbacks."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from taskq._core.settings import Settings
+from taskq.schemas import Registry
 
 #: Every one-off command that talks to Kafka (the worker and the forwarder wait for it instead).
 COMMANDS = [
@@ -44,3 +46,21 @@ def test_a_command_with_the_broker_away_fails_in_about_10_s_in_one_line(
     assert len(lines) == 1, out.stderr[-3000:]
     assert lines[0].startswith("taskq: error:"), lines[0]
     assert "no answer from the Kafka broker at 127.0.0.1:1" in lines[0], lines[0]
+
+
+def test_enqueue_with_the_broker_away_names_it_in_one_line(
+    settings: Settings, env_of: Callable[..., dict[str, str]], task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    with Registry(settings.schema_registry_url) as registry:  # the registry answers, the broker never does
+        task_type = registry.register(task_schema("Job", [{"name": "n", "type": "int"}])).subject
+    out = subprocess.run(
+        [sys.executable, "-m", "taskq.cli", "enqueue", task_type, "--json", '{"n": 1}'],
+        env=env_of(TASKQ_BOOTSTRAP_SERVERS="127.0.0.1:1"),
+        capture_output=True,
+        text=True,
+        timeout=25,
+    )
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert "not acknowledged: no answer from the Kafka broker at 127.0.0.1:1 within 10 s" in lines[0], out
