@@ -275,8 +275,11 @@ class Sink:
         headers: Headers,
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
-        """Queue one record; `on_delivery` runs from poll()/flush() with None on success or the error."""
+        """Queue one record; `on_delivery` runs from poll()/flush() with None on success or the error.
+        `on_failure` instead hears only of a failure, without the record: the cheaper report when the
+        partition and offset of a success are not wanted."""
         cb = None
         if on_delivery is not None:
 
@@ -285,6 +288,12 @@ class Sink:
                     on_delivery(None, _record(msg))
                 else:
                     on_delivery(self._failure(err), None)
+
+        elif on_failure is not None:
+
+            def cb(err: KafkaError | None, msg: Message) -> None:
+                if err is not None:
+                    on_failure(self._failure(err))
 
         kw: dict[str, Any] = {"key": key, "value": value, "headers": headers, "on_delivery": cb}
         if partition is not None:
@@ -673,6 +682,7 @@ class RecordSink(Protocol):
         headers: Headers,
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None: ...
     def poll(self, timeout: float = 0.0) -> int: ...
     def flush(self, timeout: float | None = None) -> int: ...

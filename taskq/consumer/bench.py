@@ -131,7 +131,7 @@ def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "
         if handler == "transactional":
             with db.connection() as conn:
                 conn.execute(f"CREATE TABLE {_EFFECTS_TABLE} (key text PRIMARY KEY, i int NOT NULL)")
-        with Registry(s.schema_registry_url) as registry:
+        with Registry.from_settings(s) as registry:
             registry.register(schema)
         yield run
     finally:
@@ -144,7 +144,7 @@ def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "
             except KafkaUnavailableError as exc:  # a group the broker still sees members in: it expires alone
                 log.warning("bench: %s", exc)
         db.drop_schema()
-        with Registry(s.schema_registry_url) as registry:
+        with Registry.from_settings(s) as registry:
             registry.delete_subject(run.task_type)
 
 

@@ -49,6 +49,8 @@ from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
 from taskq.consumer.forwarder import Forwarder, run_in_thread
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
 from taskq.consumer.offsets import OffsetTracker
+from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
+from taskq.consumer.periodic import run_in_thread as run_periodic
 from taskq.consumer.retry import Reject
 from taskq.consumer.routing import bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
@@ -62,6 +64,9 @@ from taskq.consumer.store import (
     NotStarted,
     TaskStore,
 )
+from taskq.producer.outbox import OutboxRelay
+from taskq.producer.outbox import run_in_thread as run_relay
+from taskq.producer.producer import TaskProducer
 from taskq.schemas import avro
 from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
 from taskq.schemas.registry import Registry, SchemaRegistry
@@ -105,6 +110,10 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
     #: Run the delay forwarder in this process too (a thread); `taskq forwarder` runs it alone.
     forwarder: bool = True
+    #: Run the outbox relay in this process too (a thread); `taskq relay` runs it alone.
+    relay: bool = True
+    #: Run the scheduler of the handlers' periodic tasks in this process (a thread).
+    periodic: bool = True
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -206,12 +215,14 @@ class Worker:
             )
         self.store: TaskStore = store
         self._recorder = recorder
-        self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
+        self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)
         self._source: RecordSource | None = None
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
+        self._relay: tuple[OutboxRelay, threading.Thread] | None = None
+        self._periodic: tuple[PeriodicScheduler, threading.Thread, TaskProducer] | None = None
         self._server: WSGIServer | None = None
         self._last_commit = 0.0
         self._last_poll = 0.0
@@ -271,7 +282,35 @@ class Worker:
         if self.config.forwarder:
             forwarder = Forwarder(self.settings, instance_id=self.worker_id, broker=self.broker)
             self._forwarder = (forwarder, run_in_thread(forwarder))
+        if self.config.relay and self._database is not None:  # the outbox is in Postgres, not in the fakes
+            relay = OutboxRelay(self.settings, broker=self.broker)
+            self._relay = (relay, run_relay(relay))
+        if self.config.periodic and self._database is not None and self.handlers.periodic_tasks:
+            self._periodic = self._start_periodic(self._database)
         self._emit(WorkerStarted(self.worker_id, self.group))
+
+    def _start_periodic(
+        self, database: Database
+    ) -> tuple[PeriodicScheduler, threading.Thread, TaskProducer]:
+        # Slots are staged in the outbox, in the transaction that advances the schedule: the relay publishes.
+        producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
+
+        def stage(spec: PeriodicSpec, slot: datetime, conn: Any) -> None:
+            producer.enqueue(
+                spec.task_type,
+                spec.payload,
+                priority=spec.priority,
+                idempotency_key=spec.idempotency_key(slot),
+                conn=conn,
+            )
+
+        scheduler = PeriodicScheduler(
+            self.handlers.periodic_tasks,
+            Database(self.settings.database_url, schema=self.settings.database_schema),
+            self.settings.namespace,
+            stage,
+        )
+        return scheduler, run_periodic(scheduler), producer
 
     def step(self) -> None:
         """One turn of the loop: fetch, dispatch, record outcomes, commit when due."""
@@ -304,6 +343,17 @@ class Worker:
             forwarder.stop()
             thread.join(timeout=15)
             self._forwarder = None
+        if self._periodic is not None:
+            scheduler, thread, producer = self._periodic
+            scheduler.stop()
+            thread.join(timeout=15)
+            producer.close(5)
+            self._periodic = None
+        if self._relay is not None:
+            relay, thread = self._relay
+            relay.stop()
+            thread.join(timeout=15)
+            self._relay = None
         if self._source is not None:
             self._source.close()
             self._source = None

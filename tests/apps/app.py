@@ -31,6 +31,7 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Fragile": [{"name": "key", "type": "string"}],
         "RejectProc": [{"name": "code", "type": "int"}],
         "Flaky": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
+        "Tick": [{"name": "note", "type": "string", "default": ""}],
     }
     return {
         name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()
@@ -45,6 +46,7 @@ CREATE TABLE IF NOT EXISTS ledger (
     priority text NOT NULL, worker int NOT NULL
 );
 CREATE TABLE IF NOT EXISTS broken (key text PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS ticks (slot text NOT NULL, worker int NOT NULL);
 CREATE TABLE IF NOT EXISTS attempt_log (
     key text NOT NULL, attempt int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""  # no unique constraint on key: a duplicate effect must be visible, not refused
@@ -113,3 +115,13 @@ def fragile(payload: dict[str, Any], ctx: TaskContext) -> None:
 @handlers.task(f"{NS}.RejectProc", schema=S["RejectProc"], max_attempts=5, isolation="process")
 def reject_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
     raise Reject(f"code {payload['code']} can never be processed")
+
+
+@handlers.task(f"{NS}.Tick", schema=S["Tick"], transactional=True)
+def tick(payload: dict[str, Any], ctx: TaskContext) -> None:
+    ctx.db.execute("INSERT INTO ticks (slot, worker) VALUES (%s, %s)", (ctx.idempotency_key, os.getpid()))
+
+
+# Only the periodic test's workers schedule it (TASKQ_TEST_PERIODIC=<interval>).
+if os.environ.get("TASKQ_TEST_PERIODIC"):
+    handlers.periodic(every=os.environ["TASKQ_TEST_PERIODIC"], payload={"note": "tick"})(tick)
