@@ -25,10 +25,17 @@ def _print(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, default=str) if args.json else text, flush=True)
 
 
+#: Commands that run until stopped: they wait out a broker that is away, the others report it.
+_LONG_RUNNING = ("worker", "forwarder", "relay")
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    overrides = {}
+    overrides: dict[str, Any] = {}
     if getattr(args, "namespace", None):
         overrides["namespace"] = args.namespace
+    if args.command not in _LONG_RUNNING:
+        # Fail fast: a one-off command that cannot reach the broker says so in about 10 s.
+        overrides["kafka_timeout"] = 10.0
     return Settings.from_env(**overrides)
 
 
@@ -825,13 +832,13 @@ def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> No
     id in each line (the supervisor and the worker processes of `--processes N` share one stderr)."""
     process = "[%(process)d]" if pids else ""
     logging.basicConfig(
-        level=logging.INFO if verbose or command in ("worker", "forwarder", "relay") else logging.WARNING,
+        level=logging.INFO if verbose or command in _LONG_RUNNING else logging.WARNING,
         format=f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s",
         stream=sys.stderr,
     )
     for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if not verbose and command not in ("worker", "forwarder", "relay"):
+    if not verbose and command not in _LONG_RUNNING:
         # A short-lived command reports what failed in one line; librdkafka's retries and the producer's
         # per-task delivery log would only repeat it.
         for repeats in ("taskq.librdkafka", "taskq.producer"):

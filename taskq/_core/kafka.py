@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
+import operator
+import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -12,7 +16,6 @@ from typing import Any, Protocol, TypeVar
 from confluent_kafka import (
     OFFSET_INVALID,
     Consumer,
-    ConsumerGroupTopicPartitions,
     KafkaError,
     KafkaException,
     Message,
@@ -26,9 +29,17 @@ from taskq._core.settings import Settings, redact
 
 log = logging.getLogger("taskq.kafka")
 
-#: Errors meaning a partition's leader is not (yet) known where asked: retried until the admin timeout.
-_LEADER_MOVING = frozenset(
-    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+#: Errors meaning a partition's leader or a group's coordinator is not (yet) ready where asked: retried
+#: until the admin timeout.
+_NOT_READY = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    }
 )
 
 TP = tuple[str, int]
@@ -48,6 +59,9 @@ class Record:
     value: bytes | None
     headers: Headers
     timestamp_ms: int
+    #: Why the headers could not be read (they are then empty): the record is input that never becomes a
+    #: task, dead-lettered with this as its reason.
+    header_error: str | None = None
 
     @property
     def tp(self) -> TP:
@@ -63,20 +77,37 @@ class Record:
 
 
 def _record(msg: Message) -> Record:
+    headers, error = _headers(msg)
     return Record(
         topic=msg.topic() or "",
         partition=msg.partition() or 0,
         offset=msg.offset() or 0,
         key=msg.key(),
         value=msg.value(),
-        headers=[(str(k), _bytes(v)) for k, v in _headers(msg)],
+        headers=headers,
         timestamp_ms=msg.timestamp()[1],
+        header_error=error,
     )
 
 
-def _headers(msg: Message) -> list[tuple[str, Any]]:
-    raw: Any = msg.headers() or []
-    return list(raw)
+#: Message.headers(), called so that its result is always checked. The client decodes each header key as
+#: UTF-8; on a key that is not, it returns a list holding a tuple with a missing key *and* sets the
+#: exception. A plain `msg.headers()` that the interpreter has specialised (a hot call site) skips the
+#: check: the list comes back, and unpacking the broken tuple kills the process with SIGSEGV. Called this
+#: way the call always raises SystemError (from the UnicodeDecodeError) and the list is never seen.
+_read_headers = operator.methodcaller("headers")
+
+
+def _headers(msg: Message) -> tuple[Headers, str | None]:
+    """The record's headers, or none and why they could not be read."""
+    try:
+        raw: Any = _read_headers(msg) or []
+    except (UnicodeError, SystemError) as exc:
+        cause = exc if isinstance(exc, UnicodeError) else exc.__cause__ or exc.__context__
+        if isinstance(cause, UnicodeError):
+            return [], f"unreadable headers: a header key is not valid UTF-8 ({cause})"
+        return [], f"unreadable headers: {str(exc)[:200]}"
+    return [(str(k), _bytes(v)) for k, v in raw], None
 
 
 def _bytes(value: str | bytes | None) -> bytes:
@@ -87,9 +118,48 @@ def _bytes(value: str | bytes | None) -> bytes:
 #: shows warnings), instead of straight to stderr.
 LIBRDKAFKA_LOG = logging.getLogger("taskq.librdkafka")
 
+_DIGITS = re.compile(r"\d+")
+
+
+class RepeatFilter(logging.Filter):
+    """Collapses a flood of one kind of log line: the first is logged, then at most one every `window`
+    seconds, saying how many like it were held back since the last one shown.
+
+    A kind is the level and the line with its numbers blanked out: while a broker is away librdkafka
+    reports "Connect to ... failed (after 0ms in state CONNECT)" about every 50 ms per client.
+    """
+
+    def __init__(self, window: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._kinds: dict[tuple[int, str], tuple[float, int]] = {}  # kind -> (last shown, held back since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether to log this record; the one that ends a held-back run says how many it stood for."""
+        text = record.getMessage()
+        kind = (record.levelno, _DIGITS.sub("#", text))
+        now = self._clock()
+        with self._lock:
+            shown, held = self._kinds.get(kind, (-math.inf, 0))
+            if now - shown < self.window:
+                self._kinds[kind] = (shown, held + 1)
+                return False
+            if len(self._kinds) >= 1000:  # bounded: forget the kinds that are quiet
+                self._kinds = {k: v for k, v in self._kinds.items() if now - v[0] < self.window}
+            self._kinds[kind] = (now, 0)
+        if held:
+            record.msg, record.args = f"{text} [repeated {held} times in the last {now - shown:.0f} s]", None
+        return True
+
+
+_REPEATS = RepeatFilter()
+
 
 def base_config(settings: Settings) -> dict[str, Any]:
     """librdkafka settings common to every client: brokers plus the pass-through security settings."""
+    LIBRDKAFKA_LOG.addFilter(_REPEATS)  # once: addFilter ignores a filter it has
     return {"bootstrap.servers": settings.bootstrap_servers, "logger": LIBRDKAFKA_LOG, **settings.kafka}
 
 
@@ -141,6 +211,7 @@ def consumer_config(settings: Settings, *, group: str) -> dict[str, Any]:
 
 
 C = TypeVar("C")
+R = TypeVar("R")
 
 
 def _client(factory: Callable[[dict[str, Any]], C], conf: dict[str, Any]) -> C:
@@ -162,9 +233,23 @@ def _errors(what: str) -> Iterator[None]:
         raise _wrap(what, exc) from exc
 
 
-def _wrap(what: str, exc: KafkaException) -> KafkaUnavailableError:
+#: Errors meaning no broker answered in time: the message says where it asked and how long it waited.
+_UNREACHABLE = frozenset(
+    {KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE}
+)
+
+
+def _wrap(
+    what: str, exc: KafkaException, *, servers: str = "", timeout: float = 0.0
+) -> KafkaUnavailableError:
     err = exc.args[0] if exc.args else exc
-    return KafkaUnavailableError(f"{what}: {err}")
+    if not isinstance(err, KafkaError):
+        return KafkaUnavailableError(f"{what}: {err}")
+    if servers and err.code() in _UNREACHABLE:
+        return KafkaUnavailableError(
+            f"{what}: no answer from the Kafka broker at {servers} within {timeout:g} s ({err.str()})"
+        )
+    return KafkaUnavailableError(f"{what}: {err.str()} ({err.name()})")
 
 
 class Sink:
@@ -178,6 +263,8 @@ class Sink:
             conf["message.timeout.ms"] = 60000  # librdkafka requires it <= transaction.timeout.ms
         conf.update(overrides)
         self._p = _client(Producer, conf)
+        self._servers = redact(settings.bootstrap_servers)
+        self._message_timeout = float(conf["message.timeout.ms"]) / 1000
 
     def send(
         self,
@@ -197,13 +284,16 @@ class Sink:
         if on_delivery is not None:
 
             def cb(err: KafkaError | None, msg: Message) -> None:
-                on_delivery(None if err is None else str(err), _record(msg) if err is None else None)
+                if err is None:
+                    on_delivery(None, _record(msg))
+                else:
+                    on_delivery(self._failure(err), None)
 
         elif on_failure is not None:
 
             def cb(err: KafkaError | None, msg: Message) -> None:
                 if err is not None:
-                    on_failure(str(err))
+                    on_failure(self._failure(err))
 
         kw: dict[str, Any] = {"key": key, "value": value, "headers": headers, "on_delivery": cb}
         if partition is not None:
@@ -223,6 +313,14 @@ class Sink:
                         f"producing to {topic}: a record of {size} bytes is too large"
                     ) from exc
                 raise _wrap(f"producing to {topic}", exc) from exc
+
+    def _failure(self, err: KafkaError) -> str:
+        if err.code() == KafkaError._MSG_TIMED_OUT:
+            return (
+                f"no answer from the Kafka broker at {self._servers} within {self._message_timeout:g} s "
+                f"({err.str()})"
+            )
+        return f"{err.str()} ({err.name()})"
 
     def poll(self, timeout: float = 0.0) -> int:
         """Serve delivery callbacks."""
@@ -415,9 +513,15 @@ class TopicSpec:
 class Admin:
     """Topic provisioning and offset look-ups."""
 
-    def __init__(self, settings: Settings, *, timeout: float = 30.0) -> None:
+    def __init__(self, settings: Settings, *, timeout: float | None = None) -> None:
         self._a = _client(AdminClient, base_config(settings))
-        self._timeout = timeout
+        self._timeout = settings.kafka_timeout if timeout is None else timeout
+        self._servers = redact(settings.bootstrap_servers)
+        self._settings = settings
+        self._readers: dict[str, Consumer] = {}  # group -> a consumer that reads its offsets
+
+    def _wrap(self, what: str, exc: KafkaException) -> KafkaUnavailableError:
+        return _wrap(what, exc, servers=self._servers, timeout=self._timeout)
 
     def create_topics(self, specs: Sequence[TopicSpec]) -> dict[str, bool]:
         """Create topics that do not exist; returns name -> created (False: it existed already)."""
@@ -446,20 +550,23 @@ class Admin:
                 if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     created[name] = False
                 else:
-                    raise _wrap(f"creating topic {name}", exc) from exc
+                    raise self._wrap(f"creating topic {name}", exc) from exc
         return created
 
     def delete_topics(self, names: Sequence[str]) -> None:
         """Delete topics (missing ones are ignored)."""
         if not names:
             return
-        for name, fut in self._a.delete_topics(list(names), operation_timeout=self._timeout).items():
+        futures = self._a.delete_topics(
+            list(names), operation_timeout=self._timeout, request_timeout=self._timeout
+        )
+        for name, fut in futures.items():
             try:
                 fut.result()
             except KafkaException as exc:
                 err = exc.args[0]
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
-                    raise _wrap(f"deleting topic {name}", exc) from exc
+                    raise self._wrap(f"deleting topic {name}", exc) from exc
 
     def delete_groups(self, groups: Sequence[str]) -> None:
         """Delete consumer groups that have no members left (missing ones are ignored)."""
@@ -472,14 +579,14 @@ class Admin:
             except KafkaException as exc:
                 err = exc.args[0]
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.GROUP_ID_NOT_FOUND):
-                    raise _wrap(f"deleting group {group}", exc) from exc
+                    raise self._wrap(f"deleting group {group}", exc) from exc
 
     def partitions(self, topics: Sequence[str]) -> dict[str, int]:
         """Partition counts of existing topics (missing topics are left out)."""
         try:
             md = self._a.list_topics(timeout=self._timeout)
         except KafkaException as exc:
-            raise _wrap("listing topics", exc) from exc
+            raise self._wrap("listing topics", exc) from exc
         return {
             t: len(md.topics[t].partitions) for t in topics if t in md.topics and md.topics[t].error is None
         }
@@ -497,21 +604,12 @@ class Admin:
         req = {TopicPartition(t, p): spec for t, n in counts.items() for p in range(n)}
         if not req:
             return {}
-        deadline = time.monotonic() + self._timeout
-        backoff = 0.05
-        while True:
-            try:
-                futures = self._a.list_offsets(req, request_timeout=self._timeout)
-                return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
-            except KafkaException as exc:
-                # Right after a topic is created (or a leader moves) the broker answers "not leader"
-                # for a moment; that is a state to wait out, not a failure to report.
-                err = exc.args[0] if exc.args else None
-                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_MOVING)
-                if not transient or time.monotonic() + backoff > deadline:
-                    raise _wrap("listing offsets", exc) from exc
-            time.sleep(backoff)
-            backoff = min(1.0, backoff * 2)
+
+        def list_offsets(left: float) -> dict[TP, int]:
+            futures = self._a.list_offsets(req, request_timeout=left)
+            return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+
+        return self._answered("listing offsets", list_offsets)
 
     def committed(self, group: str, topics: Sequence[str]) -> dict[TP, int]:
         """A group's committed offsets on these topics (-1 where it committed nothing)."""
@@ -519,14 +617,35 @@ class Admin:
         parts = [TopicPartition(t, p) for t, n in counts.items() for p in range(n)]
         if not parts:
             return {}
-        try:
-            fut = self._a.list_consumer_group_offsets(
-                [ConsumerGroupTopicPartitions(group, parts)], request_timeout=self._timeout
-            )[group]
-            res = fut.result()
-        except KafkaException as exc:
-            raise _wrap(f"reading offsets of group {group}", exc) from exc
-        return {(p.topic, p.partition): (p.offset if p.offset >= 0 else -1) for p in res.topic_partitions}
+        # Read by a consumer of the group (which does not join it), not by list_consumer_group_offsets:
+        # librdkafka (2.13 to 2.16 at least) kills the process with SIGSEGV when that admin request meets a
+        # coordinator still loading, as on a broker's first seconds: its OffsetFetch error path calls into
+        # a consumer group the admin client does not have (rd_kafka_handle_OffsetFetch -> rd_kafka_cgrp_op).
+        reader = self._readers.get(group)
+        if reader is None:
+            conf = base_config(self._settings) | {"group.id": group, "enable.auto.commit": False}
+            reader = self._readers[group] = _client(Consumer, conf)
+        found = self._answered(
+            f"reading offsets of group {group}", lambda left: reader.committed(parts, timeout=left)
+        )
+        return {(p.topic, p.partition): (p.offset if p.offset >= 0 else -1) for p in found}
+
+    def _answered(self, what: str, call: Callable[[float], R]) -> R:
+        """`call(seconds left)`, again while the broker answers that it is not ready yet (a leader or a
+        group coordinator being elected or loading, as right after a topic or the broker starts), until
+        the admin timeout; that is a state to wait out, not a failure to report."""
+        deadline = time.monotonic() + self._timeout
+        backoff = 0.05
+        while True:
+            try:
+                return call(max(0.1, deadline - time.monotonic()))
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in _NOT_READY)
+                if not transient or time.monotonic() + backoff > deadline:
+                    raise self._wrap(what, exc) from exc
+            time.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
 
 
 # ------------------------------------------------------------------------------------------------ the seam

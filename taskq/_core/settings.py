@@ -91,6 +91,9 @@ class Settings:
     worker_group: str = ""
     #: Kafka's group protocol: "consumer" (KIP-848, Kafka 4.0+ brokers) or "classic" (older brokers).
     group_protocol: str = "consumer"
+    #: Seconds an admin request (topics, offsets) waits for the broker; the CLI's one-off commands use 10,
+    #: so that an unreachable broker is reported in about that long.
+    kafka_timeout: float = 30.0
     #: Registry credentials, outside the URL: HTTP basic auth (user and password) or a bearer token.
     schema_registry_user: str = ""
     schema_registry_password: str = ""
@@ -121,6 +124,10 @@ class Settings:
         if self.group_protocol not in GROUP_PROTOCOLS:
             raise ConfigurationError(
                 f"group_protocol must be one of {', '.join(GROUP_PROTOCOLS)}, got {self.group_protocol!r}"
+            )
+        if not 0 < self.kafka_timeout <= 3600:  # also refuses nan
+            raise ConfigurationError(
+                f"kafka_timeout must be in (0, 3600] seconds, got {self.kafka_timeout!r}"
             )
         self._validate_registry_auth()
         if isinstance(self.dlq_redact, str) or any(not n.strip() or n != n.strip() for n in self.dlq_redact):

@@ -120,8 +120,13 @@ def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "
     run = _Run(s, f"{avro_ns}.Noop", schema, partitions)
     topics = Topics(s.namespace, s.delay_tiers)
     db = Database(s.database_url, schema=s.database_schema)
+    broker_away = False
     try:
-        create_topics(s, partitions=partitions)
+        try:
+            create_topics(s, partitions=partitions)
+        except KafkaUnavailableError:
+            broker_away = True  # nothing was made there; deleting would wait for the broker once more
+            raise
         db.migrate()
         if handler == "transactional":
             with db.connection() as conn:
@@ -130,12 +135,14 @@ def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "
             registry.register(schema)
         yield run
     finally:
-        admin = Admin(s)
-        admin.delete_topics([*topics.priority_topics, *topics.delay_topics, topics.dlq])
-        try:
-            admin.delete_groups([s.worker_group, *(f"{s.namespace}.ceiling-{p}" for p in _CEILING_PASSES)])
-        except KafkaUnavailableError as exc:  # a group the broker still sees members in: it expires alone
-            log.warning("bench: %s", exc)
+        if not broker_away:
+            admin = Admin(s)
+            admin.delete_topics([*topics.priority_topics, *topics.delay_topics, topics.dlq])
+            try:
+                groups = [s.worker_group, *(f"{s.namespace}.ceiling-{p}" for p in _CEILING_PASSES)]
+                admin.delete_groups(groups)
+            except KafkaUnavailableError as exc:  # a group the broker still sees members in: it expires alone
+                log.warning("bench: %s", exc)
         db.drop_schema()
         with Registry.from_settings(s) as registry:
             registry.delete_subject(run.task_type)

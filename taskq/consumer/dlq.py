@@ -477,7 +477,7 @@ def parse_record(record: Record, replayed: tuple[datetime, int] | None = None) -
     env: Envelope | None = None
     env_error: str | None = None
     try:
-        env = Envelope.from_headers(record.headers)
+        env = Envelope.of(record)
     except EnvelopeError as exc:
         env_error = str(exc)
     failed_ms = number(routing.DLQ_FAILED_AT)

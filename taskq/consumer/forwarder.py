@@ -149,7 +149,7 @@ class Forwarder:
             if record.tp in self._held:
                 continue  # fetched behind a held head: it is read again after the resume
             try:
-                env = Envelope.from_headers(record.headers)
+                env = Envelope.of(record)
             except EnvelopeError as exc:
                 dl = self._dead_letter(record, f"bad envelope on a delay topic: {exc}")
                 out.append((dl.topic, record, dl.headers))

@@ -440,7 +440,7 @@ class Worker:
             except ValueError:
                 return  # a redelivery of an offset this assignment already holds
         try:
-            envelope = Envelope.from_headers(record.headers)
+            envelope = Envelope.of(record)
         except EnvelopeError as exc:
             self._dead_letter_raw(record, f"bad envelope: {exc}", "taskq.EnvelopeError", attempts=0)
             return

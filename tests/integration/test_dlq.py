@@ -27,6 +27,7 @@ from taskq.producer.producer import TaskProducer
 from taskq.schemas import Registry
 from taskq.testing import RecordingHook
 from tests.acceptance.helpers import wait_until
+from tests.rawkafka import produce_raw
 
 FIELDS = [{"name": "to", "type": "string"}, {"name": "n", "type": "int"}]
 
@@ -252,6 +253,21 @@ def test_garbage_is_listed_but_refused_on_replay(
     assert "is missing" in results[0].refused
     assert dlq.depth() == 1  # the garbage stays for an operator to read
     assert [r.offset for r in dlq.list()] == [0]
+
+
+def test_a_dlq_record_whose_header_key_is_not_utf8_is_listed_shown_and_refused(
+    settings: Settings, store: IdempotencyStore, dlq: DeadLetters, email_type: str
+) -> None:
+    dead_letter(settings, store, email_type, 1)
+    dlq_topic = Topics(settings.namespace).dlq
+    produce_raw(settings.bootstrap_servers, dlq_topic, 0, key=None, value=b"v", headers=[(b"\xff\xfe", b"x")])
+    listed = dlq.list()
+    assert [r.offset for r in listed] == [0, 1]
+    assert listed[1].envelope_error and "not valid UTF-8" in listed[1].envelope_error
+    assert dlq.show(1).value == b"v"
+    results = dlq.replay(all=True)
+    assert [(r.offset, r.replayed) for r in results] == [(0, True), (1, False)]
+    assert results[1].refused and results[1].refused.startswith("not a task")
 
 
 def test_replay_names_missing_offsets_and_replays_nothing(
