@@ -12,9 +12,11 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError
 
 from taskq import PayloadValidationError, Settings, derive_idempotency_key
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
+from taskq._core.errors import KafkaAuthenticationError
 from taskq._core.kafka import LIBRDKAFKA_LOG, base_config
 from taskq.schemas import DecodeError, avro
 
@@ -223,7 +225,30 @@ def test_settings_from_env_passes_taskq_kafka_variables_through_to_librdkafka():
         "sasl.username": "svc",
         "ssl.ca.location": "/etc/ca.pem",
     }
-    assert base_config(s) == {"bootstrap.servers": s.bootstrap_servers, "logger": LIBRDKAFKA_LOG, **s.kafka}
+    conf = base_config(s)
+    assert conf == {
+        "bootstrap.servers": s.bootstrap_servers,
+        "logger": LIBRDKAFKA_LOG,
+        "error_cb": conf["error_cb"],
+        **s.kafka,
+    }
+
+
+@pytest.mark.parametrize(
+    ("code", "text"),
+    [
+        (KafkaError._AUTHENTICATION, "SASL authentication error: Authentication failed (password=hunter2)"),
+        (KafkaError._SSL, "SSL handshake failed: certificate verify failed"),
+    ],
+)
+def test_every_client_raises_when_kafka_refuses_its_settings(code: int, text: str) -> None:
+    # librdkafka retries a refused login for ever; the error callback of every client (producer, consumer,
+    # admin, forwarder, DLQ tools all start from base_config) raises it instead, in the call that serves it.
+    on_error = base_config(Settings())["error_cb"]
+    with pytest.raises(KafkaAuthenticationError, match="Kafka refused the connection") as refused:
+        on_error(KafkaError(code, text))
+    assert "hunter2" not in str(refused.value)
+    on_error(KafkaError(KafkaError._TRANSPORT, "1/1 brokers are down"))  # retried by the client: no raise
 
 
 def test_settings_from_env_refuses_kafka_variables_that_would_break_a_guarantee():
