@@ -17,7 +17,7 @@ from confluent_kafka import KafkaError
 from taskq import PayloadValidationError, Settings, derive_idempotency_key
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
 from taskq._core.errors import KafkaAuthenticationError
-from taskq._core.kafka import LIBRDKAFKA_LOG, base_config
+from taskq._core.kafka import LIBRDKAFKA_LOG, base_config, consumer_config, producer_config
 from taskq.schemas import DecodeError, avro
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,6 +232,17 @@ def test_settings_from_env_passes_taskq_kafka_variables_through_to_librdkafka():
         "error_cb": conf["error_cb"],
         **s.kafka,
     }
+
+
+@pytest.mark.parametrize("protocol", ["consumer", "classic"])
+def test_every_client_config_carries_the_kafka_settings(protocol: str) -> None:
+    # Producers (the forwarder's transactional one too), consumers (the worker's, the forwarder's, the DLQ
+    # reader's) and the admin client are all built from these, so TASKQ_KAFKA_* reaches every one.
+    env = {"TASKQ_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "TASKQ_KAFKA_SASL_PASSWORD": "pw"}
+    s = Settings.from_env({**env, "TASKQ_GROUP_PROTOCOL": protocol})
+    for conf in (base_config(s), producer_config(s), consumer_config(s, group="g")):
+        assert conf["security.protocol"] == "SASL_SSL" and conf["sasl.password"] == "pw"
+        assert conf["error_cb"] is base_config(s)["error_cb"]
 
 
 @pytest.mark.parametrize(
