@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -12,8 +13,9 @@ from collections.abc import Callable
 
 import pytest
 
-from taskq._core.errors import KafkaAuthenticationError
+from taskq._core.errors import DeliveryError, KafkaAuthenticationError
 from taskq._core.settings import Settings
+from taskq.producer.aio import AsyncTaskProducer
 from taskq.producer.producer import TaskProducer
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import WorkerProcess, all_committed, wait_until
@@ -141,3 +143,20 @@ def test_a_producer_with_a_wrong_password_raises_instead_of_waiting_out_delivery
     assert raised and isinstance(raised[0], KafkaAuthenticationError), raised
     with contextlib.suppress(KafkaAuthenticationError):
         producer.close()
+
+
+def test_an_async_producer_with_a_wrong_password_raises_to_who_waits(
+    app: App, secured: Callable[[str], dict[str, str]]
+) -> None:
+    producer = AsyncTaskProducer(Settings.from_env(secured(f"wrong-{uuid.uuid4().hex}")))
+
+    async def enqueue_and_wait() -> None:
+        with pytest.raises(KafkaAuthenticationError, match="Kafka refused the connection"):
+            # The delivery timeout is two minutes: the refusal must come long before it.
+            await asyncio.wait_for(
+                producer.enqueue(app.type("Ledger"), {"key": "a0", "amount": 0}, wait=True), 30
+            )
+        with contextlib.suppress(KafkaAuthenticationError, DeliveryError):
+            await producer.close(timeout=5)
+
+    asyncio.run(enqueue_and_wait())
