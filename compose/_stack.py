@@ -18,7 +18,7 @@ Environment:
     TASKQ_STACK_JAVA21         Java 21+ for Apicurio (default: searched in /usr/lib/jvm, JAVA_HOME, PATH)
     TASKQ_STACK_KAFKA_PORT (19092), TASKQ_STACK_KAFKA_CONTROLLER_PORT (19093),
     TASKQ_STACK_REGISTRY_PORT (18081), TASKQ_STACK_REGISTRY_MANAGEMENT_PORT (18082),
-    TASKQ_STACK_POSTGRES_PORT (15432), TASKQ_STACK_KAFKA_SASL_PORT (the Kafka port + 2)
+    TASKQ_STACK_POSTGRES_PORT (15432), TASKQ_STACK_KAFKA_SASL_PORT (the Kafka port + 10)
     TASKQ_STACK_TIMEOUT        seconds to wait for each service to answer (default 180)
 
 Standard library only: this runs before any virtualenv exists.
@@ -132,7 +132,9 @@ class StackConfig:
             postgres_port=_port(environ, "TASKQ_STACK_POSTGRES_PORT", 15432),
             kafka_port=kafka_port,
             kafka_controller_port=_port(environ, "TASKQ_STACK_KAFKA_CONTROLLER_PORT", 19093),
-            kafka_sasl_port=_port(environ, "TASKQ_STACK_KAFKA_SASL_PORT", kafka_port + 2),
+            # + 10: clear of the client and controller ports of a cluster of up to five nodes
+            # (kafka_port + 0..9), so a node k can take the SASL_SSL port kafka_sasl_port + k - 1.
+            kafka_sasl_port=_port(environ, "TASKQ_STACK_KAFKA_SASL_PORT", kafka_port + 10),
             registry_port=_port(environ, "TASKQ_STACK_REGISTRY_PORT", 18081),
             registry_management_port=_port(environ, "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT", 18082),
             java=environ.get("TASKQ_STACK_JAVA") or None,

@@ -104,7 +104,7 @@ def test_config_comes_from_the_mapping_given(tmp_path: Path, stack: ModuleType) 
     assert cfg.cache == tmp_path / "xdg" / "kafka-taskq"
     assert cfg.m2 == tmp_path / "m2"
     assert cfg.timeout == 7.5
-    assert (cfg.kafka_port, cfg.kafka_controller_port, cfg.kafka_sasl_port) == (29092, 29093, 29094)
+    assert (cfg.kafka_port, cfg.kafka_controller_port, cfg.kafka_sasl_port) == (29092, 29093, 29102)
     assert (cfg.registry_port, cfg.registry_management_port, cfg.postgres_port) == (28081, 28082, 25432)
     assert (cfg.java, cfg.java21, cfg.java_home) == ("/opt/jdk17/bin/java", "/opt/jdk21/bin/java", "/opt/jdk")
     assert cfg.path == "/nowhere"
@@ -115,7 +115,7 @@ def test_config_comes_from_the_mapping_given(tmp_path: Path, stack: ModuleType) 
     # The services take their ports and paths from it.
     s = stack.Stack(cfg)
     assert [s.postgres.port, s.kafka.port, s.registry.port] == [25432, 29092, 28081]
-    assert s.kafka.ports() == [29092, 29093, 29094] and s.registry.ports() == [28081, 28082]
+    assert s.kafka.ports() == [29092, 29093, 29102] and s.registry.ports() == [28081, 28082]
     assert s.postgres.record_path == cfg.state / "run" / "postgres.json"
     assert s.kafka.libs.is_relative_to(tmp_path / "xdg" / "kafka-taskq")
     assert s.registry.home.parent == tmp_path / "xdg" / "kafka-taskq"
@@ -130,13 +130,13 @@ def test_defaults(tmp_path: Path, stack: ModuleType) -> None:
     assert cfg.timeout == 180.0
     assert (cfg.postgres_port, cfg.kafka_port, cfg.kafka_controller_port) == (15432, 19092, 19093)
     assert (cfg.registry_port, cfg.registry_management_port) == (18081, 18082)
-    assert cfg.kafka_sasl_port == 19094  # the Kafka port + 2
+    assert cfg.kafka_sasl_port == 19102  # the Kafka port + 10
     assert (cfg.java, cfg.java21, cfg.java_home) == (None, None, None)
 
 
 def test_the_sasl_port_follows_the_kafka_port_unless_set(stack: ModuleType) -> None:
     assert (
-        stack.StackConfig.from_env({"HOME": "/", "TASKQ_STACK_KAFKA_PORT": "23092"}).kafka_sasl_port == 23094
+        stack.StackConfig.from_env({"HOME": "/", "TASKQ_STACK_KAFKA_PORT": "23092"}).kafka_sasl_port == 23102
     )
     cfg = stack.StackConfig.from_env({"HOME": "/", "TASKQ_STACK_KAFKA_SASL_PORT": "24000"})
     assert (cfg.kafka_port, cfg.kafka_sasl_port) == (19092, 24000)
@@ -180,9 +180,9 @@ def test_the_sasl_ssl_listener_is_configured_and_exported_once_it_runs(
     assert props["listeners"].split(",") == [
         "PLAINTEXT://127.0.0.1:29092",
         "CONTROLLER://127.0.0.1:29093",
-        "SASL_SSL://127.0.0.1:29094",
+        "SASL_SSL://127.0.0.1:29102",
     ]
-    assert props["advertised.listeners"] == "PLAINTEXT://127.0.0.1:29092,SASL_SSL://127.0.0.1:29094"
+    assert props["advertised.listeners"] == "PLAINTEXT://127.0.0.1:29092,SASL_SSL://127.0.0.1:29102"
     assert props["inter.broker.listener.name"] == "PLAINTEXT"  # brokers and controller stay as they were
     assert props["listener.name.sasl_ssl.sasl.enabled.mechanisms"] == "SCRAM-SHA-512"
     assert props["listener.name.sasl_ssl.ssl.keystore.location"] == str(kafka.tls / "broker.pem")
@@ -192,7 +192,7 @@ def test_the_sasl_ssl_listener_is_configured_and_exported_once_it_runs(
     kafka.save_sasl_user("s3cret")
     assert stack.main(["env"], environ) == 0
     assert capsys.readouterr().out.splitlines()[3:] == [
-        "export TASKQ_STACK_SASL_BOOTSTRAP=127.0.0.1:29094",
+        "export TASKQ_STACK_SASL_BOOTSTRAP=127.0.0.1:29102",
         f"export TASKQ_STACK_SASL_CA={kafka.tls / 'ca.pem'}",
         "export TASKQ_STACK_SASL_USERNAME=taskq",
         "export TASKQ_STACK_SASL_PASSWORD=s3cret",
