@@ -726,7 +726,8 @@ authorityKeyIdentifier = keyid
 
 def make_tls(openssl: str, directory: Path) -> None:
     """A CA (`ca.pem`) and a broker key and certificate for 127.0.0.1/localhost signed by it, as one PEM
-    keystore (`broker.pem`: the PKCS#8 key, then the chain), made once into `directory`."""
+    keystore (`broker.pem`: the PKCS#8 key, then the chain), made once into `directory`; the CA's key is
+    not kept."""
     if (directory / "broker.pem").exists():
         return
     tmp = directory.parent / f"{directory.name}.tmp-{os.getpid()}"
@@ -756,12 +757,15 @@ def make_tls(openssl: str, directory: Path) -> None:
                     f"(exit {r.returncode}):\n{_last_lines(r.stdout + r.stderr)}"
                 )
         # Both versions of genpkey write PKCS#8 ("BEGIN PRIVATE KEY"), the form Kafka's PEM keystore reads.
-        (tmp / "broker.pem").write_text(
-            "".join((tmp / name).read_text() for name in ("broker.key", "broker.crt", "ca.pem"))
-        )
+        keystore = "".join((tmp / name).read_text() for name in ("broker.key", "broker.crt", "ca.pem"))
+        (tmp / "broker.pem").touch(mode=0o600)
+        (tmp / "broker.pem").write_text(keystore)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # Only the CA certificate and the keystore stay: without its key the CA can sign nothing more.
+    for name in ("ca.key", "broker.key", "broker.csr", "broker.crt", "openssl.cnf"):
+        (tmp / name).unlink()
     shutil.rmtree(directory, ignore_errors=True)
     tmp.replace(directory)
 
@@ -810,6 +814,7 @@ class Kafka(Service):
             return None
 
     def save_sasl_user(self, password: str) -> None:
+        """Record the SCRAM user's password (readable by its owner only)."""
         tmp = self.credentials.with_suffix(".tmp")
         tmp.write_text(json.dumps({"username": SASL_USERNAME, "password": password}))
         os.chmod(tmp, 0o600)

@@ -212,6 +212,8 @@ def test_the_broker_certificate_verifies_for_127_0_0_1_against_the_ca(
     made = (tls / "broker.pem").read_bytes()
     stack.make_tls(shutil.which("openssl"), tls)
     assert (tls / "broker.pem").read_bytes() == made  # made once, kept across starts
+    assert sorted(p.name for p in tls.iterdir()) == ["broker.pem", "ca.pem"]  # no CA key left to sign with
+    assert (tls / "broker.pem").stat().st_mode & 0o077 == 0  # it holds the broker's key
 
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.load_cert_chain(tls / "broker.pem")  # the key and the chain, in the one PEM file Kafka reads
