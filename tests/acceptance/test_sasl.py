@@ -120,6 +120,15 @@ def test_a_wrong_password_fails_fast_in_one_line(app: App, secured: Callable[[st
     assert forwarder.wait(60) == 2, forwarder.output()[-3000:]
     _refused_in_one_line(forwarder.output(), password)
 
+    with app.db.connect(autocommit=False) as conn:  # a task staged in the outbox, for the relay to publish
+        app.producer.enqueue(app.type("Ledger"), {"key": "o0", "amount": 0}, conn=conn)
+        conn.commit()
+    relay = WorkerProcess.command(env, app.tmp_path / "relay-refused.log", "relay")
+    app.workers.append(relay)
+    assert relay.wait(60) == 2, relay.output()[-3000:]
+    _refused_in_one_line(relay.output(), password)
+    assert app.scalar("SELECT count(*) FROM taskq_outbox") == 1  # left for a relay that may publish it
+
 
 def test_a_producer_with_a_wrong_password_raises_instead_of_waiting_out_delivery(
     app: App, secured: Callable[[str], dict[str, str]]
