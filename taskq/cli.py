@@ -827,6 +827,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _RefusalEcho(logging.Filter):
+    """Drops librdkafka's log lines about a refused connection: the client raises it as one error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "SASL authentication error" not in message and "SSL handshake failed" not in message
+
+
 def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> None:
     """Log to stderr: INFO for the long-running commands or with -v, else WARNING; `pids` puts the process
     id in each line (the supervisor and the worker processes of `--processes N` share one stderr)."""
@@ -838,6 +846,8 @@ def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> No
     )
     for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Refused credentials end the command with one line (taskq: error: ...), not a line per retry.
+    logging.getLogger("taskq.librdkafka").addFilter(_RefusalEcho())
     if not verbose and command not in _LONG_RUNNING:
         # A short-lived command reports what failed in one line; librdkafka's retries and the producer's
         # per-task delivery log would only repeat it.

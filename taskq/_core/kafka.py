@@ -24,7 +24,12 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
-from taskq._core.errors import ConfigurationError, KafkaUnavailableError, RecordTooLargeError
+from taskq._core.errors import (
+    ConfigurationError,
+    KafkaAuthenticationError,
+    KafkaUnavailableError,
+    RecordTooLargeError,
+)
 from taskq._core.settings import Settings, redact
 
 log = logging.getLogger("taskq.kafka")
@@ -157,10 +162,34 @@ class RepeatFilter(logging.Filter):
 _REPEATS = RepeatFilter()
 
 
+#: Errors that retrying cannot fix: the broker refused the credentials (SASL), or the TLS handshake failed
+#: (for example the broker's certificate does not verify against ssl.ca.location).
+_REFUSED = frozenset({KafkaError._AUTHENTICATION, KafkaError._SSL})
+
+
+def _on_error(err: KafkaError) -> None:
+    """librdkafka's error callback, run inside the client call that serves it (poll, consume, flush).
+
+    Refused credentials raise there, so a command or a worker stops at once with one line instead of
+    retrying for ever. Other errors (a broker down, a timeout) are the client's to retry, and its log
+    lines already tell them.
+    """
+    if err.code() in _REFUSED:
+        raise KafkaAuthenticationError(
+            redact(f"Kafka refused the connection (check the TASKQ_KAFKA_* settings): {err.str()}")
+        )
+    LIBRDKAFKA_LOG.debug("error %s", err.str())
+
+
 def base_config(settings: Settings) -> dict[str, Any]:
     """librdkafka settings common to every client: brokers plus the pass-through security settings."""
     LIBRDKAFKA_LOG.addFilter(_REPEATS)  # once: addFilter ignores a filter it has
-    return {"bootstrap.servers": settings.bootstrap_servers, "logger": LIBRDKAFKA_LOG, **settings.kafka}
+    return {
+        "bootstrap.servers": settings.bootstrap_servers,
+        "logger": LIBRDKAFKA_LOG,
+        "error_cb": _on_error,
+        **settings.kafka,
+    }
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:
@@ -328,7 +357,14 @@ class Sink:
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every queued record is delivered or failed; returns how many are still queued."""
-        return int(self._p.flush(-1 if timeout is None else timeout))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # In slices: an exception raised by a callback (refused credentials, see _on_error) surfaces
+            # only when the call returns, and one flush call returns only once the queue is empty.
+            left = deadline - time.monotonic() if deadline is not None else 0.5
+            queued = int(self._p.flush(max(0.0, min(0.5, left))))
+            if not queued or (deadline is not None and time.monotonic() >= deadline):
+                return queued
 
     def __len__(self) -> int:
         return len(self._p)
@@ -337,7 +373,19 @@ class Sink:
     # as KafkaUnavailableError (with the client's error as __cause__), never as confluent's exception.
     def init_transactions(self, timeout: float = 60.0) -> None:
         """Register the transactional id, fencing any older instance that used it."""
-        self._transactional("initialising transactions", lambda: self._p.init_transactions(timeout))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._p.init_transactions(min(1.0, max(0.0, deadline - time.monotonic())))
+                return
+            except KafkaException as exc:
+                # librdkafka: a timeout is retriable, the next call resumes where this one stopped.
+                err = exc.args[0] if exc.args else None
+                timed_out = isinstance(err, KafkaError) and err.code() == KafkaError._TIMED_OUT
+                if not timed_out or time.monotonic() >= deadline:
+                    raise _wrap("initialising transactions", exc) from exc
+            # The call itself serves no callbacks: this poll lets refused credentials raise (_on_error).
+            self._p.poll(0)
 
     def begin(self) -> None:
         """Begin a transaction."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from taskq._core.durations import pick_delay_tier
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
-from taskq._core.errors import RecordTooLargeError, TaskqError
+from taskq._core.errors import KafkaAuthenticationError, RecordTooLargeError, TaskqError
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSink, RecordSource
 from taskq._core.settings import Settings
 from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id
@@ -62,12 +62,17 @@ class Forwarder:
         self._stop.set()
 
     def run(self) -> None:
-        """Forward until stop(); a failed transaction restarts from the last committed offsets."""
+        """Forward until stop(); a failed transaction restarts from the last committed offsets.
+
+        Raises KafkaAuthenticationError when the broker refuses the settings: starting over cannot help.
+        """
         while not self._stop.is_set():
             try:
                 self.start()
                 while not self._stop.is_set():
                     self.step()
+            except KafkaAuthenticationError:
+                raise
             except Exception:  # whatever failed, the committed offsets are the truth: start over from them
                 log.exception("forwarder restarting")
                 self._stop.wait(1.0)
@@ -216,6 +221,13 @@ def _due_of(record: Record) -> float:
 
 def run_in_thread(forwarder: Forwarder) -> threading.Thread:
     """Start a forwarder on a daemon thread (how `taskq worker` runs it)."""
-    thread = threading.Thread(target=forwarder.run, name="taskq-forwarder", daemon=True)
+
+    def run() -> None:
+        try:
+            forwarder.run()
+        except KafkaAuthenticationError as exc:  # one line: the worker's own clients meet the same refusal
+            log.error("forwarder stopped: %s", exc)
+
+    thread = threading.Thread(target=run, name="taskq-forwarder", daemon=True)
     thread.start()
     return thread

@@ -10,6 +10,7 @@ its own coroutine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
@@ -18,7 +19,7 @@ from typing import Any
 
 import psycopg
 
-from taskq._core.errors import ProducerClosedError
+from taskq._core.errors import KafkaAuthenticationError, ProducerClosedError
 from taskq._core.settings import Settings
 from taskq.producer.producer import Receipt, TaskProducer, TaskSpec, _settled
 
@@ -32,6 +33,8 @@ class AsyncTaskProducer:
     def __init__(self, settings: Settings | None = None, **kwargs: Any) -> None:
         self._producer = TaskProducer(settings, **kwargs)
         self._stop = threading.Event()
+        # The futures of every enqueue waiting for acknowledgements, with their loops.
+        self._waiting: set[tuple[asyncio.AbstractEventLoop, tuple[asyncio.Future[Any], ...]]] = set()
         self._poller = threading.Thread(target=self._poll, name="taskq-async-producer", daemon=True)
         self._poller.start()
 
@@ -48,7 +51,14 @@ class AsyncTaskProducer:
     def _poll(self) -> None:
         # Serves delivery reports; the client releases the GIL while it waits.
         while not self._stop.is_set():
-            self._producer._sink.poll(0.1)
+            try:
+                self._producer._sink.poll(0.1)
+            except KafkaAuthenticationError as exc:
+                # Refused credentials: who waits hears it now, as from TaskProducer, not when delivery
+                # times out; the thread goes on serving delivery reports.
+                for loop, futures in list(self._waiting):
+                    with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits them
+                        loop.call_soon_threadsafe(_fail, futures, exc)
 
     async def enqueue(
         self,
@@ -117,7 +127,12 @@ class AsyncTaskProducer:
                 pass
 
         producer._send(prepared, specs, settle)
-        return _settled(await asyncio.gather(*futures))
+        waiting = (loop, tuple(futures))
+        self._waiting.add(waiting)
+        try:
+            return _settled(await asyncio.gather(*futures))
+        finally:
+            self._waiting.discard(waiting)
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every accepted task is acknowledged; DeliveryError lists any the broker refused."""
@@ -140,6 +155,12 @@ class AsyncTaskProducer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+def _fail(futures: tuple[asyncio.Future[Any], ...], exc: BaseException) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(exc)
 
 
 def _resolve(future: asyncio.Future[tuple[Receipt, str | None]], outcome: tuple[Receipt, str | None]) -> None:

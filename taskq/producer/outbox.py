@@ -21,7 +21,12 @@ import psycopg
 from prometheus_client import Counter, Histogram
 
 from taskq._core.db import Connection, Database, Transaction
-from taskq._core.errors import KafkaUnavailableError, StoreUnavailableError, TaskqError
+from taskq._core.errors import (
+    KafkaAuthenticationError,
+    KafkaUnavailableError,
+    StoreUnavailableError,
+    TaskqError,
+)
 from taskq._core.kafka import Broker, KafkaBroker, RecordSink
 from taskq._core.settings import Settings, redact
 from taskq._core.store import Store
@@ -121,27 +126,35 @@ class OutboxRelay:
         return len(rows)
 
     def run(self) -> None:
-        """Publish until stop(): batch after batch while rows wait, then sleep until a commit notifies."""
+        """Publish until stop(): batch after batch while rows wait, then sleep until a commit notifies.
+
+        Raises KafkaAuthenticationError when the broker refuses the settings: retrying cannot help, and the
+        batch it refused stays in the outbox for the next relay.
+        """
         listener: Connection | None = None
         backoff = 0.5
-        while not self._stop.is_set():
-            try:
-                if listener is None:
-                    listener = self._listen()
-                published = self.relay_once()
-                backoff = 0.5
-                if published < self.batch:
-                    self._wait(listener)
-            except TaskqError as exc:
-                log.warning("%s; retrying in %.1fs", exc, backoff)
-                if listener is not None:
-                    listener.close()
-                    listener = None
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-        if listener is not None:
-            listener.close()
-        self.close()
+        try:
+            while not self._stop.is_set():
+                try:
+                    if listener is None:
+                        listener = self._listen()
+                    published = self.relay_once()
+                    backoff = 0.5
+                    if published < self.batch:
+                        self._wait(listener)
+                except KafkaAuthenticationError:
+                    raise
+                except TaskqError as exc:
+                    log.warning("%s; retrying in %.1fs", exc, backoff)
+                    if listener is not None:
+                        listener.close()
+                        listener = None
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 10.0)
+        finally:
+            if listener is not None:
+                listener.close()
+            self.close()
         self._sink.flush(self.publish_timeout)
 
     def _listen(self) -> Connection:
@@ -176,6 +189,13 @@ class OutboxRelay:
 
 def run_in_thread(relay: OutboxRelay) -> threading.Thread:
     """Start a relay on a daemon thread (how `taskq worker` runs it)."""
-    thread = threading.Thread(target=relay.run, name="taskq-relay", daemon=True)
+
+    def run() -> None:
+        try:
+            relay.run()
+        except KafkaAuthenticationError as exc:  # one line: the worker's own clients meet the same refusal
+            log.error("relay stopped: %s", exc)
+
+    thread = threading.Thread(target=run, name="taskq-relay", daemon=True)
     thread.start()
     return thread

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import socket
+import ssl
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -100,7 +104,7 @@ def test_config_comes_from_the_mapping_given(tmp_path: Path, stack: ModuleType) 
     assert cfg.cache == tmp_path / "xdg" / "kafka-taskq"
     assert cfg.m2 == tmp_path / "m2"
     assert cfg.timeout == 7.5
-    assert (cfg.kafka_port, cfg.kafka_controller_port) == (29092, 29093)
+    assert (cfg.kafka_port, cfg.kafka_controller_port, cfg.kafka_sasl_port) == (29092, 29093, 29102)
     assert (cfg.registry_port, cfg.registry_management_port, cfg.postgres_port) == (28081, 28082, 25432)
     assert (cfg.java, cfg.java21, cfg.java_home) == ("/opt/jdk17/bin/java", "/opt/jdk21/bin/java", "/opt/jdk")
     assert cfg.path == "/nowhere"
@@ -111,7 +115,7 @@ def test_config_comes_from_the_mapping_given(tmp_path: Path, stack: ModuleType) 
     # The services take their ports and paths from it.
     s = stack.Stack(cfg)
     assert [s.postgres.port, s.kafka.port, s.registry.port] == [25432, 29092, 28081]
-    assert s.kafka.ports() == [29092, 29093] and s.registry.ports() == [28081, 28082]
+    assert s.kafka.ports() == [29092, 29093, 29102] and s.registry.ports() == [28081, 28082]
     assert s.postgres.record_path == cfg.state / "run" / "postgres.json"
     assert s.kafka.libs.is_relative_to(tmp_path / "xdg" / "kafka-taskq")
     assert s.registry.home.parent == tmp_path / "xdg" / "kafka-taskq"
@@ -126,10 +130,22 @@ def test_defaults(tmp_path: Path, stack: ModuleType) -> None:
     assert cfg.timeout == 180.0
     assert (cfg.postgres_port, cfg.kafka_port, cfg.kafka_controller_port) == (15432, 19092, 19093)
     assert (cfg.registry_port, cfg.registry_management_port) == (18081, 18082)
+    assert cfg.kafka_sasl_port == 19102  # the Kafka port + 10
     assert (cfg.java, cfg.java21, cfg.java_home) == (None, None, None)
 
 
-@pytest.mark.parametrize("name", ["TASKQ_STACK_POSTGRES_PORT", "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT"])
+def test_the_sasl_port_follows_the_kafka_port_unless_set(stack: ModuleType) -> None:
+    assert (
+        stack.StackConfig.from_env({"HOME": "/", "TASKQ_STACK_KAFKA_PORT": "23092"}).kafka_sasl_port == 23102
+    )
+    cfg = stack.StackConfig.from_env({"HOME": "/", "TASKQ_STACK_KAFKA_SASL_PORT": "24000"})
+    assert (cfg.kafka_port, cfg.kafka_sasl_port) == (19092, 24000)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["TASKQ_STACK_POSTGRES_PORT", "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT", "TASKQ_STACK_KAFKA_SASL_PORT"],
+)
 def test_a_bad_port_is_named(stack: ModuleType, name: str) -> None:
     with pytest.raises(stack.StackError, match=f"{name}='x' is not a port number"):
         stack.StackConfig.from_env({"HOME": "/", name: "x"})
@@ -146,3 +162,76 @@ def test_main_reads_the_environ_it_is_given(
         "export TASKQ_SCHEMA_REGISTRY_URL=http://127.0.0.1:28081/apis/ccompat/v7",
         "export TASKQ_DATABASE_URL=postgresql://postgres@127.0.0.1:25432/taskq",
     ]
+
+
+def test_the_sasl_ssl_listener_is_configured_and_exported_once_it_runs(
+    tmp_path: Path, stack: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    environ = {**os.environ, **PORTS, "TASKQ_STACK_DIR": str(tmp_path / "state")}
+    kafka = stack.Stack(stack.StackConfig.from_env(environ)).kafka
+    kafka.write_props()
+    assert "SASL_SSL" not in kafka.props.read_text()  # without openssl: PLAINTEXT only
+
+    kafka.sasl = True
+    kafka.write_props()
+    props = dict(
+        line.split("=", 1) for line in kafka.props.read_text().splitlines() if "=" in line and line[0] != "#"
+    )
+    assert props["listeners"].split(",") == [
+        "PLAINTEXT://127.0.0.1:29092",
+        "CONTROLLER://127.0.0.1:29093",
+        "SASL_SSL://127.0.0.1:29102",
+    ]
+    assert props["advertised.listeners"] == "PLAINTEXT://127.0.0.1:29092,SASL_SSL://127.0.0.1:29102"
+    assert props["inter.broker.listener.name"] == "PLAINTEXT"  # brokers and controller stay as they were
+    assert props["listener.name.sasl_ssl.sasl.enabled.mechanisms"] == "SCRAM-SHA-512"
+    assert props["listener.name.sasl_ssl.ssl.keystore.location"] == str(kafka.tls / "broker.pem")
+
+    # `env` tells the listener only once a broker that has it runs and the SCRAM user exists.
+    kafka.write_record()
+    kafka.save_sasl_user("s3cret")
+    assert stack.main(["env"], environ) == 0
+    assert capsys.readouterr().out.splitlines()[3:] == [
+        "export TASKQ_STACK_SASL_BOOTSTRAP=127.0.0.1:29102",
+        f"export TASKQ_STACK_SASL_CA={kafka.tls / 'ca.pem'}",
+        "export TASKQ_STACK_SASL_USERNAME=taskq",
+        "export TASKQ_STACK_SASL_PASSWORD=s3cret",
+    ]
+    kafka.sasl = False
+    kafka.write_record()  # a broker started without the listener
+    assert stack.main(["env"], environ) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_the_broker_certificate_verifies_for_127_0_0_1_against_the_ca(
+    tmp_path: Path, stack: ModuleType
+) -> None:
+    tls = tmp_path / "tls"
+    stack.make_tls(shutil.which("openssl"), tls)
+    made = (tls / "broker.pem").read_bytes()
+    stack.make_tls(shutil.which("openssl"), tls)
+    assert (tls / "broker.pem").read_bytes() == made  # made once, kept across starts
+    assert sorted(p.name for p in tls.iterdir()) == ["broker.pem", "ca.pem"]  # no CA key left to sign with
+    assert (tls / "broker.pem").stat().st_mode & 0o077 == 0  # it holds the broker's key
+
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(tls / "broker.pem")  # the key and the chain, in the one PEM file Kafka reads
+    client = ssl.create_default_context(cafile=str(tls / "ca.pem"))
+    a, b = socket.socketpair()
+    with a, b:
+        served: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                with server.wrap_socket(a, server_side=True):
+                    pass
+            except (OSError, ssl.SSLError) as exc:
+                served.append(exc)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        with client.wrap_socket(b, server_hostname="127.0.0.1") as tls_socket:
+            assert tls_socket.version() is not None  # the handshake verified the chain and the address
+        t.join(10)
+    assert not served
