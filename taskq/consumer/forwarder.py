@@ -217,17 +217,3 @@ def _due_of(record: Record) -> float:
     except EnvelopeError:
         return 0.0
     return env.not_before.timestamp() if env.not_before else 0.0
-
-
-def run_in_thread(forwarder: Forwarder) -> threading.Thread:
-    """Start a forwarder on a daemon thread (how `taskq worker` runs it)."""
-
-    def run() -> None:
-        try:
-            forwarder.run()
-        except KafkaAuthenticationError as exc:  # one line: the worker's own clients meet the same refusal
-            log.error("forwarder stopped: %s", exc)
-
-    thread = threading.Thread(target=run, name="taskq-forwarder", daemon=True)
-    thread.start()
-    return thread

@@ -329,10 +329,3 @@ class PeriodicScheduler:
             wake = min((s.schedule.next_after(now) for s in self.specs), default=now + timedelta(seconds=60))
             self._stop.wait(max(0.05, min(self._tick, (wake - now).total_seconds() + 0.01)))
         self.close()
-
-
-def run_in_thread(scheduler: PeriodicScheduler) -> threading.Thread:
-    """Start a scheduler on a daemon thread (how `taskq worker` runs it)."""
-    thread = threading.Thread(target=scheduler.run, name="taskq-periodic", daemon=True)
-    thread.start()
-    return thread

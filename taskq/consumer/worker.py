@@ -25,6 +25,7 @@ from taskq._core.db import Database
 from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeError, Priority, Topics
 from taskq._core.errors import ConfigurationError, StoreUnavailableError, TaskqError
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
+from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
 from taskq.consumer import metrics
 from taskq.consumer.completer import Completer
@@ -46,11 +47,10 @@ from taskq.consumer.events import (
     WorkerStopped,
 )
 from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
-from taskq.consumer.forwarder import Forwarder, run_in_thread
+from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
 from taskq.consumer.offsets import OffsetTracker
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
-from taskq.consumer.periodic import run_in_thread as run_periodic
 from taskq.consumer.retry import Reject
 from taskq.consumer.routing import bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
@@ -65,7 +65,6 @@ from taskq.consumer.store import (
     TaskStore,
 )
 from taskq.producer.outbox import OutboxRelay
-from taskq.producer.outbox import run_in_thread as run_relay
 from taskq.producer.producer import TaskProducer
 from taskq.schemas import avro
 from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
@@ -288,10 +287,10 @@ class Worker:
         self._source.subscribe(self.topics.priority_topics)
         if self.config.forwarder:
             forwarder = Forwarder(self.settings, instance_id=self.worker_id, broker=self.broker)
-            self._forwarder = (forwarder, run_in_thread(forwarder))
+            self._forwarder = (forwarder, run_in_thread(forwarder, "forwarder"))
         if self.config.relay and self._database is not None:  # the outbox is in Postgres, not in the fakes
             relay = OutboxRelay(self.settings, broker=self.broker)
-            self._relay = (relay, run_relay(relay))
+            self._relay = (relay, run_in_thread(relay, "relay"))
         if self.config.periodic and self._database is not None and self.handlers.periodic_tasks:
             self._periodic = self._start_periodic(self._database)
         self._emit(WorkerStarted(self.worker_id, self.group))
@@ -317,7 +316,7 @@ class Worker:
             self.settings.namespace,
             stage,
         )
-        return scheduler, run_periodic(scheduler), producer
+        return scheduler, run_in_thread(scheduler, "periodic"), producer
 
     def step(self) -> None:
         """One turn of the loop: fetch, dispatch, record outcomes, commit when due."""

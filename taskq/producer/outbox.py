@@ -185,17 +185,3 @@ class OutboxRelay:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def run_in_thread(relay: OutboxRelay) -> threading.Thread:
-    """Start a relay on a daemon thread (how `taskq worker` runs it)."""
-
-    def run() -> None:
-        try:
-            relay.run()
-        except KafkaAuthenticationError as exc:  # one line: the worker's own clients meet the same refusal
-            log.error("relay stopped: %s", exc)
-
-    thread = threading.Thread(target=run, name="taskq-relay", daemon=True)
-    thread.start()
-    return thread

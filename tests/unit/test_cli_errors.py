@@ -11,8 +11,9 @@ import pytest
 
 from taskq import cli
 from taskq._core.errors import KafkaAuthenticationError
+from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
-from taskq.consumer.forwarder import Forwarder, run_in_thread
+from taskq.consumer.forwarder import Forwarder
 from taskq.testing import InMemoryBroker
 
 
@@ -93,7 +94,7 @@ def test_the_forwarder_stops_on_refused_credentials_instead_of_restarting(
     broker = _RefusingBroker()
     forwarder = Forwarder(Settings(namespace="unit"), broker=broker)
     broker.stop = forwarder.stop
-    thread = run_in_thread(forwarder)
+    thread = run_in_thread(forwarder, "forwarder")
     thread.join(10)
     assert not thread.is_alive()
     stopped = [r for r in caplog.records if r.name == "taskq.forwarder" and "forwarder stopped" in r.message]
