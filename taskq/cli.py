@@ -300,7 +300,7 @@ def cmd_db_migrate(args: argparse.Namespace) -> int:
     from taskq._core.db import Database
 
     s = _settings(args)
-    applied = Database(s.database_url, schema=s.database_schema).migrate()
+    applied = Database(s.database_url, schema=s.database_schema).migrate(namespace=s.namespace)
     _print(args, applied, "\n".join(f"applied {m}" for m in applied) or "up to date")
     return 0
 
@@ -442,7 +442,9 @@ def cmd_db_purge(args: argparse.Namespace) -> int:
     # or a task whose effect already happened (through another copy) would run a second time.
     with DeadLetters(s) as dlq:
         keep = {r.idempotency_key for r in dlq.list(include_replayed=True) if r.idempotency_key}
-    store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
+    store = IdempotencyStore(
+        Database(s.database_url, schema=s.database_schema), owner="taskq-cli", namespace=s.namespace
+    )
     try:
         n = store.purge(ttl, keep=sorted(keep))
     finally:
@@ -545,7 +547,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     tiers = tier_depths(Admin(s), Topics(s.namespace, s.delay_tiers), s.worker_group)
     with DeadLetters(s) as dlq:
         dlq_depth = dlq.depth()
-    store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
+    store = IdempotencyStore(
+        Database(s.database_url, schema=s.database_schema), owner="taskq-cli", namespace=s.namespace
+    )
     try:
         counts = store.counts()
         retried_tasks, retries = store.retries()

@@ -491,18 +491,22 @@ class InMemoryStore:
     """The idempotency store's rules in memory: claim with a lease (attempts counted at claim), completion
     and failure only by the lease holder's current attempt, replay resets, purge of old finished keys.
 
-    Several stores (one per worker id) can share one table: `InMemoryStore(owner="b", rows=a.rows)`.
+    `rows` holds the records of the store's namespace, by key. Several stores of one namespace (one per
+    worker id) share them: `InMemoryStore(owner="b", rows=a.rows)`; a store of another namespace has rows
+    of its own, as namespaces sharing a Postgres database keep their records apart.
     """
 
     def __init__(
         self,
         *,
         owner: str,
+        namespace: str = "taskq",
         clock: Callable[[], float] = time.time,
         rows: dict[str, _Row] | None = None,
         connect: Callable[[], Any] | None = None,
     ) -> None:
         self.owner = owner
+        self.namespace = namespace
         self.rows: dict[str, _Row] = {} if rows is None else rows
         self._clock = clock
         self._connect = connect
@@ -938,7 +942,9 @@ class InMemoryQueue:
         for spec in handlers:
             if spec.schema is not None:
                 self.registry.register(spec.schema)
-        self.store = InMemoryStore(owner="in-memory", clock=self.clock.time, connect=connect)
+        self.store = InMemoryStore(
+            owner="in-memory", namespace=namespace, clock=self.clock.time, connect=connect
+        )
         self.producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
         self.events = RecordingHook()
         self.worker = Worker(

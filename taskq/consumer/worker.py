@@ -213,12 +213,13 @@ class Worker:
         recorder: IdempotencyStore | None = None
         if store is None:
             self._database = Database(self.settings.database_url, schema=self.settings.database_schema)
-            store = IdempotencyStore(self._database, owner=self.worker_id)
+            store = IdempotencyStore(self._database, owner=self.worker_id, namespace=self.settings.namespace)
             # Outcomes are recorded on a connection and a thread of their own, so the loop goes on
             # fetching, claiming and dispatching while Postgres commits them.
             recorder = IdempotencyStore(
                 Database(self.settings.database_url, schema=self.settings.database_schema),
                 owner=self.worker_id,
+                namespace=self.settings.namespace,
             )
         self.store: TaskStore = store
         self._recorder = recorder
@@ -274,7 +275,7 @@ class Worker:
     def start(self) -> None:
         """Join the group and start the metrics server and the forwarder; `run` does it, tests may too."""
         if self._database is not None:
-            self._database.migrate()
+            self._database.migrate(namespace=self.settings.namespace)
         if self.config.metrics_port is not None:
             self._server = metrics.serve(
                 self.config.metrics_port,

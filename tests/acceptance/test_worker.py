@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from taskq._core.envelope import PRIORITIES
+from taskq.producer.admin import create_topics
 from taskq.producer.producer import TaskSpec
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import all_committed, wait_until
@@ -46,6 +47,37 @@ def test_kill_9_and_rebalances_keep_one_effect_per_key(app: App) -> None:
     wait_until(lambda: all_committed(app.settings), timeout=90, what="the group to commit every offset")
     app.assert_once_each(keys)
     assert third.proc.poll() is None, "a surviving worker died"
+
+
+def test_namespaces_sharing_a_database_each_run_their_own_task_of_one_key_once(app: App) -> None:
+    # A second namespace in the same database schema: its own topics, workers and task types.
+    other_settings = app.settings.with_namespace(f"{app.ns}.other")
+    create_topics(other_settings, partitions=3)
+    other = App(
+        other_settings,
+        lambda **env: app.env_of(**{"TASKQ_NAMESPACE": other_settings.namespace, **env}),
+        app.tmp_path / "other",
+    )
+    (app.tmp_path / "other").mkdir()
+    try:
+        for a in (app, other):
+            a.enqueue_ledger(["shared"], copies=2)  # idempotency key 'ledger:shared' in both namespaces
+            a.spawn("--concurrency", "2")
+        ran = lambda: app.scalar("SELECT count(*) FROM ledger WHERE key = 'shared'")  # noqa: E731
+        wait_until(lambda: ran() >= 2, timeout=90, what=f"both namespaces' tasks to run\n{app.logs()}")
+        for a in (app, other):
+            wait_until(lambda a=a: all_committed(a.settings), timeout=60, what=f"{a.ns} to commit")
+            for w in a.workers:
+                w.terminate()
+                assert w.wait(60) == 0, w.output()[-3000:]
+        assert ran() == 2  # once in each namespace
+        states = app.query("SELECT namespace, state, attempts FROM taskq_tasks ORDER BY namespace")
+        assert states == [
+            {"namespace": app.ns, "state": "completed", "attempts": 1},
+            {"namespace": other.ns, "state": "completed", "attempts": 1},
+        ]
+    finally:
+        other.close()
 
 
 def test_tiers_share_one_slot_by_weight_without_starving_low(app: App) -> None:

@@ -122,3 +122,22 @@ def test_a_renewed_lease_outlives_its_first_term_and_a_lost_one_is_not_renewed(s
     assert a.renew([("gone", 1, 30.0)]) == set()
     (held,) = b.claim([req("k")])
     assert held.outcome == "running" and held.lease_left > 10
+
+
+def test_namespaces_sharing_a_database_keep_their_own_record_of_a_key(namespaces: tuple[Any, Any]) -> None:
+    x, y = namespaces
+    (in_x,) = x.claim([req("k")])
+    (in_y,) = y.claim([req("k")])  # the same key in another namespace is another task: it runs there too
+    assert (in_x.outcome, in_x.attempts) == (in_y.outcome, in_y.attempts) == ("claimed", 1)
+    assert x.finish([Finished("k", 1, "completed")]) == set()
+    assert y.finish([Finished("k", 1, "dead", error="boom")]) == set()
+    assert (x.get("k")["state"], y.get("k")["state"]) == ("completed", "dead")
+    assert x.counts() == {"completed": 1} and y.counts() == {"dead": 1}
+    assert x.reset_for_replay("k") is False and y.reset_for_replay("k") is True
+    assert x.purge(-60) == 1  # x's record only
+    assert x.get("k") is None and y.get("k")["state"] == "failed"
+    (again,) = y.claim([req("k")])
+    assert (again.outcome, again.attempts) == ("claimed", 1)
+    assert y.finish([Finished("k", 1, "failed", error="again")]) == set()
+    (retry,) = y.claim([req("k")])
+    assert retry.attempts == 2 and x.retries() == (0, 0) and y.retries() == (1, 1)

@@ -19,7 +19,7 @@ ON CONFLICT (name) DO UPDATE SET
 RETURNING last_granted AS granted, tokens, rate;
 
 -- name: claim
--- Claim idempotency keys for one attempt each, in one round trip. A key is claimed when it is new, failed,
+-- Claim idempotency keys of one namespace for one attempt each, in one round trip. A key is claimed when it is new, failed,
 -- dead (replayed), or running under an expired lease; claiming counts the attempt before the task runs, so a
 -- task that kills its worker still uses up its attempts. Rows of completed keys and of keys leased by a live
 -- worker come back with their state so the worker can skip or hold them.
@@ -28,11 +28,11 @@ WITH input AS (
         AS i(idempotency_key, task_id, task_type, lease_seconds)
 ), claimed AS (
     INSERT INTO taskq_tasks AS t
-        (idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at, updated_at)
-    SELECT idempotency_key, task_id, task_type, 'running', 1, %(owner)s,
+        (namespace, idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at, updated_at)
+    SELECT %(namespace)s, idempotency_key, task_id, task_type, 'running', 1, %(owner)s,
            clock_timestamp() + lease_seconds * interval '1 second', clock_timestamp()
     FROM input
-    ON CONFLICT (idempotency_key) DO UPDATE SET
+    ON CONFLICT (namespace, idempotency_key) DO UPDATE SET
         state = 'running',
         attempts = t.attempts + 1,
         task_id = EXCLUDED.task_id,
@@ -54,7 +54,7 @@ LEFT JOIN claimed c ON c.idempotency_key = i.idempotency_key
 -- is new and unanalyzed, and such a plan is kept while the table grows.
 LEFT JOIN LATERAL (
     SELECT state, attempts, lease_owner, lease_expires_at FROM taskq_tasks k
-    WHERE k.idempotency_key = i.idempotency_key OFFSET 0
+    WHERE k.namespace = %(namespace)s AND k.idempotency_key = i.idempotency_key OFFSET 0
 ) t ON true;
 
 -- name: complete
@@ -66,7 +66,8 @@ UPDATE taskq_tasks t SET
 FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(results)s::jsonb[]) AS c(idempotency_key, attempts, result)
 -- Plan stability: `= ANY(keys)` makes the primary key the way in, whatever the statistics say; on a new,
 -- unanalyzed table the join alone was planned as a scan of the whole table per key.
-WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+  AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
@@ -78,7 +79,8 @@ FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(states)s::text[], %(errors)
     AS c(idempotency_key, attempts, state, error)
 -- Plan stability: `= ANY(keys)` makes the primary key the way in, whatever the statistics say; on a new,
 -- unanalyzed table the join alone was planned as a scan of the whole table per key.
-WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+  AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
@@ -90,7 +92,8 @@ UPDATE taskq_tasks t SET
     attempts = t.attempts - 1, lease_owner = NULL, lease_expires_at = clock_timestamp() - interval '1 microsecond',
     updated_at = clock_timestamp()
 FROM unnest(%(keys)s::text[], %(attempts)s::int[]) AS c(idempotency_key, attempts)
-WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+  AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
@@ -100,35 +103,36 @@ RETURNING t.idempotency_key;
 UPDATE taskq_tasks t SET
     lease_expires_at = clock_timestamp() + c.lease_seconds * interval '1 second', updated_at = clock_timestamp()
 FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(leases)s::float8[]) AS c(idempotency_key, attempts, lease_seconds)
-WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+  AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
 -- name: reset_for_replay
 -- A DLQ replay starts the key's attempts over; a completed key stays completed (no second effect).
 UPDATE taskq_tasks SET attempts = 0, state = 'failed', updated_at = clock_timestamp()
-WHERE idempotency_key = %(key)s AND state = 'dead'
+WHERE namespace = %(namespace)s AND idempotency_key = %(key)s AND state = 'dead'
 RETURNING idempotency_key;
 
 -- name: get
 -- One key's record; a plain read that takes no row locks and sees committed changes only.
 SELECT idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at, last_error, result,
        created_at, updated_at, completed_at
-FROM taskq_tasks WHERE idempotency_key = %(key)s;
+FROM taskq_tasks WHERE namespace = %(namespace)s AND idempotency_key = %(key)s;
 
 -- name: purge
--- Forget finished keys older than the TTL, a bounded batch at a time so the table is never locked for long.
+-- Forget finished keys of one namespace older than the TTL, a bounded batch at a time so the table is never locked for long.
 -- Keys in `keep` (those of tasks still in the DLQ) are never forgotten: a replay must still find them.
 DELETE FROM taskq_tasks WHERE ctid IN (
     SELECT ctid FROM taskq_tasks
-    WHERE state IN ('completed', 'dead') AND updated_at < clock_timestamp() - %(ttl_seconds)s * interval '1 second'
+    WHERE namespace = %(namespace)s AND state IN ('completed', 'dead') AND updated_at < clock_timestamp() - %(ttl_seconds)s * interval '1 second'
       AND NOT (idempotency_key = ANY(%(keep)s::text[]))
     LIMIT %(batch)s
 );
 
 -- name: counts
--- Records per state, a snapshot: no locks, so it may trail concurrent claims.
-SELECT state, count(*) AS n FROM taskq_tasks GROUP BY state;
+-- Records of one namespace per state, a snapshot: no locks, so it may trail concurrent claims.
+SELECT state, count(*) AS n FROM taskq_tasks WHERE namespace = %(namespace)s GROUP BY state;
 
 -- name: dlq_replayed
 -- The replayed records of one DLQ topic, so listings can hide them.
@@ -149,9 +153,9 @@ WHERE %(force)s
 RETURNING replayed_at, replays;
 
 -- name: retries
--- Attempts beyond the first, over every worker: the retry count `taskq stats` shows across processes.
+-- Attempts beyond the first in one namespace, over every worker: the retry count `taskq stats` shows.
 SELECT count(*) FILTER (WHERE attempts > 1) AS tasks, COALESCE(sum(GREATEST(attempts - 1, 0)), 0) AS retries
-FROM taskq_tasks;
+FROM taskq_tasks WHERE namespace = %(namespace)s;
 
 -- name: outbox_stage
 -- Stage tasks in the outbox, on the application's connection and inside its transaction ({schema} is the
