@@ -337,6 +337,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         buffer_bytes=args.buffer_mb * 1024 * 1024,
         forwarder=not args.no_forwarder,
         relay=not args.no_relay,
+        stale_after=args.stale_after,
     )
     if args.processes > 1:
         from taskq.consumer.supervisor import Supervisor
@@ -754,6 +755,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
     sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
     sp.add_argument("--buffer-mb", type=int, default=64, help="max megabytes of them (values and headers)")
+    sp.add_argument(
+        "--stale-after",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a worker whose heartbeat (every 3 s) is older than this is presumed dead, and the keys it "
+        "leased are taken over at once (default 10)",
+    )
     sp.add_argument(
         "--no-forwarder", action="store_true", help="do not run the delay forwarder in this process"
     )

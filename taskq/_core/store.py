@@ -27,12 +27,29 @@ class ClaimRequest:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """The store's answer: run it (claimed, with its attempt number), skip it (completed), or hold it."""
+    """The store's answer: run it (claimed, with its attempt number), skip it (completed), or hold it.
+
+    `interruptions`: runs of the key taken over from workers that died (not counted in `attempts`).
+    """
 
     idempotency_key: str
     outcome: ClaimOutcome
     attempts: int
     lease_left: float = 0.0
+    interruptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """A worker's liveness record: who it is and where it runs (its heartbeat and load are written apart)."""
+
+    worker_id: str
+    namespace: str
+    group: str
+    host: str
+    pid: int
+    concurrency: int
+    started_at: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +105,18 @@ class Store:
         self.database = database
 
     # ------------------------------------------------------------------------------- idempotency records
-    def claim(self, namespace: str, owner: str, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """Claim each key (unique in `requests`) for one attempt, leased to `owner`; answers in order."""
+    def claim(
+        self, namespace: str, owner: str, requests: Sequence[ClaimRequest], *, stale_after: float
+    ) -> list[Claim]:
+        """Claim each key (unique in `requests`) for one attempt, leased to `owner`; answers in order.
+
+        Keys leased by a worker whose heartbeat is older than `stale_after` seconds, or that was marked
+        dead, are taken over.
+        """
         rows = self.database.all(
             "claim",
             namespace=namespace,
+            stale_after=stale_after,
             keys=[r.idempotency_key for r in requests],
             task_ids=[r.task_id for r in requests],
             task_types=[r.task_type for r in requests],
@@ -107,7 +131,13 @@ class Store:
             if outcome not in ("claimed", "completed"):
                 outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
             out.append(
-                Claim(r.idempotency_key, outcome, int(row["attempts"] or 0), float(row["lease_left"] or 0.0))
+                Claim(
+                    r.idempotency_key,
+                    outcome,
+                    int(row["attempts"] or 0),
+                    float(row["lease_left"] or 0.0),
+                    int(row["interruptions"] or 0),
+                )
             )
         return out
 
@@ -187,6 +217,39 @@ class Store:
         """(tasks that needed more than one attempt, attempts beyond the first), over all workers."""
         (row,) = self.database.all("retries", namespace=namespace)
         return int(row["tasks"]), int(row["retries"])
+
+    # --------------------------------------------------------------------------------- liveness records
+    def worker_beat(self, worker: WorkerRecord, in_flight: int) -> None:
+        """Write a worker's liveness record: alive now, with `in_flight` tasks running."""
+        self.database.execute(
+            "worker_beat",
+            worker_id=worker.worker_id,
+            namespace=worker.namespace,
+            group=worker.group,
+            host=worker.host,
+            pid=worker.pid,
+            concurrency=worker.concurrency,
+            in_flight=in_flight,
+            started_at=worker.started_at,
+        )
+
+    def worker_leave(self, worker_id: str) -> None:
+        """Remove a worker's liveness record (a clean stop)."""
+        self.database.execute("worker_leave", worker_id=worker_id)
+
+    def workers_on_host(self, host: str, *, besides: str) -> list[tuple[str, int]]:
+        """(worker id, pid) of the workers of `host` not marked dead, `besides` excepted."""
+        rows = self.database.all("workers_on_host", host=host, worker_id=besides)
+        return [(r["worker_id"], int(r["pid"])) for r in rows]
+
+    def workers_mark_dead(self, worker_ids: Sequence[str]) -> set[str]:
+        """Mark workers dead, so their keys are taken over at once; returns those marked now."""
+        rows = self.database.all("workers_mark_dead", worker_ids=list(worker_ids))
+        return {r["worker_id"] for r in rows}
+
+    def workers_prune(self, older_than: float) -> int:
+        """Delete the liveness records silent for more than `older_than` seconds; how many."""
+        return max(0, self.database.execute("workers_prune", older_than=older_than))
 
     # ------------------------------------------------------------------------------------- rate limits
     def take_tokens(self, bucket: str, *, rate: float, capacity: float, want: float) -> tuple[float, float]:

@@ -608,7 +608,8 @@ def bench_ceiling(
                         _LEASE_SECONDS,
                     )
                 )
-            claims = [c for c in store.claim(s.namespace, owner, requests) if c.outcome == "claimed"]
+            answers = store.claim(s.namespace, owner, requests, stale_after=10.0)
+            claims = [c for c in answers if c.outcome == "claimed"]
             done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claims]
             store.complete(s.namespace, owner, done)
             claimed += len(claims)

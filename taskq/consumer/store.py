@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from taskq._core.db import Connection, Database, Row, Transaction, in_transaction
 from taskq._core.errors import TaskqError
-from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Store
+from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Store, WorkerRecord
 
 __all__ = [
     "Claim",
@@ -23,7 +23,12 @@ __all__ = [
     "Member",
     "NotStarted",
     "TaskStore",
+    "WorkerRecord",
 ]
+
+#: Liveness records silent for longer than this are forgotten (seconds): longer than any lease lasts, so
+#: a key leased by a forgotten worker is free by then anyway.
+FORGET_WORKERS_AFTER = 24 * 3600.0
 
 
 class LeaseLostError(Exception):
@@ -72,6 +77,9 @@ class TaskStore(Protocol):
         self, idempotency_key: str, attempts: int, result: Any = None
     ) -> AbstractContextManager[Any]: ...
     def run_group(self, members: Sequence[Member]) -> None: ...
+    def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]: ...
+    def beat(self, worker: WorkerRecord, in_flight: int) -> None: ...
+    def leave(self, worker_id: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -79,10 +87,13 @@ class IdempotencyStore:
     """Claims, completions and failures of one namespace's idempotency keys, batched: one round trip for
     many tasks. Namespaces sharing a database keep apart records of the same key."""
 
-    def __init__(self, database: Database, *, owner: str, namespace: str) -> None:
+    def __init__(self, database: Database, *, owner: str, namespace: str, stale_after: float = 10.0) -> None:
+        """`stale_after`: seconds after its last heartbeat when a worker is presumed dead and its keys are
+        taken over by the next claim."""
         self.database = database
         self.owner = owner
         self.namespace = namespace
+        self.stale_after = stale_after
         self._store = Store(database)
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -93,7 +104,11 @@ class IdempotencyStore:
         unique: dict[str, ClaimRequest] = {}
         for r in requests:
             unique.setdefault(r.idempotency_key, r)
-        claims = self._store.claim(self.namespace, self.owner, list(unique.values())) if unique else []
+        claims = (
+            self._store.claim(self.namespace, self.owner, list(unique.values()), stale_after=self.stale_after)
+            if unique
+            else []
+        )
         by_key = {c.idempotency_key: c for c in claims}
         out: list[Claim] = []
         answered: set[str] = set()
@@ -180,6 +195,24 @@ class IdempotencyStore:
                     raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
         finally:
             self._check_in(conn)
+
+    def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]:
+        """Write the worker's liveness record, and mark dead the earlier workers of its host whose process
+        is gone (`alive(pid)` false): their keys are taken over at once. Returns the ids marked dead."""
+        self._store.worker_beat(worker, 0)
+        others = self._store.workers_on_host(worker.host, besides=worker.worker_id)
+        gone = [worker_id for worker_id, pid in others if not alive(pid)]
+        marked = self._store.workers_mark_dead(gone) if gone else set()
+        self._store.workers_prune(FORGET_WORKERS_AFTER)
+        return marked
+
+    def beat(self, worker: WorkerRecord, in_flight: int) -> None:
+        """Write the worker's heartbeat: alive now, with `in_flight` tasks running."""
+        self._store.worker_beat(worker, in_flight)
+
+    def leave(self, worker_id: str) -> None:
+        """Remove the worker's liveness record (a clean stop)."""
+        self._store.worker_leave(worker_id)
 
     def _check_in(self, conn: Connection) -> None:
         """After a handler's use: close a connection left in any state but idle (replaced next time)."""

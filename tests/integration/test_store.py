@@ -48,7 +48,7 @@ def _terminate(db: Database, pid: int) -> None:
 def test_named_queries_return_a_row_rows_and_a_row_count(db: Database) -> None:
     assert db.one("get", namespace="ns", key="nothing") is None
     rows = db.all(
-        "claim", namespace="ns", keys=["a", "b"], task_ids=["1", "2"], task_types=["t", "t"], leases=[60.0, 60.0], owner="w"
+        "claim", namespace="ns", stale_after=10.0, keys=["a", "b"], task_ids=["1", "2"], task_types=["t", "t"], leases=[60.0, 60.0], owner="w"
     )
     assert sorted((r["idempotency_key"], r["outcome"], r["attempts"]) for r in rows) == [
         ("a", "claimed", 1),
@@ -152,12 +152,13 @@ def test_the_kept_connection_is_dropped_after_it_breaks_and_the_next_query_recon
 
 def test_the_store_records_claims_and_outcomes_under_the_owners_lease(db: Database) -> None:
     store = Store(db)
-    claims = store.claim("ns", "w1", [ClaimRequest("a", "1", "t", 60), ClaimRequest("b", "2", "t", 60)])
+    requests = [ClaimRequest("a", "1", "t", 60), ClaimRequest("b", "2", "t", 60)]
+    claims = store.claim("ns", "w1", requests, stale_after=10.0)
     assert [(c.idempotency_key, c.outcome, c.attempts) for c in claims] == [
         ("a", "claimed", 1),
         ("b", "claimed", 1),
     ]
-    [held] = store.claim("ns", "w2", [ClaimRequest("a", "1", "t", 60)])
+    [held] = store.claim("ns", "w2", [ClaimRequest("a", "1", "t", 60)], stale_after=10.0)
     assert held.outcome == "running" and 0 < held.lease_left <= 60
     assert store.complete("ns", "w2", [Finished("a", 1, "completed")]) == set()  # not w2's lease
     assert store.complete("ns", "w1", [Finished("a", 1, "completed", result={"ok": True})]) == {"a"}
@@ -166,7 +167,7 @@ def test_the_store_records_claims_and_outcomes_under_the_owners_lease(db: Databa
     assert row is not None and (row["state"], row["result"]) == ("completed", {"ok": True})
     assert store.counts("ns") == {"completed": 1, "dead": 1}
     assert store.reset_for_replay("ns", "b") and not store.reset_for_replay("ns", "a")
-    [again] = store.claim("ns", "w2", [ClaimRequest("b", "2", "t", 60)])
+    [again] = store.claim("ns", "w2", [ClaimRequest("b", "2", "t", 60)], stale_after=10.0)
     assert (again.outcome, again.attempts) == ("claimed", 1)
     assert store.retries("ns") == (0, 0)
     assert store.purge("ns", -60, batch=10) == 1  # the completed key; b runs again
@@ -253,10 +254,10 @@ def test_claims_and_completions_reach_rows_by_key_on_a_new_unanalyzed_table(db: 
     store = Store(db)
     for b in range(8):
         keys = [f"k{b}-{i}" for i in range(500)]
-        store.claim("ns", "w", [ClaimRequest(k, k, "t", 60.0) for k in keys])
+        store.claim("ns", "w", [ClaimRequest(k, k, "t", 60.0) for k in keys], stale_after=10.0)
         store.complete("ns", "w", [Finished(k, 1, "completed") for k in keys])
     keys = [f"new-{i}" for i in range(500)]
-    claim = _plan(db, "claim", namespace="ns", keys=keys, task_ids=keys, task_types=keys, leases=[60.0] * 500, owner="w")
+    claim = _plan(db, "claim", namespace="ns", stale_after=10.0, keys=keys, task_ids=keys, task_types=keys, leases=[60.0] * 500, owner="w")
     complete = _plan(db, "complete", namespace="ns", keys=keys, attempts=[1] * 500, results=[None] * 500, owner="w")
     fail = _plan(db, "fail", namespace="ns", keys=keys, attempts=[1] * 500, states=["dead"] * 500, errors=[""] * 500, owner="w")
     for plan in (claim, complete, fail):
@@ -350,7 +351,7 @@ def test_migrating_keeps_older_records_under_the_namespace_of_the_migrating_proc
                 "INSERT INTO taskq_tasks (idempotency_key, task_id, task_type, state, attempts) "
                 "VALUES ('done', 't1', 't', 'completed', 1), ('dead', 't2', 't', 'dead', 3)"
             )
-        assert db.migrate(namespace="shop") == ["0003_tasks_by_namespace"]
+        assert db.migrate(namespace="shop") == ["0003_tasks_by_namespace", "0004_worker_liveness"]
         shop, other = (IdempotencyStore(db, owner="w", namespace=ns) for ns in ("shop", "other"))
         assert shop.counts() == {"completed": 1, "dead": 1} and other.counts() == {}
         assert shop.reset_for_replay("dead") and shop.get("dead")["attempts"] == 0
