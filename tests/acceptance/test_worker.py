@@ -11,7 +11,7 @@ from taskq._core.envelope import PRIORITIES
 from taskq.producer.admin import create_topics
 from taskq.producer.producer import TaskSpec
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import all_committed, wait_until
+from tests.acceptance.helpers import WorkerProcess, all_committed, wait_until
 
 
 def test_each_key_takes_effect_once_across_three_workers(app: App) -> None:
@@ -78,6 +78,47 @@ def test_namespaces_sharing_a_database_each_run_their_own_task_of_one_key_once(a
         ]
     finally:
         other.close()
+
+
+def test_keys_of_a_killed_worker_run_again_elsewhere_within_15_s_whatever_their_lease(app: App) -> None:
+    # Hold has no timeout: its keys are leased for 300 s (plus the claim wait). Max attempts 1: a task that
+    # was merely in flight, or claimed ahead, on the killed worker must not be dead-lettered for it.
+    keys = [f"h{i:02d}" for i in range(24)]
+    for k in keys:
+        app.producer.enqueue(app.type("Hold"), {"key": k, "seconds": 1.5}, idempotency_key=f"hold:{k}")
+    app.producer.flush(30)
+    first = app.spawn("--concurrency", "3", "--no-forwarder")
+    second = app.spawn("--concurrency", "3", "--no-forwarder")
+
+    def held_by(w: WorkerProcess) -> set[str]:
+        rows = app.query(
+            "SELECT idempotency_key FROM taskq_tasks WHERE state = 'running' AND lease_owner LIKE %s",
+            f"%:{w.proc.pid}:%",
+        )
+        return {r["idempotency_key"] for r in rows}
+
+    wait_until(lambda: held_by(first) and held_by(second), timeout=90, what=f"both workers to hold keys\n{app.logs()}")
+    first.kill()
+    held = held_by(first)
+    assert held
+
+    def moved_on() -> bool:
+        rows = app.query(
+            "SELECT idempotency_key, state, lease_owner FROM taskq_tasks WHERE idempotency_key = ANY(%s)",
+            sorted(held),
+        )
+        return all(r["state"] == "completed" or f":{first.proc.pid}:" not in (r["lease_owner"] or "") for r in rows)
+
+    wait_until(moved_on, timeout=15, what=f"another worker to take over {sorted(held)}\n{app.logs()}")
+    wait_until(
+        lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
+        timeout=120,
+        what=f"every Hold task\n{app.logs()}",
+    )
+    app.assert_once_each(keys)
+    states = app.query("SELECT state, count(*) AS n, max(attempts) AS attempts FROM taskq_tasks GROUP BY state")
+    assert states == [{"state": "completed", "n": len(keys), "attempts": 1}], states  # none dead-lettered
+    wait_until(lambda: all_committed(app.settings), timeout=60, what="the group to commit every offset")
 
 
 def test_tiers_share_one_slot_by_weight_without_starving_low(app: App) -> None:
