@@ -80,6 +80,44 @@ def test_namespaces_sharing_a_database_each_run_their_own_task_of_one_key_once(a
         other.close()
 
 
+def test_a_worker_keeps_a_liveness_record_while_it_runs_and_removes_it_on_a_clean_stop(app: App) -> None:
+    def record(w: WorkerProcess) -> dict[str, object] | None:
+        rows = app.query(
+            "SELECT namespace, worker_group, pid, concurrency, heartbeat_at, dead_at FROM taskq_workers "
+            "WHERE worker_id LIKE %s",
+            f"%:{w.proc.pid}:%",
+        )
+        return rows[0] if rows else None
+
+    stopped, killed = app.spawn("--concurrency", "2"), app.spawn("--concurrency", "3", "--no-forwarder")
+    first = wait_until(lambda: record(stopped), timeout=60, what=f"the liveness record\n{app.logs()}")
+    assert (first["namespace"], first["worker_group"], first["pid"], first["concurrency"]) == (
+        app.ns,
+        f"{app.ns}.workers",
+        stopped.proc.pid,
+        2,
+    )
+    wait_until(
+        lambda: (r := record(stopped)) is not None and r["heartbeat_at"] > first["heartbeat_at"],
+        timeout=15,
+        what="a heartbeat",
+    )
+    wait_until(lambda: record(killed), timeout=60, what="the second worker's record")
+    stopped.terminate()
+    assert stopped.wait(60) == 0, stopped.output()[-3000:]
+    assert record(stopped) is None  # a clean stop: every key was completed, failed or released
+    killed.kill()
+    late = record(killed)
+    assert late is not None and late["dead_at"] is None  # kept: it goes stale, and its keys are taken over
+    restarted = app.spawn("--concurrency", "1", "--no-forwarder")  # on the same host: the process is gone
+    wait_until(lambda: record(restarted), timeout=60, what="the restarted worker's record")
+    wait_until(
+        lambda: (r := record(killed)) is not None and r["dead_at"] is not None,
+        timeout=15,
+        what="the restarted worker to mark its dead predecessor",
+    )
+
+
 def test_keys_of_a_killed_worker_run_again_elsewhere_within_15_s_whatever_their_lease(app: App) -> None:
     # Hold has no timeout: its keys are leased for 300 s (plus the claim wait). Max attempts 1: a task that
     # was merely in flight, or claimed ahead, on the killed worker must not be dead-lettered for it.
