@@ -587,8 +587,9 @@ class InMemoryStore:
             self.workers[worker.worker_id] = _Liveness(worker, now)
             marked = set()
             for worker_id, w in self.workers.items():
-                same_host = w.record.host == worker.host and worker_id != worker.worker_id
-                if same_host and w.dead_at is None and not alive(w.record.pid):
+                earlier = w.record.host == worker.host and w.record.started_at <= worker.started_at
+                gone = w.dead_at is None and not alive(w.record.pid)
+                if earlier and worker_id != worker.worker_id and gone:
                     w.dead_at = now
                     marked.add(worker_id)
             forgotten = [i for i, w in self.workers.items() if w.heartbeat_at < now - FORGET_WORKERS_AFTER]

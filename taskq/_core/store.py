@@ -237,9 +237,11 @@ class Store:
         """Remove a worker's liveness record (a clean stop)."""
         self.database.execute("worker_leave", worker_id=worker_id)
 
-    def workers_on_host(self, host: str, *, besides: str) -> list[tuple[str, int]]:
-        """(worker id, pid) of the workers of `host` not marked dead, `besides` excepted."""
-        rows = self.database.all("workers_on_host", host=host, worker_id=besides)
+    def workers_on_host(self, worker: WorkerRecord) -> list[tuple[str, int]]:
+        """(worker id, pid) of the other workers of `worker`'s host started before it, not marked dead."""
+        rows = self.database.all(
+            "workers_on_host", host=worker.host, worker_id=worker.worker_id, started_at=worker.started_at
+        )
         return [(r["worker_id"], int(r["pid"])) for r in rows]
 
     def workers_mark_dead(self, worker_ids: Sequence[str]) -> set[str]:

@@ -197,11 +197,11 @@ class IdempotencyStore:
             self._check_in(conn)
 
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]:
-        """Write the worker's liveness record, and mark dead the earlier workers of its host whose process
-        is gone (`alive(pid)` false): their keys are taken over at once. Returns the ids marked dead."""
+        """Write the worker's liveness record, and mark dead the workers of its host started before it whose
+        process is gone (`alive(pid)` false): their keys are taken over at once. Returns the ids marked dead.
+        A host is one process id space: workers in containers that share a host name need their own."""
         self._store.worker_beat(worker, 0)
-        others = self._store.workers_on_host(worker.host, besides=worker.worker_id)
-        gone = [worker_id for worker_id, pid in others if not alive(pid)]
+        gone = [worker_id for worker_id, pid in self._store.workers_on_host(worker) if not alive(pid)]
         marked = self._store.workers_mark_dead(gone) if gone else set()
         self._store.workers_prune(FORGET_WORKERS_AFTER)
         return marked

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -145,8 +145,8 @@ def test_namespaces_sharing_a_database_keep_their_own_record_of_a_key(namespaces
     assert retry.attempts == 2 and x.retries() == (0, 0) and y.retries() == (1, 1)
 
 
-def worker(owner: str, pid: int = 1_000_001, host: str = "host-1") -> WorkerRecord:
-    return WorkerRecord(owner, "ns", "ns.workers", host, pid, 4, datetime.now(UTC))
+def worker(owner: str, pid: int = 1_000_001, host: str = "host-1", later: float = 0.0) -> WorkerRecord:
+    return WorkerRecord(owner, "ns", "ns.workers", host, pid, 4, datetime.now(UTC) + timedelta(seconds=later))
 
 
 def test_a_key_leased_by_a_worker_whose_heartbeat_is_stale_is_taken_over_as_an_interruption(
@@ -206,10 +206,12 @@ def test_a_starting_worker_marks_dead_the_gone_processes_of_its_host_and_takes_t
     a.enter(worker("a", pid=111), lambda pid: True)
     a.claim([req("k", lease=300)])
     a.enter(worker("other-host", pid=111, host="host-2"), lambda pid: True)
-    marked = b.enter(worker("b", pid=222), lambda pid: pid != 111)
-    assert marked == {"a"}  # pid 111 is gone from host-1; host-2's pid 111 is not ours to judge
+    a.enter(worker("younger", pid=333, later=3600), lambda pid: True)
+    marked = b.enter(worker("b", pid=222, later=1), lambda pid: pid == 222)
+    # Pid 111 is gone from host-1; host-2's pid 111 is not ours to judge, nor a worker started after b.
+    assert marked == {"a"}
     (taken,) = b.claim([req("k")])
     assert (taken.outcome, taken.attempts, taken.interruptions) == ("claimed", 1, 1)
-    assert b.enter(worker("b", pid=222), lambda pid: False) == set()  # marked once
+    assert b.enter(worker("b", pid=222, later=1), lambda pid: pid == 222) == set()  # marked once
     a.beat(worker("a", pid=111), 0)  # a was alive after all: its record revives, its lost lease stays lost
     assert a.finish([Finished("k", 1, "completed")]) == {"k"}

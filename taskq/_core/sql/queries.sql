@@ -164,9 +164,9 @@ ON CONFLICT (worker_id) DO UPDATE SET heartbeat_at = clock_timestamp(), in_fligh
 DELETE FROM taskq_workers WHERE worker_id = %(worker_id)s;
 
 -- name: workers_on_host
--- The other live-looking workers of a host, for a starting worker to check whose process is gone.
+-- The live-looking workers of a host started before a starting worker, for it to check whose process is gone.
 SELECT worker_id, pid FROM taskq_workers
-WHERE host = %(host)s AND worker_id <> %(worker_id)s AND dead_at IS NULL;
+WHERE host = %(host)s AND worker_id <> %(worker_id)s AND started_at <= %(started_at)s AND dead_at IS NULL;
 
 -- name: workers_mark_dead
 -- Mark workers dead (their process is gone): the next claim of a key they leased takes it over.
