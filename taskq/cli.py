@@ -409,7 +409,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
     from taskq.producer.outbox import OutboxRelay
 
     relay = OutboxRelay(_settings(args), batch=args.batch)
-    Database(relay.settings.database_url, schema=relay.settings.database_schema).migrate()
+    Database(relay.settings.database_url, schema=relay.settings.database_schema).migrate(
+        namespace=relay.settings.namespace
+    )
     signal.signal(signal.SIGTERM, lambda signum, frame: relay.stop())
     signal.signal(signal.SIGINT, lambda signum, frame: relay.stop())
     logging.getLogger("taskq.relay").info("relay: publishing the outbox of %s", relay.namespace)

@@ -351,7 +351,7 @@ def test_migrating_keeps_older_records_under_the_namespace_of_the_migrating_proc
                 "INSERT INTO taskq_tasks (idempotency_key, task_id, task_type, state, attempts) "
                 "VALUES ('done', 't1', 't', 'completed', 1), ('dead', 't2', 't', 'dead', 3)"
             )
-        assert db.migrate(namespace="shop") == ["0003_tasks_by_namespace", "0004_worker_liveness"]
+        assert "0003_tasks_by_namespace" in db.migrate(namespace="shop")
         shop, other = (IdempotencyStore(db, owner="w", namespace=ns) for ns in ("shop", "other"))
         assert shop.counts() == {"completed": 1, "dead": 1} and other.counts() == {}
         assert shop.reset_for_replay("dead") and shop.get("dead")["attempts"] == 0
