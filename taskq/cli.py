@@ -300,7 +300,7 @@ def cmd_db_migrate(args: argparse.Namespace) -> int:
     from taskq._core.db import Database
 
     s = _settings(args)
-    applied = Database(s.database_url, schema=s.database_schema).migrate()
+    applied = Database(s.database_url, schema=s.database_schema).migrate(namespace=s.namespace)
     _print(args, applied, "\n".join(f"applied {m}" for m in applied) or "up to date")
     return 0
 
@@ -337,6 +337,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         buffer_bytes=args.buffer_mb * 1024 * 1024,
         forwarder=not args.no_forwarder,
         relay=not args.no_relay,
+        stale_after=args.stale_after,
     )
     if args.processes > 1:
         from taskq.consumer.supervisor import Supervisor
@@ -408,7 +409,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
     from taskq.producer.outbox import OutboxRelay
 
     relay = OutboxRelay(_settings(args), batch=args.batch)
-    Database(relay.settings.database_url, schema=relay.settings.database_schema).migrate()
+    Database(relay.settings.database_url, schema=relay.settings.database_schema).migrate(
+        namespace=relay.settings.namespace
+    )
     signal.signal(signal.SIGTERM, lambda signum, frame: relay.stop())
     signal.signal(signal.SIGINT, lambda signum, frame: relay.stop())
     logging.getLogger("taskq.relay").info("relay: publishing the outbox of %s", relay.namespace)
@@ -442,7 +445,9 @@ def cmd_db_purge(args: argparse.Namespace) -> int:
     # or a task whose effect already happened (through another copy) would run a second time.
     with DeadLetters(s) as dlq:
         keep = {r.idempotency_key for r in dlq.list(include_replayed=True) if r.idempotency_key}
-    store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
+    store = IdempotencyStore(
+        Database(s.database_url, schema=s.database_schema), owner="taskq-cli", namespace=s.namespace
+    )
     try:
         n = store.purge(ttl, keep=sorted(keep))
     finally:
@@ -545,7 +550,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     tiers = tier_depths(Admin(s), Topics(s.namespace, s.delay_tiers), s.worker_group)
     with DeadLetters(s) as dlq:
         dlq_depth = dlq.depth()
-    store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
+    store = IdempotencyStore(
+        Database(s.database_url, schema=s.database_schema), owner="taskq-cli", namespace=s.namespace
+    )
     try:
         counts = store.counts()
         retried_tasks, retries = store.retries()
@@ -750,6 +757,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
     sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
     sp.add_argument("--buffer-mb", type=int, default=64, help="max megabytes of them (values and headers)")
+    sp.add_argument(
+        "--stale-after",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a worker whose heartbeat (every 3 s) is older than this is presumed dead, and the keys it "
+        "leased are taken over at once (default 10)",
+    )
     sp.add_argument(
         "--no-forwarder", action="store_true", help="do not run the delay forwarder in this process"
     )

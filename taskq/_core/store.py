@@ -27,12 +27,29 @@ class ClaimRequest:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """The store's answer: run it (claimed, with its attempt number), skip it (completed), or hold it."""
+    """The store's answer: run it (claimed, with its attempt number), skip it (completed), or hold it.
+
+    `interruptions`: runs of the key taken over from workers that died (not counted in `attempts`).
+    """
 
     idempotency_key: str
     outcome: ClaimOutcome
     attempts: int
     lease_left: float = 0.0
+    interruptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """A worker's liveness record: who it is and where it runs (its heartbeat and load are written apart)."""
+
+    worker_id: str
+    namespace: str
+    group: str
+    host: str
+    pid: int
+    concurrency: int
+    started_at: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,16 +95,28 @@ def outbox_stage(
 
 
 class Store:
-    """Every named query of sql/queries.sql, one method each: the only code that names a query."""
+    """Every named query of sql/queries.sql, one method each: the only code that names a query.
+
+    Idempotency records belong to a namespace (namespaces may share a database): each of their methods
+    takes the namespace first and reads or writes that namespace's records only.
+    """
 
     def __init__(self, database: Database) -> None:
         self.database = database
 
     # ------------------------------------------------------------------------------- idempotency records
-    def claim(self, owner: str, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """Claim each key (unique in `requests`) for one attempt, leased to `owner`; answers in order."""
+    def claim(
+        self, namespace: str, owner: str, requests: Sequence[ClaimRequest], *, stale_after: float
+    ) -> list[Claim]:
+        """Claim each key (unique in `requests`) for one attempt, leased to `owner`; answers in order.
+
+        Keys leased by a worker whose heartbeat is older than `stale_after` seconds, or that was marked
+        dead, are taken over.
+        """
         rows = self.database.all(
             "claim",
+            namespace=namespace,
+            stale_after=stale_after,
             keys=[r.idempotency_key for r in requests],
             task_ids=[r.task_id for r in requests],
             task_types=[r.task_type for r in requests],
@@ -102,14 +131,23 @@ class Store:
             if outcome not in ("claimed", "completed"):
                 outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
             out.append(
-                Claim(r.idempotency_key, outcome, int(row["attempts"] or 0), float(row["lease_left"] or 0.0))
+                Claim(
+                    r.idempotency_key,
+                    outcome,
+                    int(row["attempts"] or 0),
+                    float(row["lease_left"] or 0.0),
+                    int(row["interruptions"] or 0),
+                )
             )
         return out
 
-    def complete(self, owner: str, done: Sequence[Finished], *, tx: Transaction | None = None) -> set[str]:
+    def complete(
+        self, namespace: str, owner: str, done: Sequence[Finished], *, tx: Transaction | None = None
+    ) -> set[str]:
         """Record completions held by `owner`'s lease, in `tx` if given; returns the keys recorded."""
         rows = (tx or self.database).all(
             "complete",
+            namespace=namespace,
             keys=[f.idempotency_key for f in done],
             attempts=[f.attempts for f in done],
             results=[_result_json(f.result) for f in done],
@@ -117,10 +155,11 @@ class Store:
         )
         return {r["idempotency_key"] for r in rows}
 
-    def fail(self, owner: str, failed: Sequence[Finished]) -> set[str]:
+    def fail(self, namespace: str, owner: str, failed: Sequence[Finished]) -> set[str]:
         """Record failed or dead attempts held by `owner`'s lease; returns the keys recorded."""
         rows = self.database.all(
             "fail",
+            namespace=namespace,
             keys=[f.idempotency_key for f in failed],
             attempts=[f.attempts for f in failed],
             states=[f.state for f in failed],
@@ -129,17 +168,22 @@ class Store:
         )
         return {r["idempotency_key"] for r in rows}
 
-    def release(self, owner: str, claims: Sequence[tuple[str, int]]) -> set[str]:
+    def release(self, namespace: str, owner: str, claims: Sequence[tuple[str, int]]) -> set[str]:
         """Give back (key, attempt) claims whose attempts never started; returns the keys released."""
         rows = self.database.all(
-            "release", keys=[k for k, _ in claims], attempts=[a for _, a in claims], owner=owner
+            "release",
+            namespace=namespace,
+            keys=[k for k, _ in claims],
+            attempts=[a for _, a in claims],
+            owner=owner,
         )
         return {r["idempotency_key"] for r in rows}
 
-    def renew(self, owner: str, leases: Sequence[tuple[str, int, float]]) -> set[str]:
+    def renew(self, namespace: str, owner: str, leases: Sequence[tuple[str, int, float]]) -> set[str]:
         """Extend (key, attempt, seconds from now) leases held by `owner`; returns the keys renewed."""
         rows = self.database.all(
             "renew",
+            namespace=namespace,
             keys=[k for k, _, _ in leases],
             attempts=[a for _, a, _ in leases],
             leases=[s for _, _, s in leases],
@@ -147,27 +191,67 @@ class Store:
         )
         return {r["idempotency_key"] for r in rows}
 
-    def get(self, idempotency_key: str) -> Row | None:
+    def get(self, namespace: str, idempotency_key: str) -> Row | None:
         """The record of one key (its columns), or None."""
-        return self.database.one("get", key=idempotency_key)
+        return self.database.one("get", namespace=namespace, key=idempotency_key)
 
-    def reset_for_replay(self, idempotency_key: str) -> bool:
+    def reset_for_replay(self, namespace: str, idempotency_key: str) -> bool:
         """Start a dead key's attempts over (DLQ replay); False if it is not dead (e.g. completed)."""
-        return self.database.one("reset_for_replay", key=idempotency_key) is not None
+        return self.database.one("reset_for_replay", namespace=namespace, key=idempotency_key) is not None
 
-    def purge(self, ttl_seconds: float, *, batch: int, keep: Sequence[str] = ()) -> int:
+    def purge(self, namespace: str, ttl_seconds: float, *, batch: int, keep: Sequence[str] = ()) -> int:
         """Delete up to `batch` completed and dead records older than the TTL, except the keys in `keep`;
         returns how many."""
-        return max(0, self.database.execute("purge", ttl_seconds=ttl_seconds, batch=batch, keep=list(keep)))
+        return max(
+            0,
+            self.database.execute(
+                "purge", namespace=namespace, ttl_seconds=ttl_seconds, batch=batch, keep=list(keep)
+            ),
+        )
 
-    def counts(self) -> dict[str, int]:
+    def counts(self, namespace: str) -> dict[str, int]:
         """Number of records per state."""
-        return {r["state"]: int(r["n"]) for r in self.database.all("counts")}
+        return {r["state"]: int(r["n"]) for r in self.database.all("counts", namespace=namespace)}
 
-    def retries(self) -> tuple[int, int]:
+    def retries(self, namespace: str) -> tuple[int, int]:
         """(tasks that needed more than one attempt, attempts beyond the first), over all workers."""
-        (row,) = self.database.all("retries")
+        (row,) = self.database.all("retries", namespace=namespace)
         return int(row["tasks"]), int(row["retries"])
+
+    # --------------------------------------------------------------------------------- liveness records
+    def worker_beat(self, worker: WorkerRecord, in_flight: int) -> None:
+        """Write a worker's liveness record: alive now, with `in_flight` tasks running."""
+        self.database.execute(
+            "worker_beat",
+            worker_id=worker.worker_id,
+            namespace=worker.namespace,
+            group=worker.group,
+            host=worker.host,
+            pid=worker.pid,
+            concurrency=worker.concurrency,
+            in_flight=in_flight,
+            started_at=worker.started_at,
+        )
+
+    def worker_leave(self, worker_id: str) -> None:
+        """Remove a worker's liveness record (a clean stop)."""
+        self.database.execute("worker_leave", worker_id=worker_id)
+
+    def workers_on_host(self, worker: WorkerRecord) -> list[tuple[str, int]]:
+        """(worker id, pid) of the other workers of `worker`'s host started before it, not marked dead."""
+        rows = self.database.all(
+            "workers_on_host", host=worker.host, worker_id=worker.worker_id, started_at=worker.started_at
+        )
+        return [(r["worker_id"], int(r["pid"])) for r in rows]
+
+    def workers_mark_dead(self, worker_ids: Sequence[str]) -> set[str]:
+        """Mark workers dead, so their keys are taken over at once; returns those marked now."""
+        rows = self.database.all("workers_mark_dead", worker_ids=list(worker_ids))
+        return {r["worker_id"] for r in rows}
+
+    def workers_prune(self, older_than: float) -> int:
+        """Delete the liveness records silent for more than `older_than` seconds; how many."""
+        return max(0, self.database.execute("workers_prune", older_than=older_than))
 
     # ------------------------------------------------------------------------------------- rate limits
     def take_tokens(self, bucket: str, *, rate: float, capacity: float, want: float) -> tuple[float, float]:

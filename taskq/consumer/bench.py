@@ -127,7 +127,7 @@ def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "
         except KafkaUnavailableError:
             broker_away = True  # nothing was made there; deleting would wait for the broker once more
             raise
-        db.migrate()
+        db.migrate(namespace=s.namespace)
         if handler == "transactional":
             with db.connection() as conn:
                 conn.execute(f"CREATE TABLE {_EFFECTS_TABLE} (key text PRIMARY KEY, i int NOT NULL)")
@@ -608,15 +608,17 @@ def bench_ceiling(
                         _LEASE_SECONDS,
                     )
                 )
-            claims = [c for c in store.claim(owner, requests) if c.outcome == "claimed"]
-            store.complete(owner, [Finished(c.idempotency_key, c.attempts, "completed") for c in claims])
+            answers = store.claim(s.namespace, owner, requests, stale_after=10.0)
+            claims = [c for c in answers if c.outcome == "claimed"]
+            done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claims]
+            store.complete(s.namespace, owner, done)
             claimed += len(claims)
             sample[:] = sample or msgs[:1]
 
         claim_complete = _consume_pass(
             run, f"{s.namespace}.ceiling-claim", count, timeout, claim_and_complete
         )
-        recorded = store.counts().get("completed", 0)
+        recorded = store.counts(s.namespace).get("completed", 0)
         store.database.close()
 
         # A real TaskProducer record, value and headers as they are, sent again as fast as acks=all allows.

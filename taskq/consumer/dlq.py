@@ -188,10 +188,11 @@ class ReplayLog(Protocol):
 
 
 class PostgresReplayLog:
-    """Replay records in Postgres (taskq_dlq_replays), beside the idempotency records."""
+    """Replay records in Postgres (taskq_dlq_replays), beside the idempotency records of a namespace."""
 
-    def __init__(self, database: Database) -> None:
+    def __init__(self, database: Database, *, namespace: str) -> None:
         self.database = database
+        self.namespace = namespace
         self._store = Store(database)
 
     def replayed(self, topic: str) -> dict[int, tuple[datetime, int]]:
@@ -218,11 +219,11 @@ class PostgresReplayLog:
 
     def reset_for_replay(self, idempotency_key: str) -> bool:
         """Start a dead key's attempts over; False if it is not dead (a completed key stays completed)."""
-        return self._store.reset_for_replay(idempotency_key)
+        return self._store.reset_for_replay(self.namespace, idempotency_key)
 
     def get(self, idempotency_key: str) -> Mapping[str, Any] | None:
         """The idempotency record of a key."""
-        return self._store.get(idempotency_key)
+        return self._store.get(self.namespace, idempotency_key)
 
     def close(self) -> None:
         """Release the connection."""
@@ -246,7 +247,8 @@ class DeadLetters:
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._admin = self.broker.admin()
         self._store: ReplayLog = store or PostgresReplayLog(
-            Database(self.settings.database_url, schema=self.settings.database_schema)
+            Database(self.settings.database_url, schema=self.settings.database_schema),
+            namespace=self.settings.namespace,
         )
         self._sink: RecordSink | None = None
         self._registry: SchemaRegistry | None = registry

@@ -9,8 +9,10 @@ by the broker (invariant 1).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -49,6 +51,7 @@ from taskq.consumer.events import (
 from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
 from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
+from taskq.consumer.liveness import Liveness
 from taskq.consumer.offsets import OffsetTracker
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
 from taskq.consumer.retry import Reject
@@ -63,6 +66,7 @@ from taskq.consumer.store import (
     Member,
     NotStarted,
     TaskStore,
+    WorkerRecord,
 )
 from taskq.producer.outbox import OutboxRelay
 from taskq.producer.producer import TaskProducer
@@ -82,6 +86,16 @@ GROUP_WINDOW = 0.05
 
 class GroupRolledBack(TaskqError):
     """The attempt's group commit was rolled back because of another attempt in it; it runs again."""
+
+
+def max_interruptions(max_attempts: int) -> int:
+    """Takeovers from dead workers after which a key is dead-lettered as a poison pill, unrun.
+
+    A task merely in flight (or claimed ahead) on a worker that died is not charged an attempt; but a task
+    that kills every worker running it must still end in the DLQ: after max_attempts runs, and never after
+    one death alone, so a single crash never dead-letters a healthy task with max_attempts=1.
+    """
+    return max(max_attempts, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +118,11 @@ class WorkerConfig:
     #: Keys are claimed as their records arrive, and leased this much longer than the run needs while they
     #: wait for a slot; a task that waited over half of it renews its lease before it starts.
     claim_wait: float = 10.0
+    #: The worker's liveness record is written this often (seconds), by a thread of its own.
+    heartbeat_interval: float = 3.0
+    #: A worker whose heartbeat is older than this (seconds) is presumed dead: the keys it leased are taken
+    #: over by the next claim instead of after their leases (invariant 9).
+    stale_after: float = 10.0
     metrics_port: int | None = None
     #: Where /metrics listens: loopback unless told otherwise.
     metrics_host: str = "127.0.0.1"
@@ -124,9 +143,21 @@ class WorkerConfig:
             )
         if self.buffer_bytes < 1024 * 1024:
             raise ConfigurationError(f"buffer_bytes must be >= 1 MiB, got {self.buffer_bytes}")
-        for name in ("shutdown_timeout", "revoke_timeout", "commit_interval", "default_lease", "claim_wait"):
+        for name in (
+            "shutdown_timeout",
+            "revoke_timeout",
+            "commit_interval",
+            "default_lease",
+            "claim_wait",
+            "heartbeat_interval",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.stale_after >= 2 * self.heartbeat_interval:
+            raise ConfigurationError(
+                f"stale_after must be at least twice heartbeat_interval ({self.heartbeat_interval} s), "
+                f"got {self.stale_after}"
+            )
 
 
 @dataclass(slots=True)
@@ -210,17 +241,43 @@ class Worker:
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._database = None
         recorder: IdempotencyStore | None = None
+        beats: IdempotencyStore | None = None
         if store is None:
             self._database = Database(self.settings.database_url, schema=self.settings.database_schema)
-            store = IdempotencyStore(self._database, owner=self.worker_id)
-            # Outcomes are recorded on a connection and a thread of their own, so the loop goes on
-            # fetching, claiming and dispatching while Postgres commits them.
-            recorder = IdempotencyStore(
-                Database(self.settings.database_url, schema=self.settings.database_schema),
+            store = IdempotencyStore(
+                self._database,
                 owner=self.worker_id,
+                namespace=self.settings.namespace,
+                stale_after=self.config.stale_after,
             )
+            # Outcomes are recorded on a connection and a thread of their own, so the loop goes on
+            # fetching, claiming and dispatching while Postgres commits them; the heartbeat too.
+            recorder, beats = (
+                IdempotencyStore(
+                    Database(self.settings.database_url, schema=self.settings.database_schema),
+                    owner=self.worker_id,
+                    namespace=self.settings.namespace,
+                )
+                for _ in range(2)
+            )
+        self._beats = beats
         self.store: TaskStore = store
         self._recorder = recorder
+        self._liveness = Liveness(
+            beats or store,
+            WorkerRecord(
+                self.worker_id,
+                self.settings.namespace,
+                self.group,
+                socket.gethostname(),
+                os.getpid(),
+                self.config.concurrency,
+                datetime.now(UTC),
+            ),
+            lambda: len(self._running),
+            interval=self.config.heartbeat_interval,
+        )
+        self._crashed = False  # the loop raised: keys may still be leased, so the liveness record stays
         self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
@@ -267,13 +324,17 @@ class Worker:
             while not self._stop.is_set():
                 self._tick()
             self._shutdown()
+        except BaseException:
+            self._crashed = True
+            raise
         finally:
             self.close()
 
     def start(self) -> None:
         """Join the group and start the metrics server and the forwarder; `run` does it, tests may too."""
         if self._database is not None:
-            self._database.migrate()
+            self._database.migrate(namespace=self.settings.namespace)
+        self._liveness.start()
         if self.config.metrics_port is not None:
             self._server = metrics.serve(
                 self.config.metrics_port,
@@ -365,8 +426,13 @@ class Worker:
             self._source = None
         self.executor.shutdown(timeout=1.0)
         self._completer.close()
+        # A clean stop completed, failed or released every key: the record goes. After a crash it stays,
+        # goes stale, and the keys still leased are taken over then.
+        self._liveness.stop(clean=not self._crashed)
         if self._recorder is not None:
             self._recorder.close()
+        if self._beats is not None:
+            self._beats.close()
         self.store.close()
         self.registry.close()
         if self._server is not None:
@@ -667,6 +733,14 @@ class Worker:
             # A poison pill: earlier attempts never reported (they killed their worker). Never run it again.
             self._finish_dead(
                 task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill"
+            )
+            return
+        if claim.interruptions >= max_interruptions(max_attempts):
+            # A poison pill too: its runs keep killing their workers (each taken over from a dead worker).
+            self._finish_dead(
+                task,
+                f"gave up after {claim.interruptions} run(s) ended with their worker's death",
+                "taskq.PoisonPill",
             )
             return
         self._scheduler.push(task.tier, task)

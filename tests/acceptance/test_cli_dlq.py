@@ -48,7 +48,7 @@ def dlq_records(settings: Settings, task_schema: Callable[..., dict[str, Any]]) 
     with Registry(settings.schema_registry_url) as registry:
         email = registry.register(task_schema("SendEmail", FIELDS)).subject
         report = registry.register(task_schema("Report", FIELDS)).subject
-    store = IdempotencyStore(Database(settings.database_url, schema=settings.database_schema), owner="w")
+    store = IdempotencyStore(Database(settings.database_url, schema=settings.database_schema), owner="w", namespace=settings.namespace)
     try:
         tasks = [
             dead_letter(settings, store, email, 1, failed_at=datetime.now(UTC) - timedelta(hours=2)),

@@ -343,7 +343,7 @@ def test_a_long_lived_store_reports_a_postgres_restart_as_unavailable_and_then_r
     from taskq._core.errors import StoreUnavailableError
     from taskq.consumer.store import IdempotencyStore
 
-    store = IdempotencyStore(private_app.db, owner="restarts-test")
+    store = IdempotencyStore(private_app.db, owner="restarts-test", namespace=private_app.settings.namespace)
     try:
         for call in (store.counts, lambda: store.purge(3600), lambda: store.get("nothing")):
             assert call() in ({}, 0, None)  # a connection is open and idle

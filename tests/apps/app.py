@@ -33,6 +33,7 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Flaky": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
         "Tick": [{"name": "note", "type": "string", "default": ""}],
         "Ordered": [{"name": "account", "type": "string"}, {"name": "seq", "type": "long"}],
+        "Hold": [{"name": "key", "type": "string"}, {"name": "seconds", "type": "double"}],
     }
     return {
         name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()
@@ -94,6 +95,16 @@ def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:
         log.execute("INSERT INTO attempt_log (key, attempt) VALUES (%s, %s)", (payload["key"], ctx.attempt))
     if ctx.attempt <= payload["fail_times"]:
         raise RuntimeError(f"flaky failure on attempt {ctx.attempt}")
+    ctx.db.execute(
+        "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
+        (payload["key"], ctx.task_id, ctx.priority, os.getpid()),
+    )
+
+
+@handlers.task(f"{NS}.Hold", schema=S["Hold"], transactional=True, max_attempts=1)
+def hold(payload: dict[str, Any], ctx: TaskContext) -> None:
+    # No timeout: its key is leased for the worker's default lease (300 s), however long that is.
+    time.sleep(payload["seconds"])
     ctx.db.execute(
         "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
         (payload["key"], ctx.task_id, ctx.priority, os.getpid()),

@@ -52,7 +52,7 @@ def dlq(settings: Settings) -> Iterator[DeadLetters]:
 
 @pytest.fixture
 def store(settings: Settings) -> Iterator[IdempotencyStore]:
-    s = IdempotencyStore(Database(settings.database_url, schema=settings.database_schema), owner="w")
+    s = IdempotencyStore(Database(settings.database_url, schema=settings.database_schema), owner="w", namespace=settings.namespace)
     yield s
     s.close()
 

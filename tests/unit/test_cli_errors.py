@@ -23,6 +23,12 @@ def test_a_bad_argument_is_one_line_naming_it(capsys: pytest.CaptureFixture[str]
     assert err == "taskq: error: --weights must be integers, got '8,4,two,1'"
 
 
+def test_a_heartbeat_staleness_too_short_for_the_heartbeat_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["worker", "tests.apps.app:handlers", "--stale-after", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "taskq: error: stale_after must be at least twice heartbeat_interval (3.0 s), got 5.0"
+
+
 def test_a_bad_setting_is_one_line_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--namespace", "no spaces allowed", "stats"]) == 2
     err = capsys.readouterr().err
