@@ -614,10 +614,12 @@ def run_chaos(
             _check(report, s, db, sender.acked, lag)
         finally:
             monkey.stop()
-            if monkey.is_alive():
-                monkey.join()
-            pool.stop(60.0)
-            sender.close()
+            try:
+                if monkey.is_alive():
+                    monkey.join()
+            finally:
+                pool.stop(60.0)  # whatever failed: no worker outlives the run
+                sender.close()
         report.kills, report.worker_restarts = monkey.kills, monkey.restarts
         report.service_restarts = {name: monkey.service_runs[name] for name in services}
         report.problems += pool.exits + monkey.service_failures
