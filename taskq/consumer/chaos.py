@@ -281,7 +281,8 @@ class _Workers:
         self._log_dir = log_dir
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * count
         self._logs: list[IO[bytes] | None] = [None] * count
-        self.exits: list[str] = []  # workers that exited on their own: a finding
+        self.exits: list[str] = []  # workers that exited on their own (e.g. started while Postgres was down)
+        self.stop_failures: list[str] = []  # workers that did not stop cleanly on SIGTERM at the end
         self._lock = threading.RLock()  # the chaos thread and the run's thread both look
 
     def __len__(self) -> int:
@@ -313,7 +314,7 @@ class _Workers:
             return proc.pid
 
     def running(self) -> list[int]:
-        """The workers running now; one that exited on its own is recorded and left stopped."""
+        """The workers running now; one that exited on its own is recorded in `exits`."""
         out = []
         with self._lock:
             for i, proc in enumerate(self._procs):
@@ -343,9 +344,11 @@ class _Workers:
                 try:
                     code = proc.wait(max(0.1, deadline - time.monotonic()))
                     if code != 0:
-                        self.exits.append(f"worker {i} (pid {proc.pid}) stopped with {code}")
+                        self.stop_failures.append(f"worker {i} (pid {proc.pid}) stopped with {code}")
                 except subprocess.TimeoutExpired:
-                    self.exits.append(f"worker {i} (pid {proc.pid}) did not stop within {timeout:g}s: killed")
+                    self.stop_failures.append(
+                        f"worker {i} (pid {proc.pid}) did not stop within {timeout:g}s: killed"
+                    )
                     proc.kill()
                     proc.wait()
                 self._procs[i] = None
@@ -356,7 +359,8 @@ class _Workers:
 
 class _Monkey(threading.Thread):
     """Kills workers (kill -9) and restarts them at random intervals, and runs the service restart commands
-    at random times of the run, until stopped; then starts every worker that is down."""
+    at random times of the run, until stopped; then starts every worker that is down. Like a supervisor, it
+    starts a worker that exited on its own again a second later."""
 
     def __init__(
         self,
@@ -380,6 +384,7 @@ class _Monkey(threading.Thread):
         self._halt = threading.Event()
         self._events: list[tuple[float, int, str, str]] = []  # (due, seq, action, argument)
         self._seq = itertools.count()
+        self._down: set[int] = set()  # workers known to be down, their start scheduled
         t0 = time.monotonic()
         if kill_every > 0:
             self._at(t0 + rng.uniform(0.5, 1.5) * kill_every, "kill", "")
@@ -399,10 +404,15 @@ class _Monkey(threading.Thread):
     def run(self) -> None:
         while not self._halt.is_set():
             due = self._events[0][0] if self._events else time.monotonic() + 1.0
-            # A worker that exits on its own is noticed within a second (and left down: it is a finding).
+            # A worker that exits on its own is noticed within a second.
             if self._halt.wait(max(0.0, min(due - time.monotonic(), 1.0))):
                 break
-            self.workers.running()
+            for i in self.workers.stopped():
+                if i not in self._down:
+                    self._down.add(i)
+                    why = self.workers.exits[-1] if self.workers.exits else f"worker {i} is down"
+                    self.progress(f"{why}; starting it again in 1 s")
+                    self._at(time.monotonic() + 1.0, "start", str(i))
             if not self._events or self._events[0][0] > time.monotonic():
                 continue
             _, _, action, arg = heapq.heappop(self._events)
@@ -411,6 +421,7 @@ class _Monkey(threading.Thread):
                 if running:
                     i = self.rng.choice(running)
                     pid = self.workers.kill(i)
+                    self._down.add(i)
                     self.kills += 1
                     self.progress(f"kill -9 worker {i} (pid {pid})")
                     self._at(time.monotonic() + self.rng.uniform(0.5, 3.0), "start", str(i))
@@ -423,6 +434,7 @@ class _Monkey(threading.Thread):
             self._start(i)
 
     def _start(self, i: int) -> None:
+        self._down.discard(i)
         if i in self.workers.running():
             return
         pid = self.workers.start(i)
@@ -470,10 +482,15 @@ class ChaosReport:
     unexpected_effects: int = 0
     uncommitted: int = 0
     dlq_records: int = 0
+    #: DLQ records beyond one per key (a key dead-lettered again after a kill): reported, not a failure.
+    dlq_repeats: int = 0
     dlq_missing: int = 0
     dlq_unexpected: int = 0
     kills: int = 0
     worker_restarts: int = 0
+    #: Workers that exited on their own and were started again (not a failed check: a worker may refuse to
+    #: start while Postgres is down, as under systemd; the effects are what is checked).
+    worker_exits: list[str] = field(default_factory=list)
     service_restarts: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     examples: dict[str, list[str]] = field(default_factory=dict)
@@ -513,12 +530,15 @@ class ChaosReport:
             f"  duplicated          {self.duplicated}",
             f"  unexpected effects  {self.unexpected_effects}",
             f"  uncommitted         {self.uncommitted} records on the tier topics",
-            f"  DLQ                 {self.dlq_records} records: {self.meant_to_fail - self.dlq_missing} of "
+            f"  DLQ                 {self.dlq_records} records ({self.dlq_repeats} repeating a key): "
+            f"{self.meant_to_fail - self.dlq_missing} of "
             f"{self.meant_to_fail} meant to fail, {self.dlq_missing} missing, {self.dlq_unexpected} others",
-            f"  kills               {self.kills} (kill -9), {self.worker_restarts} worker restarts",
+            f"  kills               {self.kills} (kill -9), {self.worker_restarts} worker restarts, "
+            f"{len(self.worker_exits)} exits on their own",
             f"  service restarts    {services}",
             f"  took                {self.took_s:.1f} s (drain {self.drain_s:.1f} s)",
         ]
+        lines += [f"  exit: {e}" for e in self.worker_exits]
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  e.g. {what}: {', '.join(keys)}" for what, keys in self.examples.items() if keys]
         if self.logs:
@@ -602,11 +622,10 @@ def run_chaos(
             report.drained = _wait(
                 lambda: _settled(store) >= report.enqueued, drain_timeout, pool=pool, every=0.5
             )
-            lag: dict[TP, int] = {}
             if report.drained:
                 # Workers commit every second; once drained, nothing may stay behind their commits.
                 _wait(lambda: not uncommitted(s), 60.0, pool=pool, every=1.0)
-                lag = uncommitted(s)
+            lag = uncommitted(s)
             report.drain_s = time.monotonic() - t_drain
             counts = store.counts()
             report.completed, report.dead_lettered = counts.get("completed", 0), counts.get("dead", 0)
@@ -622,7 +641,8 @@ def run_chaos(
                 sender.close()
         report.kills, report.worker_restarts = monkey.kills, monkey.restarts
         report.service_restarts = {name: monkey.service_runs[name] for name in services}
-        report.problems += pool.exits + monkey.service_failures
+        report.worker_exits = pool.exits
+        report.problems += pool.stop_failures + monkey.service_failures
         report.took_s = time.monotonic() - started
     if keep or not report.passed:
         report.logs = str(log_dir)
@@ -688,6 +708,7 @@ def _check(
         records = dlq.list(include_replayed=True)
     in_dlq = {r.idempotency_key or f"<no key: offset {r.offset}>" for r in records}
     report.dlq_records = len(records)
+    report.dlq_repeats = len(records) - len({r.idempotency_key for r in records})
     report.dlq_missing = len(meant_to_fail - in_dlq)
     report.dlq_unexpected = len(in_dlq - meant_to_fail)
     report.examples = {

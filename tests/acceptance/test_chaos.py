@@ -18,6 +18,8 @@ from taskq._core.kafka import Admin
 from taskq._core.settings import Settings
 from taskq.consumer.chaos import CREATE_LEDGER, LEDGER_TABLE, ChaosReport, _check, _Task, check_ledger
 
+TASKQ_CHAOS = (sys.executable, "-m", "taskq.cli", "chaos")
+
 
 def _figure(report: str, label: str) -> int:
     found = re.search(rf"^  {label}\s+(\d+)", report, re.MULTILINE)
@@ -29,8 +31,7 @@ def test_chaos_run_with_workers_killed_loses_and_doubles_nothing(
     settings: Settings, env_of: Callable[..., dict[str, str]]
 ) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "taskq.cli", "chaos", "--duration", "20", "--workers", "2"]
-        + ["--kill-every", "4", "--seed", "11"],
+        [*TASKQ_CHAOS, "--duration", "20", "--workers", "2", "--kill-every", "4", "--seed", "11"],
         env=env_of(),
         capture_output=True,
         text=True,
@@ -45,7 +46,7 @@ def test_chaos_run_with_workers_killed_loses_and_doubles_nothing(
     assert _figure(report, "uncommitted") == 0
     assert _figure(report, "kills") >= 2, report  # seed 11 kills more than once within 20 s
     assert _figure(report, "enqueued") >= 300, report  # 20 tasks/s for 20 s, each acknowledged
-    assert re.search(r"DLQ\s+(\d+) records: (\d+) of \2 meant to fail, 0 missing, 0 others", report), report
+    assert re.search(r"DLQ\s+\d+ records .*: (\d+) of \1 meant to fail, 0 missing, 0 others", report), report
     assert report.rstrip().endswith("result: PASS")
 
     # The run's namespace is gone: topics and Postgres schema.
