@@ -477,6 +477,10 @@ class ChaosReport:
     completed: int = 0
     dead_lettered: int = 0
     drained: bool = False
+    #: Idempotency records neither completed nor dead at the end, by state (where an undrained run stuck).
+    pending: dict[str, int] = field(default_factory=dict)
+    #: Offsets of the delay topics past the forwarder group's commits (an estimate: markers count too).
+    unforwarded: int = 0
     lost: int = 0
     duplicated: int = 0
     unexpected_effects: int = 0
@@ -525,7 +529,12 @@ class ChaosReport:
             f"  enqueued            {self.enqueued} acknowledged ({self.meant_to_fail} meant to fail; "
             f"{self.send_retries} sends retried, {self.unacknowledged} never acknowledged)",
             f"  completed           {self.completed}, dead-lettered {self.dead_lettered}"
-            f"{'' if self.drained else '  (NOT drained: tasks were still pending at the timeout)'}",
+            + (
+                ""
+                if self.drained
+                else f"  (NOT drained: still pending {self.pending or 'before their first claim'}; "
+                f"about {self.unforwarded} records of the delay topics not yet forwarded)"
+            ),
             f"  lost                {self.lost}",
             f"  duplicated          {self.duplicated}",
             f"  unexpected effects  {self.unexpected_effects}",
@@ -629,6 +638,12 @@ def run_chaos(
             report.drain_s = time.monotonic() - t_drain
             counts = store.counts()
             report.completed, report.dead_lettered = counts.get("completed", 0), counts.get("dead", 0)
+            report.pending = {k: n for k, n in counts.items() if k not in ("completed", "dead")}
+            if not report.drained:
+                try:
+                    report.unforwarded = _unforwarded(s)
+                except TaskqError as exc:
+                    log.warning("chaos: cannot read the forwarder's offsets: %s", exc)
             pool.stop(60.0)
             _check(report, s, db, sender.acked, lag)
         finally:
@@ -672,6 +687,14 @@ def _produce(sender: _Sender, rng: random.Random, *, rate: float, duration: floa
         else:
             pending = task  # tried again at the next turn, once the service is back
             time.sleep(0.2)
+
+
+def _unforwarded(s: Settings) -> int:
+    """Offsets of the delay topics past the forwarder group's commits (markers included: an estimate)."""
+    admin = Admin(s)
+    topics = Topics(s.namespace, s.delay_tiers).delay_topics
+    committed = admin.committed(f"{s.namespace}.forwarder", topics)
+    return sum(end - max(0, committed.get(tp, 0)) for tp, end in admin.end_offsets(topics).items())
 
 
 def _settled(store: Store) -> int:
