@@ -149,7 +149,8 @@ def uncommitted(settings: Settings) -> dict[TP, int]:
     topics = Topics(settings.namespace).priority_topics
     end = admin.end_offsets(topics)
     committed = admin.committed(settings.worker_group, topics)
-    behind = {tp: max(0, committed.get(tp, -1)) for tp, hw in end.items() if committed.get(tp, -1) < hw}
+    start = {tp: max(0, committed.get(tp, -1)) for tp in end}  # -1: nothing committed, from the start
+    behind = {tp: start[tp] for tp, hw in end.items() if start[tp] < hw}
     if not behind:
         return {}
     # read_committed like the workers; assigned, so it joins no group and commits nothing.
@@ -157,13 +158,19 @@ def uncommitted(settings: Settings) -> dict[TP, int]:
     source.assign([(t, p, o) for (t, p), o in behind.items()])
     left: Counter[TP] = Counter()
     try:
-        # Every partition behind is read to its end offset; what comes back was never committed.
+        # Read to the end offsets (the position moves past transaction markers); what comes back was never
+        # committed. What could not be read within the deadline counts as uncommitted too.
         deadline = time.monotonic() + 30
-        while any(source.position(tp) < end[tp] for tp in behind) and time.monotonic() < deadline:
-            left.update(r.tp for r in source.poll(1000, 0.5))
+        while time.monotonic() < deadline:
+            if all(max(source.position(tp), behind[tp]) >= end[tp] for tp in behind):
+                break
+            left.update(r.tp for r in source.poll(1000, 0.3))
+        else:
+            for tp in behind:
+                left[tp] += max(0, end[tp] - max(source.position(tp), behind[tp]))
     finally:
         source.close()
-    return dict(left)
+    return {tp: n for tp, n in left.items() if n}
 
 
 # -------------------------------------------------------------------------------------------------- plan
@@ -216,6 +223,7 @@ class _Sender:
     def send(self, task: _Task) -> bool:
         """Hand one task to the producer; False (and counted) if it was refused, e.g. while a service is
         down: the caller tries again."""
+        first = task.key not in self.planned
         self.planned[task.key] = task
         try:
             self.producer.enqueue(
@@ -227,7 +235,8 @@ class _Sender:
                 max_attempts=_FAIL_ATTEMPTS if task.kind == "fail" else None,
             )
         except (TaskqError, SchemaError, BufferError) as exc:
-            del self.planned[task.key]
+            if first:  # never handed over: it does not count until it is
+                del self.planned[task.key]
             self.send_errors += 1
             log.warning("chaos: send of %s refused (will retry): %s", task.key, exc)
             return False

@@ -1,5 +1,5 @@
 """`taskq chaos` as users run it: a short run with workers killed passes its checks, and the checks find a
-lost effect, a doubled one and a DLQ missing a task meant to fail.
+lost effect, a doubled one, a task never committed and a DLQ missing a task meant to fail.
 
 Broker and Postgres restarts (`--restart-kafka-cmd`, `--restart-postgres-cmd`) are left out here: the stack
 is shared with every other test of the session. They are run by hand against a private stack (README).
@@ -16,7 +16,19 @@ from taskq._core.db import Database
 from taskq._core.envelope import Topics
 from taskq._core.kafka import Admin
 from taskq._core.settings import Settings
-from taskq.consumer.chaos import CREATE_LEDGER, LEDGER_TABLE, ChaosReport, _check, _Task, check_ledger
+from taskq.consumer.chaos import (
+    CREATE_LEDGER,
+    LEDGER_TABLE,
+    SCHEMA,
+    TASK_TYPE,
+    ChaosReport,
+    _check,
+    _Task,
+    check_ledger,
+    uncommitted,
+)
+from taskq.producer.producer import TaskProducer
+from taskq.schemas import Registry
 
 TASKQ_CHAOS = (sys.executable, "-m", "taskq.cli", "chaos")
 
@@ -61,7 +73,9 @@ def test_chaos_run_with_workers_killed_loses_and_doubles_nothing(
     assert left is not None and left["n"] == 0
 
 
-def test_checks_report_a_lost_a_doubled_and_an_unexpected_effect_and_a_dlq_gap(settings: Settings) -> None:
+def test_checks_report_lost_doubled_and_unexpected_effects_an_uncommitted_task_and_a_dlq_gap(
+    settings: Settings,
+) -> None:
     db = Database(settings.database_url, schema=settings.database_schema)
     tasks = {t.key: t for t in (_Task(1, "ok", None), _Task(2, "retry", None), _Task(3, "delayed", 2.0))}
     tasks["chaos:4"] = _Task(4, "fail", None)
@@ -80,9 +94,19 @@ def test_checks_report_a_lost_a_doubled_and_an_unexpected_effect_and_a_dlq_gap(s
     assert (check.lost, check.duplicated, check.unexpected) == (["chaos:2"], {"chaos:3": 2}, ["chaos:99"])
     assert not check.ok
 
+    # A task on a tier that no worker ran: the commit check finds it (a transaction marker would not count).
+    assert uncommitted(settings) == {}
+    with Registry(settings.schema_registry_url) as registry:
+        registry.register(SCHEMA)
+    with TaskProducer(settings) as producer:
+        receipt = producer.enqueue(TASK_TYPE, {"i": 5, "kind": "ok"}, idempotency_key="chaos:5", wait=True)
+    lag = uncommitted(settings)
+    assert lag == {(receipt.topic, receipt.partition): 1}
+
     # The run's report over the same table and the namespace's (empty) DLQ: chaos:4 never reached it.
     report = ChaosReport(settings.namespace, 0, 1, 1.0, 1.0, enqueued=4, drained=True)
-    _check(report, settings, db, tasks, {})
+    _check(report, settings, db, tasks, lag)
+    assert report.uncommitted == 1
     assert (report.lost, report.duplicated, report.unexpected_effects) == (1, 1, 1)
     assert (report.meant_to_fail, report.dlq_missing, report.dlq_unexpected) == (1, 1, 0)
     assert not report.passed
