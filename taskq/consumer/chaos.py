@@ -544,7 +544,7 @@ class ChaosReport:
                 else f"  (NOT drained: still pending {self.pending or 'before their first claim'}; "
                 f"about {self.unforwarded} records of the delay topics not yet forwarded)"
             ),
-            f"  lost                {self.lost}",
+            f"  lost                {self.lost}{'' if self.drained else ' (or still pending: not drained)'}",
             f"  duplicated          {self.duplicated}",
             f"  unexpected effects  {self.unexpected_effects}",
             f"  uncommitted         {self.uncommitted} records on the tier topics",
