@@ -47,7 +47,7 @@ def cmd_schemas_register(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry, load_schema
 
     out = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for path in args.paths:
             reg = registry.register(load_schema(path))
             out.append(
@@ -65,7 +65,7 @@ def cmd_schemas_list(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry
 
     rows = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for subject in sorted(registry.subjects()):
             latest = registry.latest(subject)
             rows.append({"subject": subject, "latest_version": latest.version, "id": latest.schema_id})
@@ -77,7 +77,7 @@ def cmd_schemas_check(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry, full_name, load_schema
 
     results = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for path in args.paths:
             schema = load_schema(path)
             results.append(
@@ -137,7 +137,7 @@ def cmd_bench_produce(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry
 
     settings = _settings(args)
-    with Registry(settings.schema_registry_url) as registry:
+    with Registry.from_settings(settings) as registry:
         registry.register(demo_schema("send_email"))
     create_topics(settings)
     n = args.count
@@ -353,6 +353,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         buffer_capacity=args.buffer,
         buffer_bytes=args.buffer_mb * 1024 * 1024,
         forwarder=not args.no_forwarder,
+        relay=not args.no_relay,
     )
     if args.processes > 1:
         from taskq.consumer.supervisor import Supervisor
@@ -370,6 +371,65 @@ def cmd_worker(args: argparse.Namespace) -> int:
     log = logging.getLogger("taskq.worker")
     log.info("worker %s: %d handler(s), group %s", worker.worker_id, len(handlers), worker.group)
     worker.run()
+    return 0
+
+
+def cmd_periodic_list(args: argparse.Namespace) -> int:
+    """The periodic tasks of the namespace: schedule, last slot staged, next slot."""
+    from datetime import UTC, datetime
+
+    from taskq._core.db import Database
+    from taskq._core.store import Store
+    from taskq.consumer.handlers import load
+    from taskq.consumer.periodic import schedule_from_text
+
+    s = _settings(args)
+    database = Database(s.database_url, schema=s.database_schema)
+    try:
+        rows = {r["name"]: dict(r) for r in Store(database).periodic_list(s.namespace)}
+    finally:
+        database.close()
+    if args.handlers:
+        sys.path.insert(0, os.getcwd())
+        for spec in load(args.handlers).periodic_tasks:
+            row = rows.setdefault(spec.name, {"name": spec.name, "last_slot": None, "staged_at": None})
+            row.update(schedule=spec.schedule.text, catch_up=spec.catch_up, task_type=spec.task_type)
+    now = datetime.now(UTC)
+    out = []
+    for name in sorted(rows):
+        row = rows[name]
+        last = row.get("last_slot")
+        nxt = schedule_from_text(row["schedule"]).next_after(max(now, last) if last else now)
+        out.append(
+            {
+                "name": name,
+                "schedule": row["schedule"],
+                "catch_up": row["catch_up"],
+                "last_slot": last.isoformat() if last else None,
+                "next_slot": nxt.isoformat(),
+            }
+        )
+    text = "\n".join(
+        f"{r['name']:<30} {r['schedule']:<16} last {r['last_slot'] or 'never':<32} next {r['next_slot']}"
+        for r in out
+    )
+    _print(args, out, text or "no periodic tasks")
+    return 0
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    """Publish the outbox (tasks staged with enqueue(..., conn=)) until SIGTERM/SIGINT."""
+    import signal
+
+    from taskq._core.db import Database
+    from taskq.producer.outbox import OutboxRelay
+
+    relay = OutboxRelay(_settings(args), batch=args.batch)
+    Database(relay.settings.database_url, schema=relay.settings.database_schema).migrate()
+    signal.signal(signal.SIGTERM, lambda signum, frame: relay.stop())
+    signal.signal(signal.SIGINT, lambda signum, frame: relay.stop())
+    logging.getLogger("taskq.relay").info("relay: publishing the outbox of %s", relay.namespace)
+    relay.run()
     return 0
 
 
@@ -444,8 +504,9 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
 def cmd_dlq_show(args: argparse.Namespace) -> int:
     from taskq.consumer.dlq import DeadLetters
 
-    with DeadLetters(_settings(args)) as dlq:
-        data = dlq.show(args.offset).to_dict(full=True)
+    settings = _settings(args)
+    with DeadLetters(settings) as dlq:
+        data = dlq.show(args.offset).redacted([*settings.dlq_redact, *args.redact]).to_dict(full=True)
     lines = [f"DLQ record {data['offset']}"]
     fields = "task_type task_id idempotency_key priority attempts failed_at worker reason error_type original"
     for name in [*fields.split(), "replayed_at", "envelope_error"]:
@@ -490,6 +551,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from taskq._core.db import Database
     from taskq._core.envelope import Topics
     from taskq._core.kafka import Admin
+    from taskq._core.store import Store
     from taskq.consumer.dlq import DeadLetters
     from taskq.consumer.store import IdempotencyStore
     from taskq.producer.backpressure import tier_depths
@@ -504,6 +566,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     try:
         counts = store.counts()
         retried_tasks, retries = store.retries()
+        outbox_rows, outbox_oldest = Store(store.database).outbox_backlog(s.namespace)
     finally:
         store.close()
     data = {
@@ -513,13 +576,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "idempotency": counts,
         "retries": retries,
         "retried_tasks": retried_tasks,
+        "outbox": {"waiting": outbox_rows, "oldest_seconds": round(outbox_oldest, 3)},
     }
-    lines = [f"tier depth (not yet committed by {s.worker_group}):"]
+    # Tier depths are offsets, not records: each of the forwarder's transactions leaves a commit marker
+    # in the tiers it wrote to. Counting records would mean reading every tier, so they are estimates.
+    lines = [f"tier depth, estimated (offsets not yet committed by {s.worker_group}, markers included):"]
     lines += [f"  {p:<9} {n}" for p, n in tiers.items()]
     lines.append(f"DLQ depth (not replayed): {dlq_depth}")
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     lines.append(f"idempotency records: {by_state or 'none'}")
     lines.append(f"retries: {retries} attempt(s) beyond the first, over {retried_tasks} task(s)")
+    lines.append(f"outbox: {outbox_rows} task(s) waiting for the relay, the oldest for {outbox_oldest:.1f}s")
     _print(args, data, "\n".join(lines))
     return 0
 
@@ -529,7 +596,11 @@ def _tier_depth_gauge() -> Any:
     # Created on first use, not at import: only `taskq stats --metrics-port` exports it.
     from prometheus_client import Gauge
 
-    return Gauge("taskq_tier_depth", "Tasks of a tier the worker group has not committed yet", ["priority"])
+    return Gauge(
+        "taskq_tier_depth",
+        "Estimated tasks of a tier the worker group has not committed (offsets: transaction markers count)",
+        ["priority"],
+    )
 
 
 def _serve_stats(s: Settings, port: int, interval: float, host: str) -> int:
@@ -741,16 +812,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-forwarder", action="store_true", help="do not run the delay forwarder in this process"
     )
     sp.add_argument(
+        "--no-relay", action="store_true", help="do not run the outbox relay in this process (taskq relay)"
+    )
+    sp.add_argument(
         "--processes",
         type=int,
         default=1,
         metavar="N",
         help="run N worker processes (each with --concurrency slots) under a supervisor, which forwards "
-        "SIGTERM/SIGINT to them, runs the delay forwarder in one of them, serves one /metrics summing them "
-        "all, and restarts one that dies after 1 s, doubling up to 30 s (back to 1 s once it ran 60 s); "
-        "it stops them and exits 2 when one died 5 times within 60 s (default: 1, no supervisor)",
+        "SIGTERM/SIGINT to them, runs the delay forwarder and the outbox relay in one of them, serves one "
+        "/metrics summing them all, and restarts one that dies after 1 s, doubling up to 30 s (back to 1 s "
+        "once it ran 60 s); it stops them and exits 2 when one died 5 times within 60 s "
+        "(default: 1, no supervisor)",
     )
 
+    periodic = sub.add_parser("periodic", help="periodic tasks").add_subparsers(dest="sub", required=True)
+    sp = leaf(periodic, "list", cmd_periodic_list, "each periodic task's schedule, last and next slot")
+    sp.add_argument(
+        "handlers", nargs="?", metavar="MODULE:ATTR", help="also list tasks no scheduler has run yet"
+    )
+    sp = leaf(
+        sub,
+        "relay",
+        cmd_relay,
+        "publish tasks staged in the outbox by enqueue(..., conn=) (also runs inside workers)",
+        json_flag=False,
+    )
+    sp.add_argument("--batch", type=int, default=500, help="rows published per transaction (default 500)")
     leaf(
         sub,
         "forwarder",
@@ -766,6 +854,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--all", action="store_true", help="include replayed records")
     sp = leaf(dlq, "show", cmd_dlq_show, "one DLQ record: decoded payload, every header, traceback")
     sp.add_argument("offset", type=int)
+    sp.add_argument(
+        "--redact",
+        action="append",
+        default=[],
+        metavar="FIELD/HEADER",
+        help="also hide this header or payload field (a dotted path or its end; * matches anything): it "
+        "shows as *** (repeatable; TASKQ_DLQ_REDACT names the ones always hidden, by default authorization, "
+        "cookie, *password*, *secret*, *token* and the like)",
+    )
     replay_help = "re-enqueue DLQ records with their original task id and key (exit 1 if any is refused)"
     sp = leaf(dlq, "replay", cmd_dlq_replay, replay_help)
     sp.add_argument("offsets", nargs="*", type=int, metavar="OFFSET")
@@ -793,13 +890,13 @@ def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> No
     id in each line (the supervisor and the worker processes of `--processes N` share one stderr)."""
     process = "[%(process)d]" if pids else ""
     logging.basicConfig(
-        level=logging.INFO if verbose or command in ("worker", "forwarder") else logging.WARNING,
+        level=logging.INFO if verbose or command in ("worker", "forwarder", "relay") else logging.WARNING,
         format=f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s",
         stream=sys.stderr,
     )
     for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if not verbose and command not in ("worker", "forwarder"):
+    if not verbose and command not in ("worker", "forwarder", "relay"):
         # A short-lived command reports what failed in one line; librdkafka's retries and the producer's
         # per-task delivery log would only repeat it.
         for repeats in ("taskq.librdkafka", "taskq.producer"):

@@ -347,6 +347,7 @@ class _Sink:
         headers: Headers,
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
+        on_failure: Callable[[str], None] | None = None,  # never called: every accepted record is kept
     ) -> None:
         size = len(value or b"") + len(key or b"") + sum(len(k) + len(v) for k, v in headers)
         if size > self._max_bytes:  # librdkafka refuses at once, before anything is queued

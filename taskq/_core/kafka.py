@@ -188,13 +188,22 @@ class Sink:
         headers: Headers,
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
-        """Queue one record; `on_delivery` runs from poll()/flush() with None on success or the error."""
+        """Queue one record; `on_delivery` runs from poll()/flush() with None on success or the error.
+        `on_failure` instead hears only of a failure, without the record: the cheaper report when the
+        partition and offset of a success are not wanted."""
         cb = None
         if on_delivery is not None:
 
             def cb(err: KafkaError | None, msg: Message) -> None:
                 on_delivery(None if err is None else str(err), _record(msg) if err is None else None)
+
+        elif on_failure is not None:
+
+            def cb(err: KafkaError | None, msg: Message) -> None:
+                if err is not None:
+                    on_failure(str(err))
 
         kw: dict[str, Any] = {"key": key, "value": value, "headers": headers, "on_delivery": cb}
         if partition is not None:
@@ -554,6 +563,7 @@ class RecordSink(Protocol):
         headers: Headers,
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None: ...
     def poll(self, timeout: float = 0.0) -> int: ...
     def flush(self, timeout: float | None = None) -> int: ...

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from taskq._core.db import Database, Row, Transaction
+from psycopg import sql
+
+from taskq._core.db import Database, Row, Transaction, queries
 
 ClaimOutcome = Literal["claimed", "completed", "running", "duplicate"]
 
@@ -42,6 +44,37 @@ class Finished:
     state: Literal["completed", "failed", "dead"]
     result: Any = None
     error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """A task staged in the outbox, exactly as it is to be published, and how long it has waited."""
+
+    id: int
+    topic: str
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    age: float
+
+
+#: A record to stage: topic, key, value, headers.
+OutboxRecord = tuple[str, bytes | None, bytes, Sequence[tuple[str, bytes]]]
+
+
+def outbox_stage(
+    schema: str, namespace: str, records: Sequence[OutboxRecord]
+) -> tuple[sql.Composed, dict[str, Any]]:
+    """The statement and parameters staging (topic, key, value, headers) records in the outbox, for the
+    application's own connection (sync or async), whose search_path is not the project's."""
+    statement = sql.SQL(queries()["outbox_stage"]).format(schema=sql.Identifier(schema))
+    return statement, {
+        "namespace": namespace,
+        "topics": [topic for topic, _, _, _ in records],
+        "keys": [key for _, key, _, _ in records],
+        "values": [value for _, _, value, _ in records],
+        "headers": [json.dumps([[k, v.hex()] for k, v in headers]) for _, _, _, headers in records],
+    }
 
 
 class Store:
@@ -161,6 +194,56 @@ class Store:
             "dlq_record_replay", topic=topic, offset=offset, task_id=task_id, key=idempotency_key, force=force
         )
         return None if row is None else int(row["replays"])
+
+    # -------------------------------------------------------------------------------- transactional outbox
+    def outbox_claim(self, tx: Transaction, namespace: str, limit: int) -> list[OutboxRow]:
+        """Lock the oldest staged rows of a namespace that no other relay holds, up to `limit`."""
+        return [
+            OutboxRow(
+                r["id"],
+                r["topic"],
+                None if r["key"] is None else bytes(r["key"]),
+                bytes(r["value"]),
+                [(k, bytes.fromhex(v)) for k, v in r["headers"]],
+                float(r["age"]),
+            )
+            for r in tx.all("outbox_claim", namespace=namespace, limit=limit)
+        ]
+
+    def outbox_delete(self, tx: Transaction, ids: Sequence[int]) -> None:
+        """Delete published rows, in the transaction that claimed them."""
+        tx.execute("outbox_delete", ids=list(ids))
+
+    def outbox_backlog(self, namespace: str) -> tuple[int, float]:
+        """(rows waiting, seconds the oldest has waited) in a namespace's outbox."""
+        row = self.database.one("outbox_backlog", namespace=namespace)
+        return (int(row["n"]), float(row["oldest"])) if row is not None else (0, 0.0)
+
+
+    # ------------------------------------------------------------------------------------- periodic tasks
+    def periodic_lock(self, tx: Transaction, namespace: str, name: str) -> tuple[bool, datetime | None]:
+        """Lock a periodic task's row in `tx` (creating it): (False, None) if another scheduler holds it,
+        else (True, the last slot staged, or None if none ever was)."""
+        tx.execute("periodic_ensure", namespace=namespace, name=name)
+        row = tx.one("periodic_lock", namespace=namespace, name=name)
+        return (False, None) if row is None else (True, row["last_slot"])
+
+    def periodic_advance(
+        self, tx: Transaction, namespace: str, name: str, slot: datetime, schedule: str, catch_up: str
+    ) -> None:
+        """Record `slot` as the last one staged, in the transaction that staged it."""
+        tx.execute(
+            "periodic_advance",
+            namespace=namespace,
+            name=name,
+            slot=slot,
+            schedule=schedule,
+            catch_up=catch_up,
+        )
+
+    def periodic_list(self, namespace: str) -> list[Row]:
+        """Every periodic task of a namespace a scheduler has seen: name, schedule, catch_up, last_slot."""
+        return self.database.all("periodic_list", namespace=namespace)
 
 
 def _result_json(result: Any) -> str | None:

@@ -151,11 +151,11 @@ def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "
                 db = Database(s.database_url, schema=s.database_schema)
                 with db.connection() as conn:
                     conn.execute(f"CREATE TABLE {_EFFECTS_TABLE} (key text PRIMARY KEY, i int NOT NULL)")
-            with Registry(s.schema_registry_url) as registry:
+            with Registry.from_settings(s) as registry:
                 registry.register(schema)
             yield run
         finally:
-            with Registry(s.schema_registry_url) as registry:
+            with Registry.from_settings(s) as registry:
                 registry.delete_subject(run.task_type)
 
 

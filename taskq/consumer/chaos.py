@@ -602,7 +602,7 @@ def run_chaos(
     }
     started = time.monotonic()
     log_dir = Path(tempfile.mkdtemp(prefix="taskq-chaos-"))
-    with Registry(settings.schema_registry_url) as registry:
+    with Registry.from_settings(settings) as registry:
         registry.register(SCHEMA)
     with scratch_namespace(settings, "chaos", partitions=partitions, groups=["checker"], keep=keep) as s:
         report = ChaosReport(s.namespace, seed, workers, duration, rate)

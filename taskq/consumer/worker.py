@@ -49,6 +49,8 @@ from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
 from taskq.consumer.forwarder import Forwarder, run_in_thread
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
 from taskq.consumer.offsets import OffsetTracker
+from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
+from taskq.consumer.periodic import run_in_thread as run_periodic
 from taskq.consumer.retry import Reject
 from taskq.consumer.routing import bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
@@ -62,6 +64,9 @@ from taskq.consumer.store import (
     NotStarted,
     TaskStore,
 )
+from taskq.producer.outbox import OutboxRelay
+from taskq.producer.outbox import run_in_thread as run_relay
+from taskq.producer.producer import TaskProducer
 from taskq.schemas import avro
 from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
 from taskq.schemas.registry import Registry, SchemaRegistry
@@ -105,6 +110,10 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
     #: Run the delay forwarder in this process too (a thread); `taskq forwarder` runs it alone.
     forwarder: bool = True
+    #: Run the outbox relay in this process too (a thread); `taskq relay` runs it alone.
+    relay: bool = True
+    #: Run the scheduler of the handlers' periodic tasks in this process (a thread).
+    periodic: bool = True
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -139,6 +148,11 @@ class _Task:
 class _Held:
     task: _Task
     due: float
+
+
+def _key(task: _Task) -> tuple[TP, bytes | None]:
+    """What an ordered task type serializes on: its partition and message key."""
+    return task.record.tp, task.record.key
 
 
 def _size(record: Record) -> int:
@@ -185,6 +199,8 @@ class Worker:
         self._undecoded: list[Record] = []
         self._arrived: list[_Task] = []  # decoded this tick, to claim in one round trip
         self._unstarted: list[_Task] = []  # left out of a group that stopped early, to release
+        # Ordered task types: the task that holds each (partition, key) while it runs or waits to retry.
+        self._key_holder: dict[tuple[TP, bytes | None], int] = {}
         self._revoking: set[TP] = set()  # partitions whose revocation is being served
         self._paused: set[TP] = set()
         self._resume_at: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)  # depth a paused tier resumes at
@@ -206,12 +222,14 @@ class Worker:
             )
         self.store: TaskStore = store
         self._recorder = recorder
-        self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
+        self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)
         self._source: RecordSource | None = None
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
+        self._relay: tuple[OutboxRelay, threading.Thread] | None = None
+        self._periodic: tuple[PeriodicScheduler, threading.Thread, TaskProducer] | None = None
         self._server: WSGIServer | None = None
         self._last_commit = 0.0
         self._last_poll = 0.0
@@ -271,7 +289,35 @@ class Worker:
         if self.config.forwarder:
             forwarder = Forwarder(self.settings, instance_id=self.worker_id, broker=self.broker)
             self._forwarder = (forwarder, run_in_thread(forwarder))
+        if self.config.relay and self._database is not None:  # the outbox is in Postgres, not in the fakes
+            relay = OutboxRelay(self.settings, broker=self.broker)
+            self._relay = (relay, run_relay(relay))
+        if self.config.periodic and self._database is not None and self.handlers.periodic_tasks:
+            self._periodic = self._start_periodic(self._database)
         self._emit(WorkerStarted(self.worker_id, self.group))
+
+    def _start_periodic(
+        self, database: Database
+    ) -> tuple[PeriodicScheduler, threading.Thread, TaskProducer]:
+        # Slots are staged in the outbox, in the transaction that advances the schedule: the relay publishes.
+        producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
+
+        def stage(spec: PeriodicSpec, slot: datetime, conn: Any) -> None:
+            producer.enqueue(
+                spec.task_type,
+                spec.payload,
+                priority=spec.priority,
+                idempotency_key=spec.idempotency_key(slot),
+                conn=conn,
+            )
+
+        scheduler = PeriodicScheduler(
+            self.handlers.periodic_tasks,
+            Database(self.settings.database_url, schema=self.settings.database_schema),
+            self.settings.namespace,
+            stage,
+        )
+        return scheduler, run_periodic(scheduler), producer
 
     def step(self) -> None:
         """One turn of the loop: fetch, dispatch, record outcomes, commit when due."""
@@ -304,6 +350,17 @@ class Worker:
             forwarder.stop()
             thread.join(timeout=15)
             self._forwarder = None
+        if self._periodic is not None:
+            scheduler, thread, producer = self._periodic
+            scheduler.stop()
+            thread.join(timeout=15)
+            producer.close(5)
+            self._periodic = None
+        if self._relay is not None:
+            relay, thread = self._relay
+            relay.stop()
+            thread.join(timeout=15)
+            self._relay = None
         if self._source is not None:
             self._source.close()
             self._source = None
@@ -493,15 +550,20 @@ class Worker:
         per_group = max(1, min(GROUP_MAX, len(self._scheduler) // (2 * free)))
         jobs: list[list[_Task]] = []
         group: list[_Task] = []
+        waiting: list[_Task] = []  # ordered tasks whose key is held by an earlier task: they keep their place
         while len(jobs) < free or 0 < len(group) < per_group:
             task = self._scheduler.pop()
             if task is None:
                 break
+            if task.spec.ordered and self._key_holder.get(_key(task), id(task)) != id(task):
+                waiting.append(task)
+                continue
             if not (task.spec.transactional and task.spec.group_commit):
                 if len(jobs) >= free:  # only the open group had room: the task waits, first in line
                     self._scheduler.push_front(task.tier, task)
                     break
                 jobs.append([task])
+                self._hold_key(task)
                 continue
             if not group or len(group) >= per_group:
                 if len(jobs) >= free:
@@ -510,11 +572,18 @@ class Worker:
                 group = []
                 jobs.append(group)
             group.append(task)
+            self._hold_key(task)
+        for task in reversed(waiting):
+            self._scheduler.push_front(task.tier, task)
         stale = self._clock() - self.config.claim_wait / 2
         waited = [t for job in jobs for t in job if t.claimed_at < stale]
         if waited:
             # One statement renews every long-waiting task of this dispatch; those not renewed are dropped.
             lost = {id(t) for t in waited} - {id(t) for t in self._renew(waited)}
+            for job in jobs:
+                for t in job:
+                    if id(t) in lost:
+                        self._free_key(t)
             jobs = [[t for t in job if id(t) not in lost] for job in jobs]
         for job in jobs:
             if job and job[0].spec.transactional and job[0].spec.group_commit:
@@ -776,6 +845,13 @@ class Worker:
             )
             self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
             return
+        if spec.ordered:
+            # Retried in place: its offset stays pending and its key stays held, so the key's later tasks
+            # wait for it (what ordering means); a restart or rebalance redelivers it first.
+            self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
+            self._completer.record(Finished(env.idempotency_key, task.attempts, "failed", error=message))
+            self._held.append(_Held(task, self._clock() + delay.total_seconds()))
+            return
         now = datetime.now(UTC)
         out = retry_record(
             task.record,
@@ -848,7 +924,16 @@ class Worker:
         self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
 
     def _done(self, task: _Task) -> None:
+        self._free_key(task)
         self._offset_done(task.record, task.generation)
+
+    def _hold_key(self, task: _Task) -> None:
+        if task.spec.ordered:
+            self._key_holder[_key(task)] = id(task)
+
+    def _free_key(self, task: _Task) -> None:
+        if task.spec.ordered and self._key_holder.get(_key(task)) == id(task):
+            del self._key_holder[_key(task)]
 
     def _offset_done(self, record: Record, generation: int) -> None:
         if self._generation.get(record.tp) == generation and record.tp in self._assigned:
@@ -919,6 +1004,7 @@ class Worker:
         self._release(dropped)
         self._held = [h for h in self._held if h.task.record.tp not in revoked]
         self._undecoded = [r for r in self._undecoded if r.tp not in revoked]
+        self._key_holder = {k: v for k, v in self._key_holder.items() if k[0] not in revoked}
         self._drain(
             lambda: any(t.record.tp in revoked for t in self._running.values()),
             timeout=self.config.revoke_timeout,

@@ -118,7 +118,7 @@ def main() -> int:
     settings = Settings.from_env(namespace=ns, database_schema=ns)
     db = Database(settings.database_url, schema=ns)
     _say(f"== kafka-taskq demo, namespace {ns}")
-    with Registry(settings.schema_registry_url) as registry:
+    with Registry.from_settings(settings) as registry:
         for name in SCHEMA_FILES:
             reg = registry.register(schema(name))
             _say(f"   task type {reg.subject:<22} schema v{reg.version} (registry id {reg.schema_id})")

@@ -96,7 +96,7 @@ def test_checks_report_lost_doubled_and_unexpected_effects_an_uncommitted_task_a
 
     # A task on a tier that no worker ran: the commit check finds it (a transaction marker would not count).
     assert uncommitted(settings) == {}
-    with Registry(settings.schema_registry_url) as registry:
+    with Registry.from_settings(settings) as registry:
         registry.register(SCHEMA)
     with TaskProducer(settings) as producer:
         receipt = producer.enqueue(TASK_TYPE, {"i": 5, "kind": "ok"}, idempotency_key="chaos:5", wait=True)

@@ -31,6 +31,8 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Fragile": [{"name": "key", "type": "string"}],
         "RejectProc": [{"name": "code", "type": "int"}],
         "Flaky": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
+        "Tick": [{"name": "note", "type": "string", "default": ""}],
+        "Ordered": [{"name": "account", "type": "string"}, {"name": "seq", "type": "long"}],
     }
     return {
         name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()
@@ -45,6 +47,10 @@ CREATE TABLE IF NOT EXISTS ledger (
     priority text NOT NULL, worker int NOT NULL
 );
 CREATE TABLE IF NOT EXISTS broken (key text PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS ticks (slot text NOT NULL, worker int NOT NULL);
+CREATE TABLE IF NOT EXISTS ordered_log (
+    n bigserial PRIMARY KEY, account text NOT NULL, seq bigint NOT NULL, worker int NOT NULL
+);
 CREATE TABLE IF NOT EXISTS attempt_log (
     key text NOT NULL, attempt int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""  # no unique constraint on key: a duplicate effect must be visible, not refused
@@ -113,3 +119,23 @@ def fragile(payload: dict[str, Any], ctx: TaskContext) -> None:
 @handlers.task(f"{NS}.RejectProc", schema=S["RejectProc"], max_attempts=5, isolation="process")
 def reject_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
     raise Reject(f"code {payload['code']} can never be processed")
+
+
+@handlers.task(f"{NS}.Tick", schema=S["Tick"], transactional=True)
+def tick(payload: dict[str, Any], ctx: TaskContext) -> None:
+    ctx.db.execute("INSERT INTO ticks (slot, worker) VALUES (%s, %s)", (ctx.idempotency_key, os.getpid()))
+
+
+# Only the periodic test's workers schedule it (TASKQ_TEST_PERIODIC=<interval>).
+if os.environ.get("TASKQ_TEST_PERIODIC"):
+    handlers.periodic(every=os.environ["TASKQ_TEST_PERIODIC"], payload={"note": "tick"})(tick)
+
+
+@handlers.task(f"{NS}.Ordered", schema=S["Ordered"], transactional=True, ordered=True)
+def ordered(payload: dict[str, Any], ctx: TaskContext) -> None:
+    if payload["seq"] % 7 == 3 and ctx.attempt == 1:  # an injected failure: retried in place
+        raise RuntimeError(f"{payload['account']}#{payload['seq']}: first attempt fails")
+    ctx.db.execute(
+        "INSERT INTO ordered_log (account, seq, worker) VALUES (%s, %s, %s)",
+        (payload["account"], payload["seq"], os.getpid()),
+    )

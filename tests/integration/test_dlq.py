@@ -19,6 +19,7 @@ from taskq._core.kafka import Admin, Record, Sink, Source
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import DeadLetters, DlqRecordNotFoundError
 from taskq.consumer.events import DuplicateSkipped
+from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.routing import dead_letter_record
 from taskq.consumer.store import ClaimRequest, Finished, IdempotencyStore
 from taskq.consumer.worker import Worker, WorkerConfig
@@ -357,3 +358,33 @@ def test_list_reaches_the_end_past_a_transaction_marker(
     sink.commit()
     records = dlq.list()
     assert [r.offset for r in records] == [only.offset, only.offset + 1]
+
+
+def test_depth_counts_records_not_the_forwarders_transaction_markers(
+    settings: Settings, dlq: DeadLetters, store: IdempotencyStore, email_type: str
+) -> None:
+    # The forwarder dead-letters in transactions, and each commit marker takes an offset of the DLQ:
+    # two records then span three offsets. The depth is the records, and stays right as the DLQ grows.
+    dead_letter(settings, store, email_type, 1)
+    sink = Sink(settings)  # not a task, on a delay topic: the forwarder dead-letters it
+    delay_topic = Topics(settings.namespace, settings.delay_tiers).delay_topics[0]
+    sink.send(delay_topic, b"\x01garbage", key=None, headers=[])
+    assert sink.flush(30) == 0
+    forwarder = Forwarder(settings)
+    forwarder.start()
+    try:
+        wait_until(lambda: forwarder.step() >= 1, timeout=60, what="the forwarder's DLQ record")
+    finally:
+        forwarder.close()
+    dlq_tp = (Topics(settings.namespace).dlq, 0)
+    assert Admin(settings).end_offsets([dlq_tp[0]])[dlq_tp] == 3  # two records and a commit marker
+    assert [r.reason.split(":")[0] for r in dlq.list()] == [
+        "failed 3 attempt(s)",
+        "bad envelope on a delay topic",
+    ]
+    assert dlq.depth() == 2
+    assert REGISTRY.get_sample_value("taskq_dlq_depth") == 2
+
+    dlq.replay([0])
+    publish_garbage(settings)  # read on from where the last count stopped
+    assert dlq.depth() == 2

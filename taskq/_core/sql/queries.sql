@@ -152,3 +152,58 @@ RETURNING replayed_at, replays;
 -- Attempts beyond the first, over every worker: the retry count `taskq stats` shows across processes.
 SELECT count(*) FILTER (WHERE attempts > 1) AS tasks, COALESCE(sum(GREATEST(attempts - 1, 0)), 0) AS retries
 FROM taskq_tasks;
+
+-- name: outbox_stage
+-- Stage tasks in the outbox, on the application's connection and inside its transaction ({schema} is the
+-- project's schema, filled in as an identifier: that connection's search_path is the application's). The
+-- notification reaches listening relays when, and only if, the transaction commits.
+WITH staged AS (
+    INSERT INTO {schema}.taskq_outbox (namespace, topic, key, value, headers)
+    SELECT %(namespace)s, topic, key, value, headers
+    FROM unnest(%(topics)s::text[], %(keys)s::bytea[], %(values)s::bytea[], %(headers)s::jsonb[])
+        AS r(topic, key, value, headers)
+    RETURNING id
+)
+SELECT pg_notify('taskq_outbox', %(namespace)s) FROM (SELECT count(*) FROM staged) AS s;
+
+-- name: outbox_claim
+-- The oldest staged tasks of a namespace, locked for this relay's transaction; rows another relay holds are
+-- skipped, so relays publish disjoint batches.
+SELECT id, topic, key, value, headers, EXTRACT(EPOCH FROM clock_timestamp() - created_at) AS age
+FROM taskq_outbox WHERE namespace = %(namespace)s
+ORDER BY id LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: outbox_delete
+-- Forget published rows, in the transaction that claimed them.
+DELETE FROM taskq_outbox WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: outbox_backlog
+-- Rows waiting in a namespace's outbox and the age of the oldest: the relay's lag, for stats and metrics.
+SELECT count(*) AS n, COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0) AS oldest
+FROM taskq_outbox WHERE namespace = %(namespace)s;
+
+-- name: outbox_listen
+-- Wake a relay when a transaction that staged tasks commits (outbox_stage notifies).
+LISTEN taskq_outbox
+
+-- name: periodic_ensure
+-- Make sure a periodic task has its row (a new one has no last slot yet).
+INSERT INTO taskq_periodic (namespace, name) VALUES (%(namespace)s, %(name)s)
+ON CONFLICT (namespace, name) DO NOTHING;
+
+-- name: periodic_lock
+-- Lock a periodic task's row for this scheduler's transaction; no row if another scheduler holds it.
+SELECT last_slot FROM taskq_periodic WHERE namespace = %(namespace)s AND name = %(name)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: periodic_advance
+-- Record the last slot staged, in the transaction that staged it.
+UPDATE taskq_periodic SET last_slot = %(slot)s, schedule = %(schedule)s, catch_up = %(catch_up)s,
+    staged_at = clock_timestamp()
+WHERE namespace = %(namespace)s AND name = %(name)s;
+
+-- name: periodic_list
+-- Every periodic task of a namespace that a scheduler has seen, with its last slot.
+SELECT name, schedule, catch_up, last_slot, staged_at FROM taskq_periodic
+WHERE namespace = %(namespace)s ORDER BY name;
