@@ -295,6 +295,30 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------------------------------------------------- chaos
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from taskq.consumer.chaos import run_chaos
+
+    report = run_chaos(
+        _settings(args),
+        workers=args.workers,
+        duration=args.duration,
+        rate=args.rate,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        kill_every=args.kill_every,
+        restart_kafka_cmd=args.restart_kafka_cmd,
+        restart_postgres_cmd=args.restart_postgres_cmd,
+        service_restarts=args.service_restarts,
+        partitions=args.partitions,
+        drain_timeout=args.drain_timeout,
+        keep=args.keep,
+        progress=lambda line: print(f"chaos: {line}", file=sys.stderr, flush=True),
+    )
+    _print(args, report.to_dict(), report.text())
+    return 0 if report.passed else 1
+
+
 # ----------------------------------------------------------------------------------------------------- db
 def cmd_db_migrate(args: argparse.Namespace) -> int:
     from taskq._core.db import Database
@@ -739,6 +763,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
     sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for assignment, then tasks")
+
+    sp = leaf(
+        sub,
+        "chaos",
+        cmd_chaos,
+        "run a ledger workload in a namespace of its own while killing workers (and, if told how, "
+        "restarting Kafka and Postgres); check every effect happened once (exit 1 if not)",
+    )
+    sp.add_argument("--duration", type=float, default=60.0, help="seconds of enqueueing (default 60)")
+    sp.add_argument("--workers", type=int, default=3, help="`taskq worker` processes (default 3)")
+    sp.add_argument("--concurrency", type=int, default=4, help="slots of each worker (default 4)")
+    sp.add_argument("--rate", type=float, default=20.0, help="tasks enqueued per second (default 20)")
+    sp.add_argument("--seed", type=int, help="seed of the task mix and the chaos (default: random)")
+    sp.add_argument(
+        "--kill-every",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="mean seconds between two kill -9 of a random worker, each restarted after 0.5-3 s (0: none)",
+    )
+    sp.add_argument(
+        "--restart-kafka-cmd",
+        metavar="COMMAND",
+        help="shell command restarting the broker(s), run at random times; local stacks only, e.g. "
+        "'compose/stack restart kafka'",
+    )
+    sp.add_argument(
+        "--restart-postgres-cmd",
+        metavar="COMMAND",
+        help="shell command restarting Postgres, likewise, e.g. 'compose/stack restart postgres'",
+    )
+    sp.add_argument(
+        "--service-restarts", type=int, default=1, help="runs of each restart command per run (default 1)"
+    )
+    sp.add_argument("--partitions", type=int, default=3, help="partitions per topic (default 3)")
+    sp.add_argument(
+        "--drain-timeout", type=float, default=180.0, help="seconds to wait for every task to finish"
+    )
+    sp.add_argument(
+        "--keep", action="store_true", help="keep the run's topics, Postgres schema and worker logs"
+    )
 
     db = sub.add_parser("db", help="the Postgres store").add_subparsers(dest="sub", required=True)
     leaf(db, "migrate", cmd_db_migrate, "apply pending migrations")

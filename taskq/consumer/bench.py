@@ -39,7 +39,7 @@ from taskq.producer.admin import create_topics
 from taskq.producer.producer import TaskProducer
 from taskq.schemas import Registry
 
-__all__ = ["BENCH_HANDLERS", "bench_ceiling", "bench_latency", "bench_worker"]
+__all__ = ["BENCH_HANDLERS", "bench_ceiling", "bench_latency", "bench_worker", "scratch_namespace"]
 
 log = logging.getLogger("taskq.bench")
 
@@ -103,21 +103,17 @@ class _Run:
 
 
 @contextmanager
-def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "noop") -> Iterator[_Run]:
-    """Topics, Postgres schema and task type made for one run; deleted after it, with its consumer groups."""
+def scratch_namespace(
+    settings: Settings, prefix: str, *, partitions: int, groups: Sequence[str] = (), keep: bool = False
+) -> Iterator[Settings]:
+    """A namespace made for one run, `<prefix>-<stamp>`: its topics, and its own Postgres schema
+    (`<prefix>_<stamp>`, migrated). After the run both are deleted, with the worker group, the forwarder's
+    and `<namespace>.<group>` for each of `groups`, unless `keep`."""
     if partitions < 1:
         raise ConfigurationError(f"partitions must be >= 1, got {partitions}")
     stamp = time.time_ns() // 1000
-    # Topic names allow '-', Avro names and SQL identifiers do not: the record and the schema use '_'.
-    s = replace(settings.with_namespace(f"bench-{stamp}"), database_schema=f"bench_{stamp}")
-    avro_ns = f"bench_{stamp}"
-    schema = {
-        "type": "record",
-        "name": "Noop",
-        "namespace": avro_ns,
-        "fields": [{"name": "i", "type": "int"}],
-    }
-    run = _Run(s, f"{avro_ns}.Noop", schema, partitions)
+    # Topic names allow '-', Avro names and SQL identifiers do not: the schema uses '_'.
+    s = replace(settings.with_namespace(f"{prefix}-{stamp}"), database_schema=f"{prefix}_{stamp}")
     topics = Topics(s.namespace, s.delay_tiers)
     db = Database(s.database_url, schema=s.database_schema)
     broker_away = False
@@ -128,24 +124,45 @@ def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "
             broker_away = True  # nothing was made there; deleting would wait for the broker once more
             raise
         db.migrate(namespace=s.namespace)
-        if handler == "transactional":
-            with db.connection() as conn:
-                conn.execute(f"CREATE TABLE {_EFFECTS_TABLE} (key text PRIMARY KEY, i int NOT NULL)")
-        with Registry.from_settings(s) as registry:
-            registry.register(schema)
-        yield run
+        yield s
     finally:
-        if not broker_away:
-            admin = Admin(s)
-            admin.delete_topics([*topics.priority_topics, *topics.delay_topics, topics.dlq])
-            try:
-                groups = [s.worker_group, *(f"{s.namespace}.ceiling-{p}" for p in _CEILING_PASSES)]
-                admin.delete_groups(groups)
-            except KafkaUnavailableError as exc:  # a group the broker still sees members in: it expires alone
-                log.warning("bench: %s", exc)
-        db.drop_schema()
-        with Registry.from_settings(s) as registry:
-            registry.delete_subject(run.task_type)
+        if not keep:
+            if not broker_away:
+                admin = Admin(s)
+                admin.delete_topics([*topics.priority_topics, *topics.delay_topics, topics.dlq])
+                names = [s.worker_group, f"{s.namespace}.forwarder", *(f"{s.namespace}.{g}" for g in groups)]
+                try:
+                    admin.delete_groups(names)
+                except KafkaUnavailableError as exc:  # a group the broker still sees members in: it expires
+                    log.warning("%s: %s", prefix, exc)
+            db.drop_schema()
+
+
+@contextmanager
+def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "noop") -> Iterator[_Run]:
+    """A scratch namespace with one task type, registered for the run; its effects table if transactional."""
+    with scratch_namespace(
+        settings, "bench", partitions=partitions, groups=[f"ceiling-{p}" for p in _CEILING_PASSES]
+    ) as s:
+        avro_ns = s.database_schema  # bench_<stamp>: a subject of the run's own
+        schema = {
+            "type": "record",
+            "name": "Noop",
+            "namespace": avro_ns,
+            "fields": [{"name": "i", "type": "int"}],
+        }
+        run = _Run(s, f"{avro_ns}.Noop", schema, partitions)
+        try:
+            if handler == "transactional":
+                db = Database(s.database_url, schema=s.database_schema)
+                with db.connection() as conn:
+                    conn.execute(f"CREATE TABLE {_EFFECTS_TABLE} (key text PRIMARY KEY, i int NOT NULL)")
+            with Registry.from_settings(s) as registry:
+                registry.register(schema)
+            yield run
+        finally:
+            with Registry.from_settings(s) as registry:
+                registry.delete_subject(run.task_type)
 
 
 def _warm_up(producer: TaskProducer, run: _Run) -> None:
