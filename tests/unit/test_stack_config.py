@@ -110,10 +110,11 @@ def test_config_comes_from_the_mapping_given(tmp_path: Path, stack: ModuleType) 
 
     # The services take their ports and paths from it.
     s = stack.Stack(cfg)
-    assert [s.postgres.port, s.kafka.port, s.registry.port] == [25432, 29092, 28081]
-    assert s.kafka.ports() == [29092, 29093] and s.registry.ports() == [28081, 28082]
+    [kafka] = s.kafkas
+    assert [s.postgres.port, kafka.port, s.registry.port] == [25432, 29092, 28081]
+    assert kafka.ports() == [29092, 29093] and s.registry.ports() == [28081, 28082]
     assert s.postgres.record_path == cfg.state / "run" / "postgres.json"
-    assert s.kafka.libs.is_relative_to(tmp_path / "xdg" / "kafka-taskq")
+    assert kafka.libs.is_relative_to(tmp_path / "xdg" / "kafka-taskq")
     assert s.registry.home.parent == tmp_path / "xdg" / "kafka-taskq"
 
 
@@ -146,3 +147,96 @@ def test_main_reads_the_environ_it_is_given(
         "export TASKQ_SCHEMA_REGISTRY_URL=http://127.0.0.1:28081/apis/ccompat/v7",
         "export TASKQ_DATABASE_URL=postgresql://postgres@127.0.0.1:25432/taskq",
     ]
+
+
+def _props(kafka: object) -> dict[str, str]:
+    kafka.write_props()  # type: ignore[attr-defined]
+    lines = kafka.props.read_text().splitlines()  # type: ignore[attr-defined]
+    return dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+
+
+def test_one_broker_keeps_its_names_and_one_copy_of_everything(tmp_path: Path, stack: ModuleType) -> None:
+    cfg = stack.StackConfig.from_env({**PORTS, "HOME": str(tmp_path), "TASKQ_STACK_DIR": str(tmp_path)})
+    [kafka] = stack.Stack(cfg).kafkas
+    assert (kafka.name, kafka.base, kafka.log_path) == (
+        "kafka",
+        tmp_path / "kafka",
+        tmp_path / "logs/kafka.out",
+    )
+    props = _props(kafka)
+    assert props["node.id"] == "1" and props["controller.quorum.voters"] == "1@127.0.0.1:29093"
+    assert props["default.replication.factor"] == props["offsets.topic.replication.factor"] == "1"
+    assert props["min.insync.replicas"] == props["transaction.state.log.min.isr"] == "1"
+
+
+def test_three_brokers_take_consecutive_ports_and_replicate_everything_three_times(
+    tmp_path: Path, stack: ModuleType
+) -> None:
+    env = {"HOME": str(tmp_path), "TASKQ_STACK_DIR": str(tmp_path)}
+    s = stack.Stack(stack.StackConfig.from_env(env), 3)
+    # The default controller port (19093) is among the client ports: the controllers come after them.
+    assert [(k.name, k.ports()) for k in s.kafkas] == [
+        ("kafka-1", [19092, 19095]),
+        ("kafka-2", [19093, 19096]),
+        ("kafka-3", [19094, 19097]),
+    ]
+    assert s.names == ["postgres", "kafka-1", "kafka-2", "kafka-3", "registry"]
+    assert s.closure(["kafka"]) == ["kafka-1", "kafka-2", "kafka-3"]
+    assert s.closure(["registry"]) == ["postgres", "registry"]
+    assert s.exports()[0] == "export TASKQ_BOOTSTRAP_SERVERS=127.0.0.1:19092,127.0.0.1:19093,127.0.0.1:19094"
+    props = _props(s.kafkas[1])
+    assert props["node.id"] == "2"
+    assert props["controller.quorum.voters"] == "1@127.0.0.1:19095,2@127.0.0.1:19096,3@127.0.0.1:19097"
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:19093,CONTROLLER://127.0.0.1:19096"
+    assert props["log.dirs"] == str(tmp_path / "kafka-2" / "data")
+    for name in ("default", "offsets.topic", "transaction.state.log", "share.coordinator.state.topic"):
+        assert props[f"{name}.replication.factor"] == "3", name
+    for name in (
+        "min.insync.replicas",
+        "transaction.state.log.min.isr",
+        "share.coordinator.state.topic.min.isr",
+    ):
+        assert props[name] == "2", name
+
+    # A controller port clear of the client ports is kept.
+    cfg = stack.StackConfig.from_env({**env, **PORTS, "TASKQ_STACK_KAFKA_CONTROLLER_PORT": "39000"})
+    assert [k.ports() for k in stack.Stack(cfg, 3).kafkas] == [[29092, 39000], [29093, 39001], [29094, 39002]]
+
+
+def test_the_state_dir_remembers_its_cluster_size(
+    tmp_path: Path, stack: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    environ = {**os.environ, **PORTS, "TASKQ_STACK_DIR": str(tmp_path)}
+    cfg = stack.StackConfig.from_env(environ)
+    assert stack.brokers_of(cfg, None) == 1
+    (tmp_path / "kafka.brokers").write_text("3\n")
+    assert stack.brokers_of(cfg, None) == 3
+    assert stack.main(["env"], environ) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "export TASKQ_BOOTSTRAP_SERVERS=127.0.0.1:29092,127.0.0.1:29093,127.0.0.1:29094"
+    )
+    # Another size is refused once Kafka's storage is formatted for this one.
+    assert stack.brokers_of(cfg, 1) == 1
+    (tmp_path / "kafka-1" / "data").mkdir(parents=True)
+    (tmp_path / "kafka-1" / "data" / "meta.properties").write_text("")
+    with pytest.raises(stack.StackError, match="holds a 3-broker Kafka, not 1; run `compose/stack down`"):
+        stack.brokers_of(cfg, 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["up", "--brokers", "0"], "--brokers takes a number of Kafka nodes from 1 to 5, got '0'"),
+        (["up", "--brokers=many"], "--brokers takes a number of Kafka nodes from 1 to 5, got 'many'"),
+        (["up", "--brokers"], "--brokers takes a number of Kafka nodes from 1 to 5, got ''"),
+        (["status", "--brokers", "3"], "`status` takes no --brokers (only up, start and restart do)"),
+        (["kill", "kafka-2"], "usage: compose/stack kill {postgres|kafka|registry}"),
+    ],
+)
+def test_a_bad_cluster_command_is_one_line(
+    tmp_path: Path, stack: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        stack.main(argv, {**os.environ, "TASKQ_STACK_DIR": str(tmp_path)})
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"stack: error: {message}\n"
