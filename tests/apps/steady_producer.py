@@ -2,9 +2,10 @@
 
     python -m tests.apps.steady_producer STOP_FILE RATE
 
-Enqueues keys steady-0, steady-1, ... (one task each, spread over the tiers) at RATE tasks a second until
-STOP_FILE exists, then waits for every acknowledgement and prints `enqueued N`. A task the broker refused
-raises (exit 1): nothing the test counts on was left unsent.
+Enqueues keys steady-0, steady-1, ... (one task each, spread over the tiers; every fourth delayed by a
+second, so the workers' forwarders move it in Kafka transactions) at RATE tasks a second until STOP_FILE
+exists, then waits for every acknowledgement and prints `enqueued N`. A task the broker refused raises
+(exit 1): nothing the test counts on was left unsent.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main(stop: Path, rate: float) -> int:
                 {"key": f"steady-{n}", "amount": n},
                 idempotency_key=f"ledger:steady-{n}",
                 priority=PRIORITIES[n % len(PRIORITIES)],
+                delay=1 if n % 4 == 3 else None,
             )
             n += 1
             # The pace, not a wait for an event: task n leaves n / rate seconds after the first.
