@@ -149,12 +149,18 @@ def _replicas(settings: Settings) -> dict[tuple[str, int], tuple[int, int, int]]
 
 def _offsets(settings: Settings) -> dict[tuple[str, int], tuple[int, int]] | None:
     """(topic, partition) -> (end offset, the worker group's committed offset) of the priority topics."""
+    # The group's offsets through a consumer of that group that never joins it, not the admin client:
+    # confluent-kafka 2.16's first admin query of group offsets on a fresh broker can crash the process.
+    source = None
     try:
-        admin = Admin(settings, timeout=5.0)  # a coordinator on the dead broker: ask again soon
-        topics = Topics(settings.namespace).priority_topics
-        end, committed = admin.end_offsets(topics), admin.committed(settings.worker_group, topics)
+        end = Admin(settings, timeout=5.0).end_offsets(Topics(settings.namespace).priority_topics)
+        source = Source(settings, group=settings.worker_group)
+        committed = source.committed(end, timeout=5.0)  # a coordinator on the dead broker: ask again soon
     except Exception:  # a broker away, a coordinator moving: not yet
         return None
+    finally:
+        if source is not None:
+            source.close()
     return {tp: (offset, committed.get(tp, -1)) for tp, offset in end.items()}
 
 
