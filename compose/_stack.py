@@ -8,14 +8,17 @@
     compose/stack env                   print the export lines without starting anything
 
 `--brokers N` (1 to 5, default 1) runs Kafka as an N-node KRaft cluster, each node a broker and a controller,
-named kafka-1..kafka-N; `kafka` names them all. Node k takes client port TASKQ_STACK_KAFKA_PORT+k-1 and
+named kafka-1..kafka-N; `kafka` names them all. Node k takes client port TASKQ_STACK_KAFKA_PORT+k-1,
 controller port C+k-1, where C is TASKQ_STACK_KAFKA_CONTROLLER_PORT, or TASKQ_STACK_KAFKA_PORT+N when that
-falls among the client ports (the defaults: clients 19092-19094, controllers 19095-19097). Topics default to
-replication factor min(N, 3) and min.insync.replicas 2 (1 below three nodes). The state dir remembers N, so
-later commands follow it; another N needs another state dir (or Kafka's data removed).
+falls among the client ports, and SASL_SSL port TASKQ_STACK_KAFKA_SASL_PORT+k-1 (the defaults: clients
+19092-19094, controllers 19095-19097, SASL_SSL 19102-19104). Topics default to replication factor min(N, 3)
+and min.insync.replicas 2 (1 below three nodes). The state dir remembers N, so later commands follow it;
+another N needs another state dir (or Kafka's data removed).
 
-`eval "$(compose/stack up)"` sets TASKQ_BOOTSTRAP_SERVERS, TASKQ_SCHEMA_REGISTRY_URL, TASKQ_DATABASE_URL.
-Only those export lines go to stdout; progress and errors go to stderr.
+`eval "$(compose/stack up)"` sets TASKQ_BOOTSTRAP_SERVERS, TASKQ_SCHEMA_REGISTRY_URL, TASKQ_DATABASE_URL,
+and the facts of Kafka's SASL_SSL listener (SCRAM-SHA-512 over TLS): TASKQ_STACK_SASL_BOOTSTRAP (every
+node's), TASKQ_STACK_SASL_CA (the CA file), TASKQ_STACK_SASL_USERNAME, TASKQ_STACK_SASL_PASSWORD. Only export
+lines go to stdout; progress and errors go to stderr.
 
 Environment:
     TASKQ_STACK_DIR            state (data, logs, pid files); default <repo>/.stack
@@ -24,7 +27,7 @@ Environment:
     TASKQ_STACK_JAVA21         Java 21+ for Apicurio (default: searched in /usr/lib/jvm, JAVA_HOME, PATH)
     TASKQ_STACK_KAFKA_PORT (19092), TASKQ_STACK_KAFKA_CONTROLLER_PORT (19093),
     TASKQ_STACK_REGISTRY_PORT (18081), TASKQ_STACK_REGISTRY_MANAGEMENT_PORT (18082),
-    TASKQ_STACK_POSTGRES_PORT (15432)
+    TASKQ_STACK_POSTGRES_PORT (15432), TASKQ_STACK_KAFKA_SASL_PORT (the Kafka port + 10)
     TASKQ_STACK_TIMEOUT        seconds to wait for each service to answer (default 180)
 
 Standard library only: this runs before any virtualenv exists.
@@ -42,6 +45,8 @@ import json
 import os
 import pwd
 import re
+import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -68,6 +73,8 @@ PG_DATABASES = ("taskq", "registry")
 MAX_BROKERS = 5
 DEPENDS = {"registry": ("postgres",)}
 DEFAULT_TIMEOUT = "180"  # seconds, as TASKQ_STACK_TIMEOUT would spell it
+SASL_MECHANISM = "SCRAM-SHA-512"
+SASL_USERNAME = "taskq"
 
 
 class StackError(Exception):
@@ -106,6 +113,7 @@ class StackConfig:
     postgres_port: int  # TASKQ_STACK_POSTGRES_PORT
     kafka_port: int  # TASKQ_STACK_KAFKA_PORT
     kafka_controller_port: int  # TASKQ_STACK_KAFKA_CONTROLLER_PORT
+    kafka_sasl_port: int  # TASKQ_STACK_KAFKA_SASL_PORT: the SASL_SSL listener
     registry_port: int  # TASKQ_STACK_REGISTRY_PORT
     registry_management_port: int  # TASKQ_STACK_REGISTRY_MANAGEMENT_PORT
     java: str | None  # TASKQ_STACK_JAVA: Java 17+ for Kafka
@@ -123,6 +131,7 @@ class StackConfig:
         except ValueError:
             raise StackError(f"TASKQ_STACK_TIMEOUT={raw_timeout!r} is not a number of seconds") from None
         m2 = environ.get("TASKQ_STACK_M2")
+        kafka_port = _port(environ, "TASKQ_STACK_KAFKA_PORT", 19092)
         return cls(
             repo=repo,
             state=Path(environ.get("TASKQ_STACK_DIR") or repo / ".stack").resolve(),
@@ -130,8 +139,11 @@ class StackConfig:
             m2=Path(m2) if m2 is not None else _home(environ) / ".m2" / "repository",
             timeout=timeout,
             postgres_port=_port(environ, "TASKQ_STACK_POSTGRES_PORT", 15432),
-            kafka_port=_port(environ, "TASKQ_STACK_KAFKA_PORT", 19092),
+            kafka_port=kafka_port,
             kafka_controller_port=_port(environ, "TASKQ_STACK_KAFKA_CONTROLLER_PORT", 19093),
+            # + 10: clear of the client and controller ports of a cluster of up to five nodes
+            # (kafka_port + 0..9), so a node k can take the SASL_SSL port kafka_sasl_port + k - 1.
+            kafka_sasl_port=_port(environ, "TASKQ_STACK_KAFKA_SASL_PORT", kafka_port + 10),
             registry_port=_port(environ, "TASKQ_STACK_REGISTRY_PORT", 18081),
             registry_management_port=_port(environ, "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT", 18082),
             java=environ.get("TASKQ_STACK_JAVA") or None,
@@ -718,13 +730,81 @@ class Postgres(Service):
 
 # ------------------------------------------------------------------------------------------- kafka
 
+# Our own openssl configuration, so the system's openssl.cnf (which differs between distributions and
+# OpenSSL versions) adds nothing to the certificates.
+_OPENSSL_CNF = """\
+[req]
+distinguished_name = dn
+prompt = no
+[dn]
+CN = taskq-stack
+[ca]
+basicConstraints = critical,CA:TRUE
+keyUsage = critical,keyCertSign,cRLSign
+subjectKeyIdentifier = hash
+[broker]
+basicConstraints = CA:FALSE
+keyUsage = critical,digitalSignature,keyEncipherment
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1,DNS:localhost
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+"""
+
+
+def make_tls(openssl: str, directory: Path) -> None:
+    """A CA (`ca.pem`) and a broker key and certificate for 127.0.0.1/localhost signed by it, as one PEM
+    keystore (`broker.pem`: the PKCS#8 key, then the chain), made once into `directory`; the CA's key is
+    not kept."""
+    if (directory / "broker.pem").exists():
+        return
+    tmp = directory.parent / f"{directory.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "openssl.cnf").write_text(_OPENSSL_CNF)
+    days = "3650"
+    steps = [
+        ["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "ca.key"],
+        ["req", "-new", "-x509", "-config", "openssl.cnf", "-extensions", "ca", "-key", "ca.key",
+         "-subj", "/CN=taskq-stack CA", "-days", days, "-out", "ca.pem"],
+        ["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "broker.key"],
+        ["req", "-new", "-config", "openssl.cnf", "-key", "broker.key", "-subj", "/CN=localhost",
+         "-out", "broker.csr"],
+        ["x509", "-req", "-in", "broker.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+         "-set_serial", str(secrets.randbits(63)), "-days", days, "-extfile", "openssl.cnf",
+         "-extensions", "broker", "-out", "broker.crt"],
+    ]
+    try:
+        for step in steps:
+            r = subprocess.run(
+                [openssl, *step], cwd=tmp, stdin=subprocess.DEVNULL, capture_output=True, text=True
+            )
+            if r.returncode != 0:
+                raise StackError(
+                    f"kafka: `openssl {step[0]}` failed making the SASL_SSL listener's certificates "
+                    f"(exit {r.returncode}):\n{_last_lines(r.stdout + r.stderr)}"
+                )
+        # Both versions of genpkey write PKCS#8 ("BEGIN PRIVATE KEY"), the form Kafka's PEM keystore reads.
+        keystore = "".join((tmp / name).read_text() for name in ("broker.key", "broker.crt", "ca.pem"))
+        (tmp / "broker.pem").touch(mode=0o600)
+        (tmp / "broker.pem").write_text(keystore)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # Only the CA certificate and the keystore stay: without its key the CA can sign nothing more.
+    for name in ("ca.key", "broker.key", "broker.csr", "broker.crt", "openssl.cnf"):
+        (tmp / name).unlink()
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.replace(directory)
+
 
 class KafkaNode(NamedTuple):
-    """One KRaft node of the stack's Kafka: its id, its client port and its controller port."""
+    """One KRaft node of the stack's Kafka: its id, its client, controller and SASL_SSL ports."""
 
     id: int
     port: int
     controller_port: int
+    sasl_port: int
 
 
 def kafka_nodes(cfg: StackConfig, brokers: int) -> list[KafkaNode]:
@@ -732,18 +812,23 @@ def kafka_nodes(cfg: StackConfig, brokers: int) -> list[KafkaNode]:
     controllers = cfg.kafka_controller_port
     if cfg.kafka_port <= controllers < cfg.kafka_port + brokers:
         controllers = cfg.kafka_port + brokers
-    return [KafkaNode(k, cfg.kafka_port + k - 1, controllers + k - 1) for k in range(1, brokers + 1)]
+    return [
+        KafkaNode(k, cfg.kafka_port + k - 1, controllers + k - 1, cfg.kafka_sasl_port + k - 1)
+        for k in range(1, brokers + 1)
+    ]
 
 
 class Kafka(Service):
     name = "kafka"
     port_env = "TASKQ_STACK_KAFKA_PORT"
     started_marker = "Kafka Server started"
-    _libs_lock = threading.Lock()  # the nodes prepare in threads; one of them fetches the jars
+    # The nodes prepare in threads: one of them fetches the jars, and the first to need them makes what the
+    # cluster shares (its id, TLS material and SCRAM password); the others read it.
+    _shared_lock = threading.Lock()
 
     def __init__(self, cfg: StackConfig, node: KafkaNode | None = None, nodes: int = 1) -> None:
         """Node `node` of a `nodes`-node cluster; by default the one node of a one-broker stack."""
-        node = node or KafkaNode(1, cfg.kafka_port, cfg.kafka_controller_port)
+        node = node or KafkaNode(1, cfg.kafka_port, cfg.kafka_controller_port, cfg.kafka_sasl_port)
         # One broker keeps the names it always had; a cluster's nodes are kafka-1..kafka-N.
         self.name = "kafka" if nodes == 1 else f"kafka-{node.id}"
         super().__init__(cfg, node.port)
@@ -762,15 +847,49 @@ class Kafka(Service):
         self.libs = cfg.cache / f"kafka-{self.version}" / "libs"
         self.log_offset = 0
         self.java = ""
+        self.sasl_port = node.sasl_port
+        self.tls = self.shared("tls")  # ca.pem and the brokers' PEM keystore (make_tls), one for all nodes
+        # The SCRAM user's name and password, one for the cluster: written when the user exists in the
+        # cluster, or, for a new cluster, before its nodes' storage is formatted with it.
+        self.credentials = self.shared("sasl-user.json")
+        self.sasl = False  # whether this start opens the SASL_SSL listener (openssl found)
+
+    def shared(self, what: str) -> Path:
+        """Where `what`, shared by all nodes, lives: in the one broker's dir, or beside a cluster's nodes."""
+        return self.base / what if len(self.voters) == 1 else self.cfg.state / f"kafka-{what}"
 
     def ports(self) -> list[int]:
-        return [self.port, self.controller_port]
+        return [self.port, self.controller_port, self.sasl_port]
+
+    def recorded_sasl_port(self) -> int | None:
+        """The running node's SASL_SSL port, if it opened that listener."""
+        return self._recorded_int("sasl_port")
+
+    def write_record(self, **extra: object) -> None:
+        if self.sasl:  # `exports` tells the SASL_SSL listener only to clients of a broker that has one
+            extra["sasl_port"] = self.sasl_port
+        super().write_record(**extra)
+
+    def sasl_user(self) -> tuple[str, str] | None:
+        """The SCRAM user (name, password), once it exists in the cluster."""
+        try:
+            data = json.loads(self.credentials.read_text())
+            return str(data["username"]), str(data["password"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save_sasl_user(self, password: str) -> None:
+        """Record the SCRAM user's password (readable by its owner only)."""
+        tmp = self.credentials.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"username": SASL_USERNAME, "password": password}))
+        os.chmod(tmp, 0o600)
+        tmp.replace(self.credentials)
 
     def answering(self) -> bool:
         return kafka_api_versions(self.recorded_port() if self.proc is None else self.port)
 
     def ensure_libs(self) -> None:
-        with self._libs_lock:
+        with self._shared_lock:
             self._ensure_libs()
 
     def _ensure_libs(self) -> None:
@@ -813,16 +932,32 @@ class Kafka(Service):
         # A cluster fences a node that stops answering after 6 s (Kafka's default is 9 s): leadership of its
         # partitions moves and it leaves their in-sync replicas.
         fencing = "broker.session.timeout.ms=6000\nbroker.heartbeat.interval.ms=1000\n" if rf > 1 else ""
+        advertised = f"PLAINTEXT://127.0.0.1:{p}"
+        listeners = f"{advertised},CONTROLLER://127.0.0.1:{c}"
+        protocols, sasl = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT", ""
+        if self.sasl:
+            # SCRAM-SHA-512 over TLS for clients that choose it; brokers and controllers stay on PLAINTEXT.
+            listeners += f",SASL_SSL://127.0.0.1:{self.sasl_port}"
+            advertised += f",SASL_SSL://127.0.0.1:{self.sasl_port}"
+            protocols += ",SASL_SSL:SASL_SSL"
+            sasl = (
+                f"listener.name.sasl_ssl.sasl.enabled.mechanisms={SASL_MECHANISM}\n"
+                f"listener.name.sasl_ssl.{SASL_MECHANISM.lower()}.sasl.jaas.config="
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;\n"
+                "listener.name.sasl_ssl.ssl.keystore.type=PEM\n"
+                f"listener.name.sasl_ssl.ssl.keystore.location={self.tls / 'broker.pem'}\n"
+            )
         self.props.write_text(
             "# Written by compose/stack on every start; edit compose/stack, not this file.\n"
             "process.roles=broker,controller\n"
             f"node.id={self.node.id}\n"
             f"controller.quorum.voters={voters}\n"
-            f"listeners=PLAINTEXT://127.0.0.1:{p},CONTROLLER://127.0.0.1:{c}\n"
-            f"advertised.listeners=PLAINTEXT://127.0.0.1:{p}\n"
+            f"listeners={listeners}\n"
+            f"advertised.listeners={advertised}\n"
             "controller.listener.names=CONTROLLER\n"
             "inter.broker.listener.name=PLAINTEXT\n"
-            "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT\n"
+            f"listener.security.protocol.map={protocols}\n"
+            f"{sasl}"
             f"log.dirs={self.data}\n"
             "auto.create.topics.enable=false\n"
             "num.partitions=1\n"
@@ -854,29 +989,72 @@ class Kafka(Service):
     def prepare(self) -> None:
         self.java, _ = find_java(17, "TASKQ_STACK_JAVA", self.cfg.java, self.cfg, prefer_path=True)
         self.ensure_libs()
+        openssl = which("openssl", self.cfg.path)
+        self.sasl = openssl is not None
+        if openssl is None:
+            log(f"{self.name}: `openssl` not found on PATH; starting without the SASL_SSL listener")
+        else:
+            with self._shared_lock:  # made once, by the first node to get here
+                make_tls(openssl, self.tls)
         self.write_props()
         if (self.data / "meta.properties").exists():
-            return
-        # A cluster's nodes share one id: the first node to get here makes it, the others read it.
-        cid_file = self.base / "cluster.id" if len(self.voters) == 1 else self.cfg.state / "kafka-cluster.id"
-        with self._libs_lock:
+            return  # a SCRAM user missing from an older storage is added once the broker answers
+        # A cluster's nodes share one id and one SCRAM user: the first node to get here makes them, the others
+        # read them.
+        cid_file = self.shared("cluster.id")
+        # The other nodes' storage: formatted already when this node joins an existing cluster.
+        others = [self.cfg.state / f"kafka-{v.id}" / "data" for v in self.voters if v != self.node]
+        with self._shared_lock:
             if cid_file.exists():
                 cluster_id = cid_file.read_text().strip()
             else:
                 # StorageTool random-uuid is a base64url UUID; generating it here saves a JVM start.
                 cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
                 cid_file.write_text(cluster_id + "\n")
+            user = self.sasl_user()
+            if user is None and not any((o / "meta.properties").exists() for o in others):
+                # A new cluster: every node's storage is formatted with this one password, so their bootstrap
+                # metadata agree. A node joining older storage takes the user from the cluster's metadata,
+                # and a user missing there is added by after_ready.
+                self.save_sasl_user(secrets.token_urlsafe(18))
+                user = self.sasl_user()
         log(f"{self.name}: formatting storage {self.data} (cluster id {cluster_id})")
         self.data.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(
-            [self.java, "-Xmx256m", "-XX:TieredStopAtLevel=1",  # a short-lived tool: the quick compiler only
-             f"-Dlog4j2.configurationFile={self.cfg.compose / 'log4j2.yaml'}",
-             f"-Dkafka.logs.dir={self.logs_dir}", "-cp", self.classpath(), "kafka.tools.StorageTool",
-             "format", "-t", cluster_id, "-c", str(self.props)],
-            stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        )
+        # The SCRAM user is created with the storage: no extra JVM start, nothing to wait for.
+        scram = ["--add-scram", f"{SASL_MECHANISM}=[name={user[0]},password={user[1]}]"] if user else []
+        r = self.tool("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(self.props), *scram)
         if r.returncode != 0 or not (self.data / "meta.properties").exists():
             raise StackError(f"{self.name}: storage format failed:\n{r.stdout}\n{r.stderr}")
+
+    def tool(self, main_class: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run one of Kafka's command-line tools (a JVM) to completion."""
+        return subprocess.run(
+            [self.java, "-Xmx256m", "-XX:TieredStopAtLevel=1",  # a short-lived tool: the quick compiler only
+             f"-Dlog4j2.configurationFile={self.cfg.compose / 'log4j2.yaml'}",
+             f"-Dkafka.logs.dir={self.logs_dir}", "-cp", self.classpath(), main_class, *args],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        )
+
+    def after_ready(self) -> None:
+        # A storage formatted before the SASL_SSL listener existed has no SCRAM user: add it once. The nodes'
+        # after_ready run one after another, and the first to add the user records it for the others.
+        if self.recorded_sasl_port() is None or self.sasl_user() is not None:
+            return
+        if not self.java:
+            self.java, _ = find_java(17, "TASKQ_STACK_JAVA", self.cfg.java, self.cfg, prefer_path=True)
+        log(f"{self.name}: adding the SCRAM user {SASL_USERNAME} to the existing storage")
+        password = secrets.token_urlsafe(18)
+        r = self.tool(
+            "kafka.admin.ConfigCommand", "--bootstrap-server", f"127.0.0.1:{self.recorded_port()}",
+            "--alter", "--entity-type", "users", "--entity-name", SASL_USERNAME,
+            "--add-config", f"{SASL_MECHANISM}=[password={password}]",
+        )
+        if r.returncode != 0:
+            raise StackError(
+                f"{self.name}: adding the SCRAM user failed (exit {r.returncode}):\n"
+                f"{_last_lines(r.stdout + r.stderr)}"
+            )
+        self.save_sasl_user(password)
 
     def launch(self) -> None:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
@@ -1065,6 +1243,24 @@ class Stack:
             f"export TASKQ_SCHEMA_REGISTRY_URL={self.registry.url(self.registry.recorded_port())}",
             f"export TASKQ_DATABASE_URL="
             f"postgresql://{PG_SUPERUSER}@127.0.0.1:{self.postgres.recorded_port()}/taskq",
+            *self.sasl_exports(),
+        ]
+
+    def sasl_exports(self) -> list[str]:
+        """The SASL_SSL listener's connection facts, every node's address, when the running Kafka has one."""
+        recorded = [k.recorded_sasl_port() for k in self.kafkas]
+        user = self.kafkas[0].sasl_user()
+        if not any(recorded) or user is None:
+            return []
+        # Like TASKQ_BOOTSTRAP_SERVERS, a node that is down is listed with the port it starts on.
+        bootstrap = ",".join(
+            f"127.0.0.1:{port or k.sasl_port}" for port, k in zip(recorded, self.kafkas, strict=True)
+        )
+        return [
+            f"export TASKQ_STACK_SASL_BOOTSTRAP={bootstrap}",
+            f"export TASKQ_STACK_SASL_CA={shlex.quote(str(self.kafkas[0].tls / 'ca.pem'))}",
+            f"export TASKQ_STACK_SASL_USERNAME={user[0]}",
+            f"export TASKQ_STACK_SASL_PASSWORD={user[1]}",
         ]
 
     def expand(self, names: list[str]) -> list[str]:

@@ -14,6 +14,7 @@ __version__ = "0.2.0"
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
+    "AsyncTaskProducer": "taskq.producer.aio",
     "TaskProducer": "taskq.producer.producer",
     "TaskSpec": "taskq.producer.producer",
     "Receipt": "taskq.producer.producer",
@@ -47,6 +48,7 @@ _EXPORTS = {
 
 __all__ = [
     "PRIORITIES",
+    "AsyncTaskProducer",
     "DeadLetters",
     "DeliveryError",
     "Handlers",
@@ -98,6 +100,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from taskq.consumer.handlers import Handlers, TaskContext
     from taskq.consumer.retry import Reject, Retry, RetryPolicy
     from taskq.consumer.worker import Worker, WorkerConfig
+    from taskq.producer.aio import AsyncTaskProducer
     from taskq.producer.producer import Receipt, TaskProducer, TaskSpec, derive_idempotency_key
     from taskq.producer.ratelimit import RateLimit
     from taskq.schemas.errors import PayloadValidationError, SchemaError

@@ -25,10 +25,17 @@ def _print(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, default=str) if args.json else text, flush=True)
 
 
+#: Commands that run until stopped: they wait out a broker that is away, the others report it.
+_LONG_RUNNING = ("worker", "forwarder", "relay")
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    overrides = {}
+    overrides: dict[str, Any] = {}
     if getattr(args, "namespace", None):
         overrides["namespace"] = args.namespace
+    if args.command not in _LONG_RUNNING:
+        # Fail fast: a one-off command that cannot reach the broker says so in about 10 s.
+        overrides["kafka_timeout"] = 10.0
     return Settings.from_env(**overrides)
 
 
@@ -47,7 +54,7 @@ def cmd_schemas_register(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry, load_schema
 
     out = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for path in args.paths:
             reg = registry.register(load_schema(path))
             out.append(
@@ -65,7 +72,7 @@ def cmd_schemas_list(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry
 
     rows = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for subject in sorted(registry.subjects()):
             latest = registry.latest(subject)
             rows.append({"subject": subject, "latest_version": latest.version, "id": latest.schema_id})
@@ -77,7 +84,7 @@ def cmd_schemas_check(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry, full_name, load_schema
 
     results = []
-    with Registry(_settings(args).schema_registry_url) as registry:
+    with Registry.from_settings(_settings(args)) as registry:
         for path in args.paths:
             schema = load_schema(path)
             results.append(
@@ -137,7 +144,7 @@ def cmd_bench_produce(args: argparse.Namespace) -> int:
     from taskq.schemas import Registry
 
     settings = _settings(args)
-    with Registry(settings.schema_registry_url) as registry:
+    with Registry.from_settings(settings) as registry:
         registry.register(demo_schema("send_email"))
     create_topics(settings)
     n = args.count
@@ -293,7 +300,7 @@ def cmd_db_migrate(args: argparse.Namespace) -> int:
     from taskq._core.db import Database
 
     s = _settings(args)
-    applied = Database(s.database_url, schema=s.database_schema).migrate()
+    applied = Database(s.database_url, schema=s.database_schema).migrate(namespace=s.namespace)
     _print(args, applied, "\n".join(f"applied {m}" for m in applied) or "up to date")
     return 0
 
@@ -329,6 +336,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         buffer_capacity=args.buffer,
         buffer_bytes=args.buffer_mb * 1024 * 1024,
         forwarder=not args.no_forwarder,
+        relay=not args.no_relay,
+        stale_after=args.stale_after,
     )
     if args.processes > 1:
         from taskq.consumer.supervisor import Supervisor
@@ -346,6 +355,67 @@ def cmd_worker(args: argparse.Namespace) -> int:
     log = logging.getLogger("taskq.worker")
     log.info("worker %s: %d handler(s), group %s", worker.worker_id, len(handlers), worker.group)
     worker.run()
+    return 0
+
+
+def cmd_periodic_list(args: argparse.Namespace) -> int:
+    """The periodic tasks of the namespace: schedule, last slot staged, next slot."""
+    from datetime import UTC, datetime
+
+    from taskq._core.db import Database
+    from taskq._core.store import Store
+    from taskq.consumer.handlers import load
+    from taskq.consumer.periodic import schedule_from_text
+
+    s = _settings(args)
+    database = Database(s.database_url, schema=s.database_schema)
+    try:
+        rows = {r["name"]: dict(r) for r in Store(database).periodic_list(s.namespace)}
+    finally:
+        database.close()
+    if args.handlers:
+        sys.path.insert(0, os.getcwd())
+        for spec in load(args.handlers).periodic_tasks:
+            row = rows.setdefault(spec.name, {"name": spec.name, "last_slot": None, "staged_at": None})
+            row.update(schedule=spec.schedule.text, catch_up=spec.catch_up, task_type=spec.task_type)
+    now = datetime.now(UTC)
+    out = []
+    for name in sorted(rows):
+        row = rows[name]
+        last = row.get("last_slot")
+        nxt = schedule_from_text(row["schedule"]).next_after(max(now, last) if last else now)
+        out.append(
+            {
+                "name": name,
+                "schedule": row["schedule"],
+                "catch_up": row["catch_up"],
+                "last_slot": last.isoformat() if last else None,
+                "next_slot": nxt.isoformat(),
+            }
+        )
+    text = "\n".join(
+        f"{r['name']:<30} {r['schedule']:<16} last {r['last_slot'] or 'never':<32} next {r['next_slot']}"
+        for r in out
+    )
+    _print(args, out, text or "no periodic tasks")
+    return 0
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    """Publish the outbox (tasks staged with enqueue(..., conn=)) until SIGTERM/SIGINT."""
+    import signal
+
+    from taskq._core.db import Database
+    from taskq.producer.outbox import OutboxRelay
+
+    relay = OutboxRelay(_settings(args), batch=args.batch)
+    Database(relay.settings.database_url, schema=relay.settings.database_schema).migrate(
+        namespace=relay.settings.namespace
+    )
+    signal.signal(signal.SIGTERM, lambda signum, frame: relay.stop())
+    signal.signal(signal.SIGINT, lambda signum, frame: relay.stop())
+    logging.getLogger("taskq.relay").info("relay: publishing the outbox of %s", relay.namespace)
+    relay.run()
     return 0
 
 
@@ -375,7 +445,9 @@ def cmd_db_purge(args: argparse.Namespace) -> int:
     # or a task whose effect already happened (through another copy) would run a second time.
     with DeadLetters(s) as dlq:
         keep = {r.idempotency_key for r in dlq.list(include_replayed=True) if r.idempotency_key}
-    store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
+    store = IdempotencyStore(
+        Database(s.database_url, schema=s.database_schema), owner="taskq-cli", namespace=s.namespace
+    )
     try:
         n = store.purge(ttl, keep=sorted(keep))
     finally:
@@ -420,8 +492,9 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
 def cmd_dlq_show(args: argparse.Namespace) -> int:
     from taskq.consumer.dlq import DeadLetters
 
-    with DeadLetters(_settings(args)) as dlq:
-        data = dlq.show(args.offset).to_dict(full=True)
+    settings = _settings(args)
+    with DeadLetters(settings) as dlq:
+        data = dlq.show(args.offset).redacted([*settings.dlq_redact, *args.redact]).to_dict(full=True)
     lines = [f"DLQ record {data['offset']}"]
     fields = "task_type task_id idempotency_key priority attempts failed_at worker reason error_type original"
     for name in [*fields.split(), "replayed_at", "envelope_error"]:
@@ -466,6 +539,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from taskq._core.db import Database
     from taskq._core.envelope import Topics
     from taskq._core.kafka import Admin
+    from taskq._core.store import Store
     from taskq.consumer.dlq import DeadLetters
     from taskq.consumer.store import IdempotencyStore
     from taskq.producer.backpressure import tier_depths
@@ -476,10 +550,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
     tiers = tier_depths(Admin(s), Topics(s.namespace, s.delay_tiers), s.worker_group)
     with DeadLetters(s) as dlq:
         dlq_depth = dlq.depth()
-    store = IdempotencyStore(Database(s.database_url, schema=s.database_schema), owner="taskq-cli")
+    store = IdempotencyStore(
+        Database(s.database_url, schema=s.database_schema), owner="taskq-cli", namespace=s.namespace
+    )
     try:
         counts = store.counts()
         retried_tasks, retries = store.retries()
+        outbox_rows, outbox_oldest = Store(store.database).outbox_backlog(s.namespace)
     finally:
         store.close()
     data = {
@@ -489,13 +566,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "idempotency": counts,
         "retries": retries,
         "retried_tasks": retried_tasks,
+        "outbox": {"waiting": outbox_rows, "oldest_seconds": round(outbox_oldest, 3)},
     }
-    lines = [f"tier depth (not yet committed by {s.worker_group}):"]
+    # Tier depths are offsets, not records: each of the forwarder's transactions leaves a commit marker
+    # in the tiers it wrote to. Counting records would mean reading every tier, so they are estimates.
+    lines = [f"tier depth, estimated (offsets not yet committed by {s.worker_group}, markers included):"]
     lines += [f"  {p:<9} {n}" for p, n in tiers.items()]
     lines.append(f"DLQ depth (not replayed): {dlq_depth}")
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     lines.append(f"idempotency records: {by_state or 'none'}")
     lines.append(f"retries: {retries} attempt(s) beyond the first, over {retried_tasks} task(s)")
+    lines.append(f"outbox: {outbox_rows} task(s) waiting for the relay, the oldest for {outbox_oldest:.1f}s")
     _print(args, data, "\n".join(lines))
     return 0
 
@@ -505,7 +586,11 @@ def _tier_depth_gauge() -> Any:
     # Created on first use, not at import: only `taskq stats --metrics-port` exports it.
     from prometheus_client import Gauge
 
-    return Gauge("taskq_tier_depth", "Tasks of a tier the worker group has not committed yet", ["priority"])
+    return Gauge(
+        "taskq_tier_depth",
+        "Estimated tasks of a tier the worker group has not committed (offsets: transaction markers count)",
+        ["priority"],
+    )
 
 
 def _serve_stats(s: Settings, port: int, interval: float, host: str) -> int:
@@ -679,7 +764,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
     sp.add_argument("--buffer-mb", type=int, default=64, help="max megabytes of them (values and headers)")
     sp.add_argument(
+        "--stale-after",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a worker whose heartbeat (every 3 s) is older than this is presumed dead, and the keys it "
+        "leased are taken over at once (default 10)",
+    )
+    sp.add_argument(
         "--no-forwarder", action="store_true", help="do not run the delay forwarder in this process"
+    )
+    sp.add_argument(
+        "--no-relay", action="store_true", help="do not run the outbox relay in this process (taskq relay)"
     )
     sp.add_argument(
         "--processes",
@@ -687,11 +783,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="run N worker processes (each with --concurrency slots) under a supervisor, which forwards "
-        "SIGTERM/SIGINT to them, runs the delay forwarder in one of them, serves one /metrics summing them "
-        "all, and restarts one that dies after 1 s, doubling up to 30 s (back to 1 s once it ran 60 s); "
-        "it stops them and exits 2 when one died 5 times within 60 s (default: 1, no supervisor)",
+        "SIGTERM/SIGINT to them, runs the delay forwarder and the outbox relay in one of them, serves one "
+        "/metrics summing them all, and restarts one that dies after 1 s, doubling up to 30 s (back to 1 s "
+        "once it ran 60 s); it stops them and exits 2 when one died 5 times within 60 s "
+        "(default: 1, no supervisor)",
     )
 
+    periodic = sub.add_parser("periodic", help="periodic tasks").add_subparsers(dest="sub", required=True)
+    sp = leaf(periodic, "list", cmd_periodic_list, "each periodic task's schedule, last and next slot")
+    sp.add_argument(
+        "handlers", nargs="?", metavar="MODULE:ATTR", help="also list tasks no scheduler has run yet"
+    )
+    sp = leaf(
+        sub,
+        "relay",
+        cmd_relay,
+        "publish tasks staged in the outbox by enqueue(..., conn=) (also runs inside workers)",
+        json_flag=False,
+    )
+    sp.add_argument("--batch", type=int, default=500, help="rows published per transaction (default 500)")
     leaf(
         sub,
         "forwarder",
@@ -707,6 +817,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--all", action="store_true", help="include replayed records")
     sp = leaf(dlq, "show", cmd_dlq_show, "one DLQ record: decoded payload, every header, traceback")
     sp.add_argument("offset", type=int)
+    sp.add_argument(
+        "--redact",
+        action="append",
+        default=[],
+        metavar="FIELD/HEADER",
+        help="also hide this header or payload field (a dotted path or its end; * matches anything): it "
+        "shows as *** (repeatable; TASKQ_DLQ_REDACT names the ones always hidden, by default authorization, "
+        "cookie, *password*, *secret*, *token* and the like)",
+    )
     replay_help = "re-enqueue DLQ records with their original task id and key (exit 1 if any is refused)"
     sp = leaf(dlq, "replay", cmd_dlq_replay, replay_help)
     sp.add_argument("offsets", nargs="*", type=int, metavar="OFFSET")
@@ -729,18 +848,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _RefusalEcho(logging.Filter):
+    """Drops librdkafka's log lines about a refused connection: the client raises it as one error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "SASL authentication error" not in message and "SSL handshake failed" not in message
+
+
 def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> None:
     """Log to stderr: INFO for the long-running commands or with -v, else WARNING; `pids` puts the process
     id in each line (the supervisor and the worker processes of `--processes N` share one stderr)."""
     process = "[%(process)d]" if pids else ""
     logging.basicConfig(
-        level=logging.INFO if verbose or command in ("worker", "forwarder") else logging.WARNING,
+        level=logging.INFO if verbose or command in _LONG_RUNNING else logging.WARNING,
         format=f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s",
         stream=sys.stderr,
     )
     for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if not verbose and command not in ("worker", "forwarder"):
+    # Refused credentials end the command with one line (taskq: error: ...), not a line per retry.
+    logging.getLogger("taskq.librdkafka").addFilter(_RefusalEcho())
+    if not verbose and command not in _LONG_RUNNING:
         # A short-lived command reports what failed in one line; librdkafka's retries and the producer's
         # per-task delivery log would only repeat it.
         for repeats in ("taskq.librdkafka", "taskq.producer"):

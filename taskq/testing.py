@@ -37,7 +37,16 @@ from taskq.consumer.dlq import DeadLetters, DlqRecord, parse_record
 from taskq.consumer.events import Event, TaskCompleted
 from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers
-from taskq.consumer.store import Claim, ClaimRequest, Finished, LeaseLostError, Member, NotStarted
+from taskq.consumer.store import (
+    FORGET_WORKERS_AFTER,
+    Claim,
+    ClaimRequest,
+    Finished,
+    LeaseLostError,
+    Member,
+    NotStarted,
+    WorkerRecord,
+)
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.admin import topic_specs
 from taskq.producer.producer import TaskProducer
@@ -347,6 +356,7 @@ class _Sink:
         headers: Headers,
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
+        on_failure: Callable[[str], None] | None = None,  # never called: every accepted record is kept
     ) -> None:
         size = len(value or b"") + len(key or b"") + sum(len(k) + len(v) for k, v in headers)
         if size > self._max_bytes:  # librdkafka refuses at once, before anything is queued
@@ -474,6 +484,15 @@ class _Row:
     created_at: float = 0.0
     updated_at: float = 0.0
     completed_at: float | None = None
+    interruptions: int = 0
+
+
+@dataclass
+class _Liveness:
+    record: WorkerRecord
+    heartbeat_at: float
+    in_flight: int = 0
+    dead_at: float | None = None
 
 
 class _NoDatabase:
@@ -490,19 +509,30 @@ class InMemoryStore:
     """The idempotency store's rules in memory: claim with a lease (attempts counted at claim), completion
     and failure only by the lease holder's current attempt, replay resets, purge of old finished keys.
 
-    Several stores (one per worker id) can share one table: `InMemoryStore(owner="b", rows=a.rows)`.
+    `rows` holds the records of the store's namespace, by key. Several stores of one namespace (one per
+    worker id) share them: `InMemoryStore(owner="b", rows=a.rows)`; a store of another namespace has rows
+    of its own, as namespaces sharing a Postgres database keep their records apart. `workers` holds the
+    liveness records, by worker id, shared by every store of one database (`workers=a.workers`): a key
+    leased by a worker whose heartbeat is older than `stale_after` seconds on `clock`, or that was marked
+    dead, is taken over by the next claim, as an interruption rather than an attempt.
     """
 
     def __init__(
         self,
         *,
         owner: str,
+        namespace: str = "taskq",
         clock: Callable[[], float] = time.time,
         rows: dict[str, _Row] | None = None,
+        workers: dict[str, _Liveness] | None = None,
+        stale_after: float = 10.0,
         connect: Callable[[], Any] | None = None,
     ) -> None:
         self.owner = owner
+        self.namespace = namespace
         self.rows: dict[str, _Row] = {} if rows is None else rows
+        self.workers: dict[str, _Liveness] = {} if workers is None else workers
+        self.stale_after = stale_after
         self._clock = clock
         self._connect = connect
         self._lock = threading.Lock()
@@ -516,28 +546,69 @@ class InMemoryStore:
         answered: set[str] = set()
         with self._lock:
             now = self._clock()
+            dead = {
+                worker_id
+                for worker_id, w in self.workers.items()
+                if w.dead_at is not None or w.heartbeat_at < now - self.stale_after
+            }
             for r in requests:
                 row = self.rows.get(r.idempotency_key)
                 if r.idempotency_key in answered:
                     out.append(Claim(r.idempotency_key, "duplicate", row.attempts if row else 0))
                     continue
                 answered.add(r.idempotency_key)
-                expired = row is not None and row.state == "running" and (row.lease_expires_at or 0) < now
-                if row is None or row.state in ("failed", "dead") or expired:
-                    attempts = 1 if row is None else row.attempts + 1
+                running = row is not None and row.state == "running"
+                expired = running and row is not None and (row.lease_expires_at or 0) < now
+                # Taken over from a dead worker: an interruption, and the same attempt runs again.
+                taken = (
+                    running and row is not None and row.lease_owner != self.owner and row.lease_owner in dead
+                )
+                if row is None or row.state in ("failed", "dead") or expired or taken:
+                    attempts = 1 if row is None else row.attempts + (0 if taken else 1)
+                    interruptions = 0 if row is None else row.interruptions + (1 if taken else 0)
                     created = now if row is None else row.created_at
                     self.rows[r.idempotency_key] = _Row(
                         r.task_id, r.task_type, "running", attempts, self.owner, now + r.lease_seconds,
-                        row.last_error if row else None, None, created, now,
+                        row.last_error if row else None, None, created, now, None, interruptions,
                     )  # fmt: skip
-                    out.append(Claim(r.idempotency_key, "claimed", attempts))
+                    out.append(Claim(r.idempotency_key, "claimed", attempts, 0.0, interruptions))
                 elif row.state == "completed":
-                    out.append(Claim(r.idempotency_key, "completed", row.attempts))
+                    out.append(Claim(r.idempotency_key, "completed", row.attempts, 0.0, row.interruptions))
                 else:
-                    out.append(
-                        Claim(r.idempotency_key, "running", row.attempts, (row.lease_expires_at or now) - now)
-                    )
+                    left = (row.lease_expires_at or now) - now
+                    out.append(Claim(r.idempotency_key, "running", row.attempts, left, row.interruptions))
         return out
+
+    def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]:
+        """Write the worker's liveness record and mark dead the earlier workers of its host whose process
+        is gone; returns their ids (as IdempotencyStore)."""
+        with self._lock:
+            now = self._clock()
+            self.workers[worker.worker_id] = _Liveness(worker, now)
+            marked = set()
+            for worker_id, w in self.workers.items():
+                earlier = w.record.host == worker.host and w.record.started_at <= worker.started_at
+                gone = w.dead_at is None and not alive(w.record.pid)
+                if earlier and worker_id != worker.worker_id and gone:
+                    w.dead_at = now
+                    marked.add(worker_id)
+            forgotten = [i for i, w in self.workers.items() if w.heartbeat_at < now - FORGET_WORKERS_AFTER]
+            for worker_id in forgotten:
+                del self.workers[worker_id]
+            return marked
+
+    def beat(self, worker: WorkerRecord, in_flight: int) -> None:
+        """Write the worker's heartbeat (a record marked dead by mistake comes back to life)."""
+        with self._lock:
+            now = self._clock()
+            known = self.workers.get(worker.worker_id)
+            started = known.record if known is not None else worker
+            self.workers[worker.worker_id] = _Liveness(started, now, in_flight)
+
+    def leave(self, worker_id: str) -> None:
+        """Remove the worker's liveness record (a clean stop)."""
+        with self._lock:
+            self.workers.pop(worker_id, None)
 
     def _holds(self, key: str, attempts: int) -> _Row | None:
         row = self.rows.get(key)
@@ -661,6 +732,7 @@ class InMemoryStore:
                 "task_type": row.task_type,
                 "state": row.state,
                 "attempts": row.attempts,
+                "interruptions": row.interruptions,
                 "lease_owner": row.lease_owner,
                 "lease_expires_at": at(row.lease_expires_at),
                 "last_error": row.last_error,
@@ -676,7 +748,7 @@ class InMemoryStore:
             row = self.rows.get(idempotency_key)
             if row is None or row.state != "dead":
                 return False
-            row.state, row.attempts, row.updated_at = "failed", 0, self._clock()
+            row.state, row.attempts, row.interruptions, row.updated_at = "failed", 0, 0, self._clock()
             return True
 
     def purge(self, ttl_seconds: float, *, batch: int = 10_000, keep: Sequence[str] = ()) -> int:
@@ -937,7 +1009,9 @@ class InMemoryQueue:
         for spec in handlers:
             if spec.schema is not None:
                 self.registry.register(spec.schema)
-        self.store = InMemoryStore(owner="in-memory", clock=self.clock.time, connect=connect)
+        self.store = InMemoryStore(
+            owner="in-memory", namespace=namespace, clock=self.clock.time, connect=connect
+        )
         self.producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
         self.events = RecordingHook()
         self.worker = Worker(

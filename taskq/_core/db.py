@@ -169,13 +169,17 @@ class Database(_Queries):
         finally:
             conn.close()
 
-    def migrate(self) -> list[str]:
-        """Apply the missing migrations in one transaction under an advisory lock; returns their names."""
+    def migrate(self, *, namespace: str = "taskq") -> list[str]:
+        """Apply the missing migrations in one transaction under an advisory lock; returns their names.
+
+        `namespace` is the one records written before namespaces were kept (migration 0003) belong to.
+        """
         applied: list[str] = []
         with self.connection() as conn:
             conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+                conn.execute("SELECT set_config('taskq.namespace', %s, true)", (namespace,))
                 conn.execute(
                     "CREATE TABLE IF NOT EXISTS taskq_migrations "
                     "(version integer PRIMARY KEY, name text NOT NULL, "

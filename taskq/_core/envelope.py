@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Final, Literal, get_args
+from typing import TYPE_CHECKING, Final, Literal, get_args
 
 from taskq._core.durations import tier_name
+
+if TYPE_CHECKING:
+    from taskq._core.kafka import Record
 
 Priority = Literal["critical", "high", "normal", "low"]
 #: Priority tiers, highest first. The order is the dispatch preference of workers.
@@ -88,8 +91,8 @@ def _shown(raw: bytes) -> str:
 
 
 def new_task_id() -> str:
-    """A fresh task id (unique per enqueue; the idempotency key, not this, decides effects)."""
-    return uuid.uuid4().hex
+    """A fresh task id, 32 hex digits (unique per enqueue; the idempotency key, not this, decides effects)."""
+    return os.urandom(16).hex()  # as random as uuid4().hex, at a fifth of the cost
 
 
 H = "taskq-"  # header prefix; the envelope is the headers starting with it plus `traceparent`
@@ -131,6 +134,13 @@ class Envelope:
         if self.traceparent:
             h.append(("traceparent", self.traceparent.encode()))
         return h
+
+    @classmethod
+    def of(cls, record: Record) -> Envelope:
+        """The envelope of a fetched record; EnvelopeError also when its headers could not be read."""
+        if record.header_error is not None:
+            raise EnvelopeError(record.header_error)
+        return cls.from_headers(record.headers)
 
     @classmethod
     def from_headers(cls, headers: Iterable[tuple[str, bytes | None]] | None) -> Envelope:

@@ -67,6 +67,10 @@ class KafkaUnavailableError(TaskqError):
     """Kafka could not be reached or refused the operation."""
 
 
+class KafkaAuthenticationError(KafkaUnavailableError):
+    """Kafka refused the client's credentials or TLS handshake: the TASKQ_KAFKA_* settings need fixing."""
+
+
 class RecordTooLargeError(KafkaUnavailableError):
     """The record is larger than the producer or the topic accepts; it cannot be sent as it is."""
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
+import operator
+import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -12,7 +16,6 @@ from typing import Any, Protocol, TypeVar
 from confluent_kafka import (
     OFFSET_INVALID,
     Consumer,
-    ConsumerGroupTopicPartitions,
     KafkaError,
     KafkaException,
     Message,
@@ -21,14 +24,27 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
-from taskq._core.errors import ConfigurationError, KafkaUnavailableError, RecordTooLargeError
+from taskq._core.errors import (
+    ConfigurationError,
+    KafkaAuthenticationError,
+    KafkaUnavailableError,
+    RecordTooLargeError,
+)
 from taskq._core.settings import Settings, redact
 
 log = logging.getLogger("taskq.kafka")
 
-#: Errors meaning a partition's leader is not (yet) known where asked: retried until the admin timeout.
-_LEADER_MOVING = frozenset(
-    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+#: Errors meaning a partition's leader or a group's coordinator is not (yet) ready where asked: retried
+#: until the admin timeout.
+_NOT_READY = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    }
 )
 
 TP = tuple[str, int]
@@ -48,6 +64,9 @@ class Record:
     value: bytes | None
     headers: Headers
     timestamp_ms: int
+    #: Why the headers could not be read (they are then empty): the record is input that never becomes a
+    #: task, dead-lettered with this as its reason.
+    header_error: str | None = None
 
     @property
     def tp(self) -> TP:
@@ -63,20 +82,37 @@ class Record:
 
 
 def _record(msg: Message) -> Record:
+    headers, error = _headers(msg)
     return Record(
         topic=msg.topic() or "",
         partition=msg.partition() or 0,
         offset=msg.offset() or 0,
         key=msg.key(),
         value=msg.value(),
-        headers=[(str(k), _bytes(v)) for k, v in _headers(msg)],
+        headers=headers,
         timestamp_ms=msg.timestamp()[1],
+        header_error=error,
     )
 
 
-def _headers(msg: Message) -> list[tuple[str, Any]]:
-    raw: Any = msg.headers() or []
-    return list(raw)
+#: Message.headers(), called so that its result is always checked. The client decodes each header key as
+#: UTF-8; on a key that is not, it returns a list holding a tuple with a missing key *and* sets the
+#: exception. A plain `msg.headers()` that the interpreter has specialised (a hot call site) skips the
+#: check: the list comes back, and unpacking the broken tuple kills the process with SIGSEGV. Called this
+#: way the call always raises SystemError (from the UnicodeDecodeError) and the list is never seen.
+_read_headers = operator.methodcaller("headers")
+
+
+def _headers(msg: Message) -> tuple[Headers, str | None]:
+    """The record's headers, or none and why they could not be read."""
+    try:
+        raw: Any = _read_headers(msg) or []
+    except (UnicodeError, SystemError) as exc:
+        cause = exc if isinstance(exc, UnicodeError) else exc.__cause__ or exc.__context__
+        if isinstance(cause, UnicodeError):
+            return [], f"unreadable headers: a header key is not valid UTF-8 ({cause})"
+        return [], f"unreadable headers: {str(exc)[:200]}"
+    return [(str(k), _bytes(v)) for k, v in raw], None
 
 
 def _bytes(value: str | bytes | None) -> bytes:
@@ -87,10 +123,73 @@ def _bytes(value: str | bytes | None) -> bytes:
 #: shows warnings), instead of straight to stderr.
 LIBRDKAFKA_LOG = logging.getLogger("taskq.librdkafka")
 
+_DIGITS = re.compile(r"\d+")
+
+
+class RepeatFilter(logging.Filter):
+    """Collapses a flood of one kind of log line: the first is logged, then at most one every `window`
+    seconds, saying how many like it were held back since the last one shown.
+
+    A kind is the level and the line with its numbers blanked out: while a broker is away librdkafka
+    reports "Connect to ... failed (after 0ms in state CONNECT)" about every 50 ms per client.
+    """
+
+    def __init__(self, window: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._kinds: dict[tuple[int, str], tuple[float, int]] = {}  # kind -> (last shown, held back since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether to log this record; the one that ends a held-back run says how many it stood for."""
+        text = record.getMessage()
+        kind = (record.levelno, _DIGITS.sub("#", text))
+        now = self._clock()
+        with self._lock:
+            shown, held = self._kinds.get(kind, (-math.inf, 0))
+            if now - shown < self.window:
+                self._kinds[kind] = (shown, held + 1)
+                return False
+            if len(self._kinds) >= 1000:  # bounded: forget the kinds that are quiet
+                self._kinds = {k: v for k, v in self._kinds.items() if now - v[0] < self.window}
+            self._kinds[kind] = (now, 0)
+        if held:
+            record.msg, record.args = f"{text} [repeated {held} times in the last {now - shown:.0f} s]", None
+        return True
+
+
+_REPEATS = RepeatFilter()
+
+
+#: Errors that retrying cannot fix: the broker refused the credentials (SASL), or the TLS handshake failed
+#: (for example the broker's certificate does not verify against ssl.ca.location).
+_REFUSED = frozenset({KafkaError._AUTHENTICATION, KafkaError._SSL})
+
+
+def _on_error(err: KafkaError) -> None:
+    """librdkafka's error callback, run inside the client call that serves it (poll, consume, flush).
+
+    Refused credentials raise there, so a command or a worker stops at once with one line instead of
+    retrying for ever. Other errors (a broker down, a timeout) are the client's to retry, and its log
+    lines already tell them.
+    """
+    if err.code() in _REFUSED:
+        raise KafkaAuthenticationError(
+            redact(f"Kafka refused the connection (check the TASKQ_KAFKA_* settings): {err.str()}")
+        )
+    LIBRDKAFKA_LOG.debug("error %s", err.str())
+
 
 def base_config(settings: Settings) -> dict[str, Any]:
     """librdkafka settings common to every client: brokers plus the pass-through security settings."""
-    return {"bootstrap.servers": settings.bootstrap_servers, "logger": LIBRDKAFKA_LOG, **settings.kafka}
+    LIBRDKAFKA_LOG.addFilter(_REPEATS)  # once: addFilter ignores a filter it has
+    return {
+        "bootstrap.servers": settings.bootstrap_servers,
+        "logger": LIBRDKAFKA_LOG,
+        "error_cb": _on_error,
+        **settings.kafka,
+    }
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:
@@ -141,6 +240,7 @@ def consumer_config(settings: Settings, *, group: str) -> dict[str, Any]:
 
 
 C = TypeVar("C")
+R = TypeVar("R")
 
 
 def _client(factory: Callable[[dict[str, Any]], C], conf: dict[str, Any]) -> C:
@@ -162,9 +262,23 @@ def _errors(what: str) -> Iterator[None]:
         raise _wrap(what, exc) from exc
 
 
-def _wrap(what: str, exc: KafkaException) -> KafkaUnavailableError:
+#: Errors meaning no broker answered in time: the message says where it asked and how long it waited.
+_UNREACHABLE = frozenset(
+    {KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE}
+)
+
+
+def _wrap(
+    what: str, exc: KafkaException, *, servers: str = "", timeout: float = 0.0
+) -> KafkaUnavailableError:
     err = exc.args[0] if exc.args else exc
-    return KafkaUnavailableError(f"{what}: {err}")
+    if not isinstance(err, KafkaError):
+        return KafkaUnavailableError(f"{what}: {err}")
+    if servers and err.code() in _UNREACHABLE:
+        return KafkaUnavailableError(
+            f"{what}: no answer from the Kafka broker at {servers} within {timeout:g} s ({err.str()})"
+        )
+    return KafkaUnavailableError(f"{what}: {err.str()} ({err.name()})")
 
 
 class Sink:
@@ -178,6 +292,8 @@ class Sink:
             conf["message.timeout.ms"] = 60000  # librdkafka requires it <= transaction.timeout.ms
         conf.update(overrides)
         self._p = _client(Producer, conf)
+        self._servers = redact(settings.bootstrap_servers)
+        self._message_timeout = float(conf["message.timeout.ms"]) / 1000
 
     def send(
         self,
@@ -188,13 +304,25 @@ class Sink:
         headers: Headers,
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
-        """Queue one record; `on_delivery` runs from poll()/flush() with None on success or the error."""
+        """Queue one record; `on_delivery` runs from poll()/flush() with None on success or the error.
+        `on_failure` instead hears only of a failure, without the record: the cheaper report when the
+        partition and offset of a success are not wanted."""
         cb = None
         if on_delivery is not None:
 
             def cb(err: KafkaError | None, msg: Message) -> None:
-                on_delivery(None if err is None else str(err), _record(msg) if err is None else None)
+                if err is None:
+                    on_delivery(None, _record(msg))
+                else:
+                    on_delivery(self._failure(err), None)
+
+        elif on_failure is not None:
+
+            def cb(err: KafkaError | None, msg: Message) -> None:
+                if err is not None:
+                    on_failure(self._failure(err))
 
         kw: dict[str, Any] = {"key": key, "value": value, "headers": headers, "on_delivery": cb}
         if partition is not None:
@@ -215,13 +343,28 @@ class Sink:
                     ) from exc
                 raise _wrap(f"producing to {topic}", exc) from exc
 
+    def _failure(self, err: KafkaError) -> str:
+        if err.code() == KafkaError._MSG_TIMED_OUT:
+            return (
+                f"no answer from the Kafka broker at {self._servers} within {self._message_timeout:g} s "
+                f"({err.str()})"
+            )
+        return f"{err.str()} ({err.name()})"
+
     def poll(self, timeout: float = 0.0) -> int:
         """Serve delivery callbacks."""
         return int(self._p.poll(timeout))
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every queued record is delivered or failed; returns how many are still queued."""
-        return int(self._p.flush(-1 if timeout is None else timeout))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # In slices: an exception raised by a callback (refused credentials, see _on_error) surfaces
+            # only when the call returns, and one flush call returns only once the queue is empty.
+            left = deadline - time.monotonic() if deadline is not None else 0.5
+            queued = int(self._p.flush(max(0.0, min(0.5, left))))
+            if not queued or (deadline is not None and time.monotonic() >= deadline):
+                return queued
 
     def __len__(self) -> int:
         return len(self._p)
@@ -230,7 +373,19 @@ class Sink:
     # as KafkaUnavailableError (with the client's error as __cause__), never as confluent's exception.
     def init_transactions(self, timeout: float = 60.0) -> None:
         """Register the transactional id, fencing any older instance that used it."""
-        self._transactional("initialising transactions", lambda: self._p.init_transactions(timeout))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._p.init_transactions(min(1.0, max(0.0, deadline - time.monotonic())))
+                return
+            except KafkaException as exc:
+                # librdkafka: a timeout is retriable, the next call resumes where this one stopped.
+                err = exc.args[0] if exc.args else None
+                timed_out = isinstance(err, KafkaError) and err.code() == KafkaError._TIMED_OUT
+                if not timed_out or time.monotonic() >= deadline:
+                    raise _wrap("initialising transactions", exc) from exc
+            # The call itself serves no callbacks: this poll lets refused credentials raise (_on_error).
+            self._p.poll(0)
 
     def begin(self) -> None:
         """Begin a transaction."""
@@ -406,9 +561,15 @@ class TopicSpec:
 class Admin:
     """Topic provisioning and offset look-ups."""
 
-    def __init__(self, settings: Settings, *, timeout: float = 30.0) -> None:
+    def __init__(self, settings: Settings, *, timeout: float | None = None) -> None:
         self._a = _client(AdminClient, base_config(settings))
-        self._timeout = timeout
+        self._timeout = settings.kafka_timeout if timeout is None else timeout
+        self._servers = redact(settings.bootstrap_servers)
+        self._settings = settings
+        self._readers: dict[str, Consumer] = {}  # group -> a consumer that reads its offsets
+
+    def _wrap(self, what: str, exc: KafkaException) -> KafkaUnavailableError:
+        return _wrap(what, exc, servers=self._servers, timeout=self._timeout)
 
     def create_topics(self, specs: Sequence[TopicSpec]) -> dict[str, bool]:
         """Create topics that do not exist; returns name -> created (False: it existed already)."""
@@ -437,20 +598,23 @@ class Admin:
                 if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     created[name] = False
                 else:
-                    raise _wrap(f"creating topic {name}", exc) from exc
+                    raise self._wrap(f"creating topic {name}", exc) from exc
         return created
 
     def delete_topics(self, names: Sequence[str]) -> None:
         """Delete topics (missing ones are ignored)."""
         if not names:
             return
-        for name, fut in self._a.delete_topics(list(names), operation_timeout=self._timeout).items():
+        futures = self._a.delete_topics(
+            list(names), operation_timeout=self._timeout, request_timeout=self._timeout
+        )
+        for name, fut in futures.items():
             try:
                 fut.result()
             except KafkaException as exc:
                 err = exc.args[0]
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
-                    raise _wrap(f"deleting topic {name}", exc) from exc
+                    raise self._wrap(f"deleting topic {name}", exc) from exc
 
     def delete_groups(self, groups: Sequence[str]) -> None:
         """Delete consumer groups that have no members left (missing ones are ignored)."""
@@ -463,14 +627,14 @@ class Admin:
             except KafkaException as exc:
                 err = exc.args[0]
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.GROUP_ID_NOT_FOUND):
-                    raise _wrap(f"deleting group {group}", exc) from exc
+                    raise self._wrap(f"deleting group {group}", exc) from exc
 
     def partitions(self, topics: Sequence[str]) -> dict[str, int]:
         """Partition counts of existing topics (missing topics are left out)."""
         try:
             md = self._a.list_topics(timeout=self._timeout)
         except KafkaException as exc:
-            raise _wrap("listing topics", exc) from exc
+            raise self._wrap("listing topics", exc) from exc
         return {
             t: len(md.topics[t].partitions) for t in topics if t in md.topics and md.topics[t].error is None
         }
@@ -488,21 +652,12 @@ class Admin:
         req = {TopicPartition(t, p): spec for t, n in counts.items() for p in range(n)}
         if not req:
             return {}
-        deadline = time.monotonic() + self._timeout
-        backoff = 0.05
-        while True:
-            try:
-                futures = self._a.list_offsets(req, request_timeout=self._timeout)
-                return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
-            except KafkaException as exc:
-                # Right after a topic is created (or a leader moves) the broker answers "not leader"
-                # for a moment; that is a state to wait out, not a failure to report.
-                err = exc.args[0] if exc.args else None
-                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in _LEADER_MOVING)
-                if not transient or time.monotonic() + backoff > deadline:
-                    raise _wrap("listing offsets", exc) from exc
-            time.sleep(backoff)
-            backoff = min(1.0, backoff * 2)
+
+        def list_offsets(left: float) -> dict[TP, int]:
+            futures = self._a.list_offsets(req, request_timeout=left)
+            return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+
+        return self._answered("listing offsets", list_offsets)
 
     def committed(self, group: str, topics: Sequence[str]) -> dict[TP, int]:
         """A group's committed offsets on these topics (-1 where it committed nothing)."""
@@ -510,14 +665,35 @@ class Admin:
         parts = [TopicPartition(t, p) for t, n in counts.items() for p in range(n)]
         if not parts:
             return {}
-        try:
-            fut = self._a.list_consumer_group_offsets(
-                [ConsumerGroupTopicPartitions(group, parts)], request_timeout=self._timeout
-            )[group]
-            res = fut.result()
-        except KafkaException as exc:
-            raise _wrap(f"reading offsets of group {group}", exc) from exc
-        return {(p.topic, p.partition): (p.offset if p.offset >= 0 else -1) for p in res.topic_partitions}
+        # Read by a consumer of the group (which does not join it), not by list_consumer_group_offsets:
+        # librdkafka (2.13 to 2.16 at least) kills the process with SIGSEGV when that admin request meets a
+        # coordinator still loading, as on a broker's first seconds: its OffsetFetch error path calls into
+        # a consumer group the admin client does not have (rd_kafka_handle_OffsetFetch -> rd_kafka_cgrp_op).
+        reader = self._readers.get(group)
+        if reader is None:
+            conf = base_config(self._settings) | {"group.id": group, "enable.auto.commit": False}
+            reader = self._readers[group] = _client(Consumer, conf)
+        found = self._answered(
+            f"reading offsets of group {group}", lambda left: reader.committed(parts, timeout=left)
+        )
+        return {(p.topic, p.partition): (p.offset if p.offset >= 0 else -1) for p in found}
+
+    def _answered(self, what: str, call: Callable[[float], R]) -> R:
+        """`call(seconds left)`, again while the broker answers that it is not ready yet (a leader or a
+        group coordinator being elected or loading, as right after a topic or the broker starts), until
+        the admin timeout; that is a state to wait out, not a failure to report."""
+        deadline = time.monotonic() + self._timeout
+        backoff = 0.05
+        while True:
+            try:
+                return call(max(0.1, deadline - time.monotonic()))
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in _NOT_READY)
+                if not transient or time.monotonic() + backoff > deadline:
+                    raise self._wrap(what, exc) from exc
+            time.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
 
 
 # ------------------------------------------------------------------------------------------------ the seam
@@ -554,6 +730,7 @@ class RecordSink(Protocol):
         headers: Headers,
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None: ...
     def poll(self, timeout: float = 0.0) -> int: ...
     def flush(self, timeout: float | None = None) -> int: ...

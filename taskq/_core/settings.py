@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from types import MappingProxyType
@@ -25,6 +25,28 @@ _RESERVED_KAFKA = frozenset(
 GROUP_PROTOCOLS = ("consumer", "classic")
 
 
+#: What `taskq dlq show` hides unless TASKQ_DLQ_REDACT says otherwise: headers and payload fields by name
+#: (`*` matches any run of characters, case is ignored).
+DEFAULT_DLQ_REDACT = (
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "set-cookie",
+    "*password*",
+    "*passwd*",
+    "*secret*",
+    "*token*",
+    "*api-key*",
+    "*api_key*",
+    "*apikey*",
+    "*credential*",
+)
+
+#: Settings that hold secrets: never shown, not even in a repr.
+_SECRET_FIELDS = frozenset({"schema_registry_password", "schema_registry_token"})
+#: librdkafka properties that hold secrets (sasl.password, ssl.key.password, sasl.jaas.config, ...).
+_SECRET_KAFKA = re.compile(r"password|secret|token|jaas|oauthbearer\.config|key\.pem", re.IGNORECASE)
+
 _URL_PASSWORD = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s]*@")
 _PARAM_SECRET = re.compile(
     r"(\b(?:password|passwd|pwd|token|secret|api[_-]?key|sasl\.password)\s*[=:]\s*)('[^']*'|[^\s&;,]+)",
@@ -32,12 +54,12 @@ _PARAM_SECRET = re.compile(
 )
 
 
-def redact(text: str, *urls: str) -> str:
+def redact(text: str, *urls: str, secrets: Iterable[str] = ()) -> str:
     """`text` without credentials: the password of any URL in it (even one holding '@' or a bad %-escape),
-    password=/token=/secret= parameters, and the passwords of `urls` wherever they appear (a driver may
-    quote one back in an error). Every message that can carry a setting goes through here."""
-    for url in urls:
-        secret = _password_of(url)
+    password=/token=/secret= parameters, the passwords of `urls` and the `secrets` (passwords and tokens
+    given outside a URL) wherever they appear (a driver may quote one back in an error). Every message that
+    can carry a setting goes through here."""
+    for secret in [*(_password_of(url) for url in urls), *secrets]:
         if secret:
             text = text.replace(secret, "***")
             text = text.replace(unquote(secret), "***")
@@ -69,6 +91,20 @@ class Settings:
     worker_group: str = ""
     #: Kafka's group protocol: "consumer" (KIP-848, Kafka 4.0+ brokers) or "classic" (older brokers).
     group_protocol: str = "consumer"
+    #: Seconds an admin request (topics, offsets) waits for the broker; the CLI's one-off commands use 10,
+    #: so that an unreachable broker is reported in about that long.
+    kafka_timeout: float = 30.0
+    #: Registry credentials, outside the URL: HTTP basic auth (user and password) or a bearer token.
+    schema_registry_user: str = ""
+    schema_registry_password: str = ""
+    schema_registry_token: str = ""
+    #: PEM files for the registry's TLS: the CA that signed its certificate (default: the system's, or
+    #: certifi's), and a client certificate and key where the registry asks for one.
+    schema_registry_ca_file: str = ""
+    schema_registry_cert_file: str = ""
+    schema_registry_key_file: str = ""
+    #: Headers and payload fields `taskq dlq show` prints as '***': names, dotted paths or `*` patterns.
+    dlq_redact: tuple[str, ...] = DEFAULT_DLQ_REDACT
 
     def __post_init__(self) -> None:
         if not _NAMESPACE.match(self.namespace):
@@ -89,6 +125,16 @@ class Settings:
             raise ConfigurationError(
                 f"group_protocol must be one of {', '.join(GROUP_PROTOCOLS)}, got {self.group_protocol!r}"
             )
+        if not 0 < self.kafka_timeout <= 3600:  # also refuses nan
+            raise ConfigurationError(
+                f"kafka_timeout must be in (0, 3600] seconds, got {self.kafka_timeout!r}"
+            )
+        self._validate_registry_auth()
+        if isinstance(self.dlq_redact, str) or any(not n.strip() or n != n.strip() for n in self.dlq_redact):
+            raise ConfigurationError(
+                f"dlq_redact must be names, each non-empty and unpadded, got {self.dlq_redact!r}"
+            )
+        object.__setattr__(self, "dlq_redact", tuple(self.dlq_redact))
         reserved = _RESERVED_KAFKA & set(self.kafka)
         if reserved:
             raise ConfigurationError(
@@ -98,6 +144,42 @@ class Settings:
         object.__setattr__(self, "delay_tiers", tuple(sorted(set(self.delay_tiers))))
         if not self.worker_group:
             object.__setattr__(self, "worker_group", f"{self.namespace}.workers")
+
+    def _validate_registry_auth(self) -> None:
+        basic = bool(self.schema_registry_user or self.schema_registry_password)
+        if basic and not (self.schema_registry_user and self.schema_registry_password):
+            raise ConfigurationError(
+                "schema registry basic auth needs both TASKQ_SCHEMA_REGISTRY_USER and "
+                "TASKQ_SCHEMA_REGISTRY_PASSWORD"
+            )
+        if basic and self.schema_registry_token:
+            raise ConfigurationError(
+                "schema registry credentials: give a user and password or a token, not both"
+            )
+        authority = re.split(r"[/?#]", self.schema_registry_url.partition("://")[2], maxsplit=1)[0]
+        if (basic or self.schema_registry_token) and "@" in authority:
+            raise ConfigurationError(
+                "schema registry credentials are both in TASKQ_SCHEMA_REGISTRY_URL and in settings: "
+                "keep one (the settings keep them out of the URL)"
+            )
+        if self.schema_registry_key_file and not self.schema_registry_cert_file:
+            raise ConfigurationError(
+                "TASKQ_SCHEMA_REGISTRY_KEY_FILE needs TASKQ_SCHEMA_REGISTRY_CERT_FILE, the client certificate"
+            )
+
+    def __repr__(self) -> str:
+        # Settings get logged and shown in test reports: no password, token or secret in their repr.
+        shown = []
+        for f in dataclasses.fields(self):
+            value: Any = getattr(self, f.name)
+            if f.name in _SECRET_FIELDS:
+                value = "***" if value else ""
+            elif f.name.endswith("_url"):
+                value = redact(value, value)
+            elif f.name == "kafka":
+                value = {k: "***" if _SECRET_KAFKA.search(k) else redact(v) for k, v in value.items()}
+            shown.append(f"{f.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as the constructor call (a MappingProxyType cannot be pickled): the worker processes of
@@ -118,11 +200,19 @@ class Settings:
             ("database_schema", "TASKQ_DATABASE_SCHEMA"),
             ("worker_group", "TASKQ_WORKER_GROUP"),
             ("group_protocol", "TASKQ_GROUP_PROTOCOL"),
+            ("schema_registry_user", "TASKQ_SCHEMA_REGISTRY_USER"),
+            ("schema_registry_password", "TASKQ_SCHEMA_REGISTRY_PASSWORD"),
+            ("schema_registry_token", "TASKQ_SCHEMA_REGISTRY_TOKEN"),
+            ("schema_registry_ca_file", "TASKQ_SCHEMA_REGISTRY_CA_FILE"),
+            ("schema_registry_cert_file", "TASKQ_SCHEMA_REGISTRY_CERT_FILE"),
+            ("schema_registry_key_file", "TASKQ_SCHEMA_REGISTRY_KEY_FILE"),
         ):
             if env.get(var):
                 values[name] = env[var]
         if env.get("TASKQ_DELAY_TIERS"):
             values["delay_tiers"] = tuple(parse_duration(t) for t in env["TASKQ_DELAY_TIERS"].split(","))
+        if "TASKQ_DLQ_REDACT" in env:  # set but empty: nothing is hidden
+            values["dlq_redact"] = tuple(n.strip() for n in env["TASKQ_DLQ_REDACT"].split(",") if n.strip())
         kafka = {
             var[len("TASKQ_KAFKA_") :].lower().replace("_", "."): value
             for var, value in env.items()

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from taskq._core.db import Database, Row, Transaction
+from psycopg import sql
+
+from taskq._core.db import Database, Row, Transaction, queries
 
 ClaimOutcome = Literal["claimed", "completed", "running", "duplicate"]
 
@@ -25,12 +27,29 @@ class ClaimRequest:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """The store's answer: run it (claimed, with its attempt number), skip it (completed), or hold it."""
+    """The store's answer: run it (claimed, with its attempt number), skip it (completed), or hold it.
+
+    `interruptions`: runs of the key taken over from workers that died (not counted in `attempts`).
+    """
 
     idempotency_key: str
     outcome: ClaimOutcome
     attempts: int
     lease_left: float = 0.0
+    interruptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """A worker's liveness record: who it is and where it runs (its heartbeat and load are written apart)."""
+
+    worker_id: str
+    namespace: str
+    group: str
+    host: str
+    pid: int
+    concurrency: int
+    started_at: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,17 +63,60 @@ class Finished:
     error: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """A task staged in the outbox, exactly as it is to be published, and how long it has waited."""
+
+    id: int
+    topic: str
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    age: float
+
+
+#: A record to stage: topic, key, value, headers.
+OutboxRecord = tuple[str, bytes | None, bytes, Sequence[tuple[str, bytes]]]
+
+
+def outbox_stage(
+    schema: str, namespace: str, records: Sequence[OutboxRecord]
+) -> tuple[sql.Composed, dict[str, Any]]:
+    """The statement and parameters staging (topic, key, value, headers) records in the outbox, for the
+    application's own connection (sync or async), whose search_path is not the project's."""
+    statement = sql.SQL(queries()["outbox_stage"]).format(schema=sql.Identifier(schema))
+    return statement, {
+        "namespace": namespace,
+        "topics": [topic for topic, _, _, _ in records],
+        "keys": [key for _, key, _, _ in records],
+        "values": [value for _, _, value, _ in records],
+        "headers": [json.dumps([[k, v.hex()] for k, v in headers]) for _, _, _, headers in records],
+    }
+
+
 class Store:
-    """Every named query of sql/queries.sql, one method each: the only code that names a query."""
+    """Every named query of sql/queries.sql, one method each: the only code that names a query.
+
+    Idempotency records belong to a namespace (namespaces may share a database): each of their methods
+    takes the namespace first and reads or writes that namespace's records only.
+    """
 
     def __init__(self, database: Database) -> None:
         self.database = database
 
     # ------------------------------------------------------------------------------- idempotency records
-    def claim(self, owner: str, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """Claim each key (unique in `requests`) for one attempt, leased to `owner`; answers in order."""
+    def claim(
+        self, namespace: str, owner: str, requests: Sequence[ClaimRequest], *, stale_after: float
+    ) -> list[Claim]:
+        """Claim each key (unique in `requests`) for one attempt, leased to `owner`; answers in order.
+
+        Keys leased by a worker whose heartbeat is older than `stale_after` seconds, or that was marked
+        dead, are taken over.
+        """
         rows = self.database.all(
             "claim",
+            namespace=namespace,
+            stale_after=stale_after,
             keys=[r.idempotency_key for r in requests],
             task_ids=[r.task_id for r in requests],
             task_types=[r.task_type for r in requests],
@@ -69,14 +131,23 @@ class Store:
             if outcome not in ("claimed", "completed"):
                 outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
             out.append(
-                Claim(r.idempotency_key, outcome, int(row["attempts"] or 0), float(row["lease_left"] or 0.0))
+                Claim(
+                    r.idempotency_key,
+                    outcome,
+                    int(row["attempts"] or 0),
+                    float(row["lease_left"] or 0.0),
+                    int(row["interruptions"] or 0),
+                )
             )
         return out
 
-    def complete(self, owner: str, done: Sequence[Finished], *, tx: Transaction | None = None) -> set[str]:
+    def complete(
+        self, namespace: str, owner: str, done: Sequence[Finished], *, tx: Transaction | None = None
+    ) -> set[str]:
         """Record completions held by `owner`'s lease, in `tx` if given; returns the keys recorded."""
         rows = (tx or self.database).all(
             "complete",
+            namespace=namespace,
             keys=[f.idempotency_key for f in done],
             attempts=[f.attempts for f in done],
             results=[_result_json(f.result) for f in done],
@@ -84,10 +155,11 @@ class Store:
         )
         return {r["idempotency_key"] for r in rows}
 
-    def fail(self, owner: str, failed: Sequence[Finished]) -> set[str]:
+    def fail(self, namespace: str, owner: str, failed: Sequence[Finished]) -> set[str]:
         """Record failed or dead attempts held by `owner`'s lease; returns the keys recorded."""
         rows = self.database.all(
             "fail",
+            namespace=namespace,
             keys=[f.idempotency_key for f in failed],
             attempts=[f.attempts for f in failed],
             states=[f.state for f in failed],
@@ -96,17 +168,22 @@ class Store:
         )
         return {r["idempotency_key"] for r in rows}
 
-    def release(self, owner: str, claims: Sequence[tuple[str, int]]) -> set[str]:
+    def release(self, namespace: str, owner: str, claims: Sequence[tuple[str, int]]) -> set[str]:
         """Give back (key, attempt) claims whose attempts never started; returns the keys released."""
         rows = self.database.all(
-            "release", keys=[k for k, _ in claims], attempts=[a for _, a in claims], owner=owner
+            "release",
+            namespace=namespace,
+            keys=[k for k, _ in claims],
+            attempts=[a for _, a in claims],
+            owner=owner,
         )
         return {r["idempotency_key"] for r in rows}
 
-    def renew(self, owner: str, leases: Sequence[tuple[str, int, float]]) -> set[str]:
+    def renew(self, namespace: str, owner: str, leases: Sequence[tuple[str, int, float]]) -> set[str]:
         """Extend (key, attempt, seconds from now) leases held by `owner`; returns the keys renewed."""
         rows = self.database.all(
             "renew",
+            namespace=namespace,
             keys=[k for k, _, _ in leases],
             attempts=[a for _, a, _ in leases],
             leases=[s for _, _, s in leases],
@@ -114,27 +191,67 @@ class Store:
         )
         return {r["idempotency_key"] for r in rows}
 
-    def get(self, idempotency_key: str) -> Row | None:
+    def get(self, namespace: str, idempotency_key: str) -> Row | None:
         """The record of one key (its columns), or None."""
-        return self.database.one("get", key=idempotency_key)
+        return self.database.one("get", namespace=namespace, key=idempotency_key)
 
-    def reset_for_replay(self, idempotency_key: str) -> bool:
+    def reset_for_replay(self, namespace: str, idempotency_key: str) -> bool:
         """Start a dead key's attempts over (DLQ replay); False if it is not dead (e.g. completed)."""
-        return self.database.one("reset_for_replay", key=idempotency_key) is not None
+        return self.database.one("reset_for_replay", namespace=namespace, key=idempotency_key) is not None
 
-    def purge(self, ttl_seconds: float, *, batch: int, keep: Sequence[str] = ()) -> int:
+    def purge(self, namespace: str, ttl_seconds: float, *, batch: int, keep: Sequence[str] = ()) -> int:
         """Delete up to `batch` completed and dead records older than the TTL, except the keys in `keep`;
         returns how many."""
-        return max(0, self.database.execute("purge", ttl_seconds=ttl_seconds, batch=batch, keep=list(keep)))
+        return max(
+            0,
+            self.database.execute(
+                "purge", namespace=namespace, ttl_seconds=ttl_seconds, batch=batch, keep=list(keep)
+            ),
+        )
 
-    def counts(self) -> dict[str, int]:
+    def counts(self, namespace: str) -> dict[str, int]:
         """Number of records per state."""
-        return {r["state"]: int(r["n"]) for r in self.database.all("counts")}
+        return {r["state"]: int(r["n"]) for r in self.database.all("counts", namespace=namespace)}
 
-    def retries(self) -> tuple[int, int]:
+    def retries(self, namespace: str) -> tuple[int, int]:
         """(tasks that needed more than one attempt, attempts beyond the first), over all workers."""
-        (row,) = self.database.all("retries")
+        (row,) = self.database.all("retries", namespace=namespace)
         return int(row["tasks"]), int(row["retries"])
+
+    # --------------------------------------------------------------------------------- liveness records
+    def worker_beat(self, worker: WorkerRecord, in_flight: int) -> None:
+        """Write a worker's liveness record: alive now, with `in_flight` tasks running."""
+        self.database.execute(
+            "worker_beat",
+            worker_id=worker.worker_id,
+            namespace=worker.namespace,
+            group=worker.group,
+            host=worker.host,
+            pid=worker.pid,
+            concurrency=worker.concurrency,
+            in_flight=in_flight,
+            started_at=worker.started_at,
+        )
+
+    def worker_leave(self, worker_id: str) -> None:
+        """Remove a worker's liveness record (a clean stop)."""
+        self.database.execute("worker_leave", worker_id=worker_id)
+
+    def workers_on_host(self, worker: WorkerRecord) -> list[tuple[str, int]]:
+        """(worker id, pid) of the other workers of `worker`'s host started before it, not marked dead."""
+        rows = self.database.all(
+            "workers_on_host", host=worker.host, worker_id=worker.worker_id, started_at=worker.started_at
+        )
+        return [(r["worker_id"], int(r["pid"])) for r in rows]
+
+    def workers_mark_dead(self, worker_ids: Sequence[str]) -> set[str]:
+        """Mark workers dead, so their keys are taken over at once; returns those marked now."""
+        rows = self.database.all("workers_mark_dead", worker_ids=list(worker_ids))
+        return {r["worker_id"] for r in rows}
+
+    def workers_prune(self, older_than: float) -> int:
+        """Delete the liveness records silent for more than `older_than` seconds; how many."""
+        return max(0, self.database.execute("workers_prune", older_than=older_than))
 
     # ------------------------------------------------------------------------------------- rate limits
     def take_tokens(self, bucket: str, *, rate: float, capacity: float, want: float) -> tuple[float, float]:
@@ -161,6 +278,56 @@ class Store:
             "dlq_record_replay", topic=topic, offset=offset, task_id=task_id, key=idempotency_key, force=force
         )
         return None if row is None else int(row["replays"])
+
+    # -------------------------------------------------------------------------------- transactional outbox
+    def outbox_claim(self, tx: Transaction, namespace: str, limit: int) -> list[OutboxRow]:
+        """Lock the oldest staged rows of a namespace that no other relay holds, up to `limit`."""
+        return [
+            OutboxRow(
+                r["id"],
+                r["topic"],
+                None if r["key"] is None else bytes(r["key"]),
+                bytes(r["value"]),
+                [(k, bytes.fromhex(v)) for k, v in r["headers"]],
+                float(r["age"]),
+            )
+            for r in tx.all("outbox_claim", namespace=namespace, limit=limit)
+        ]
+
+    def outbox_delete(self, tx: Transaction, ids: Sequence[int]) -> None:
+        """Delete published rows, in the transaction that claimed them."""
+        tx.execute("outbox_delete", ids=list(ids))
+
+    def outbox_backlog(self, namespace: str) -> tuple[int, float]:
+        """(rows waiting, seconds the oldest has waited) in a namespace's outbox."""
+        row = self.database.one("outbox_backlog", namespace=namespace)
+        return (int(row["n"]), float(row["oldest"])) if row is not None else (0, 0.0)
+
+
+    # ------------------------------------------------------------------------------------- periodic tasks
+    def periodic_lock(self, tx: Transaction, namespace: str, name: str) -> tuple[bool, datetime | None]:
+        """Lock a periodic task's row in `tx` (creating it): (False, None) if another scheduler holds it,
+        else (True, the last slot staged, or None if none ever was)."""
+        tx.execute("periodic_ensure", namespace=namespace, name=name)
+        row = tx.one("periodic_lock", namespace=namespace, name=name)
+        return (False, None) if row is None else (True, row["last_slot"])
+
+    def periodic_advance(
+        self, tx: Transaction, namespace: str, name: str, slot: datetime, schedule: str, catch_up: str
+    ) -> None:
+        """Record `slot` as the last one staged, in the transaction that staged it."""
+        tx.execute(
+            "periodic_advance",
+            namespace=namespace,
+            name=name,
+            slot=slot,
+            schedule=schedule,
+            catch_up=catch_up,
+        )
+
+    def periodic_list(self, namespace: str) -> list[Row]:
+        """Every periodic task of a namespace a scheduler has seen: name, schedule, catch_up, last_slot."""
+        return self.database.all("periodic_list", namespace=namespace)
 
 
 def _result_json(result: Any) -> str | None:

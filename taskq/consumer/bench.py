@@ -120,24 +120,31 @@ def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "
     run = _Run(s, f"{avro_ns}.Noop", schema, partitions)
     topics = Topics(s.namespace, s.delay_tiers)
     db = Database(s.database_url, schema=s.database_schema)
+    broker_away = False
     try:
-        create_topics(s, partitions=partitions)
-        db.migrate()
+        try:
+            create_topics(s, partitions=partitions)
+        except KafkaUnavailableError:
+            broker_away = True  # nothing was made there; deleting would wait for the broker once more
+            raise
+        db.migrate(namespace=s.namespace)
         if handler == "transactional":
             with db.connection() as conn:
                 conn.execute(f"CREATE TABLE {_EFFECTS_TABLE} (key text PRIMARY KEY, i int NOT NULL)")
-        with Registry(s.schema_registry_url) as registry:
+        with Registry.from_settings(s) as registry:
             registry.register(schema)
         yield run
     finally:
-        admin = Admin(s)
-        admin.delete_topics([*topics.priority_topics, *topics.delay_topics, topics.dlq])
-        try:
-            admin.delete_groups([s.worker_group, *(f"{s.namespace}.ceiling-{p}" for p in _CEILING_PASSES)])
-        except KafkaUnavailableError as exc:  # a group the broker still sees members in: it expires alone
-            log.warning("bench: %s", exc)
+        if not broker_away:
+            admin = Admin(s)
+            admin.delete_topics([*topics.priority_topics, *topics.delay_topics, topics.dlq])
+            try:
+                groups = [s.worker_group, *(f"{s.namespace}.ceiling-{p}" for p in _CEILING_PASSES)]
+                admin.delete_groups(groups)
+            except KafkaUnavailableError as exc:  # a group the broker still sees members in: it expires alone
+                log.warning("bench: %s", exc)
         db.drop_schema()
-        with Registry(s.schema_registry_url) as registry:
+        with Registry.from_settings(s) as registry:
             registry.delete_subject(run.task_type)
 
 
@@ -601,15 +608,17 @@ def bench_ceiling(
                         _LEASE_SECONDS,
                     )
                 )
-            claims = [c for c in store.claim(owner, requests) if c.outcome == "claimed"]
-            store.complete(owner, [Finished(c.idempotency_key, c.attempts, "completed") for c in claims])
+            answers = store.claim(s.namespace, owner, requests, stale_after=10.0)
+            claims = [c for c in answers if c.outcome == "claimed"]
+            done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claims]
+            store.complete(s.namespace, owner, done)
             claimed += len(claims)
             sample[:] = sample or msgs[:1]
 
         claim_complete = _consume_pass(
             run, f"{s.namespace}.ceiling-claim", count, timeout, claim_and_complete
         )
-        recorded = store.counts().get("completed", 0)
+        recorded = store.counts(s.namespace).get("completed", 0)
         store.database.close()
 
         # A real TaskProducer record, value and headers as they are, sent again as fast as acks=all allows.

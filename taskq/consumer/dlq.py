@@ -6,12 +6,14 @@ group and commits nothing; which records were replayed lives in Postgres (`taskq
 
 from __future__ import annotations
 
+import bisect
 import builtins
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from fnmatch import fnmatchcase
 from functools import cache
 from typing import Any, Protocol
 
@@ -46,6 +48,8 @@ def dlq_depth_gauge() -> Gauge:
     return Gauge("taskq_dlq_depth", "DLQ records not yet replayed (set when DeadLetters.depth() runs)")
 
 
+#: What a redacted header or payload field shows instead of its value.
+REDACTED = "***"
 #: How long a read may go without reaching the DLQ's end offset before it gives up.
 READ_TIMEOUT = 30.0
 #: How long a replay waits for the broker's acknowledgement.
@@ -87,6 +91,23 @@ class DlqRecord:
     #: The decoded payload and why it could not be decoded; filled by DeadLetters.show() only.
     payload: Any = None
     payload_error: str | None = None
+
+    def redacted(self, names: Iterable[str]) -> DlqRecord:
+        """A copy for display with the headers and payload fields that `names` match shown as '***'.
+
+        A name matches a header, or a payload field by its dotted path (`card.number`) or the end of it
+        (`password` hides `user.password` too); `*` matches any run of characters; case is ignored.
+        """
+        patterns = [name.lower() for name in names]
+        if any(not p.strip() for p in patterns):
+            raise ConfigurationError("a name to redact must not be empty")
+
+        def hidden(name: str) -> bool:
+            name = name.lower()
+            return any(fnmatchcase(name, p) or fnmatchcase(name, "*." + p) for p in patterns)
+
+        headers = {k: REDACTED.encode() if hidden(k) else v for k, v in self.headers.items()}
+        return replace(self, headers=headers, payload=_redact_payload(self.payload, "", hidden))
 
     def envelope(self) -> Envelope:
         """The task envelope of the original headers; EnvelopeError if they do not form one."""
@@ -167,10 +188,11 @@ class ReplayLog(Protocol):
 
 
 class PostgresReplayLog:
-    """Replay records in Postgres (taskq_dlq_replays), beside the idempotency records."""
+    """Replay records in Postgres (taskq_dlq_replays), beside the idempotency records of a namespace."""
 
-    def __init__(self, database: Database) -> None:
+    def __init__(self, database: Database, *, namespace: str) -> None:
         self.database = database
+        self.namespace = namespace
         self._store = Store(database)
 
     def replayed(self, topic: str) -> dict[int, tuple[datetime, int]]:
@@ -197,11 +219,11 @@ class PostgresReplayLog:
 
     def reset_for_replay(self, idempotency_key: str) -> bool:
         """Start a dead key's attempts over; False if it is not dead (a completed key stays completed)."""
-        return self._store.reset_for_replay(idempotency_key)
+        return self._store.reset_for_replay(self.namespace, idempotency_key)
 
     def get(self, idempotency_key: str) -> Mapping[str, Any] | None:
         """The idempotency record of a key."""
-        return self._store.get(idempotency_key)
+        return self._store.get(self.namespace, idempotency_key)
 
     def close(self) -> None:
         """Release the connection."""
@@ -225,10 +247,14 @@ class DeadLetters:
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._admin = self.broker.admin()
         self._store: ReplayLog = store or PostgresReplayLog(
-            Database(self.settings.database_url, schema=self.settings.database_schema)
+            Database(self.settings.database_url, schema=self.settings.database_schema),
+            namespace=self.settings.namespace,
         )
         self._sink: RecordSink | None = None
         self._registry: SchemaRegistry | None = registry
+        # What depth() has counted: the offsets of the DLQ's records below _counted_to.
+        self._record_offsets: builtins.list[int] = []
+        self._counted_to = 0
 
     # ------------------------------------------------------------------------------------------------ read
     def list(
@@ -273,9 +299,19 @@ class DeadLetters:
             return replace(rec, payload_error=str(exc))
 
     def depth(self) -> int:
-        """How many DLQ records were not replayed yet; also sets the taskq_dlq_depth gauge."""
+        """How many DLQ records (not offsets) were not replayed yet; sets the taskq_dlq_depth gauge."""
         start, end = self._bounds()
-        depth = max(0, end - start - self._store.replayed_between(self.topics.dlq, start, end))
+        if end < self._counted_to:  # the topic was deleted and created again: count from scratch
+            self._record_offsets, self._counted_to = [], 0
+        # Offsets are not records: the forwarder dead-letters in transactions, and each commit marker
+        # takes an offset no reader ever sees. So the records are counted by reading them, once: a later
+        # call reads only what was added since (the DLQ is small, and only grows at its end).
+        if self._counted_to < end:
+            self._record_offsets.extend(r.offset for r in self._read(max(self._counted_to, start), end))
+            self._counted_to = end
+        del self._record_offsets[: bisect.bisect_left(self._record_offsets, start)]  # gone by retention
+        replayed = self._store.replayed_between(self.topics.dlq, start, end)
+        depth = max(0, len(self._record_offsets) - replayed)
         dlq_depth_gauge().set(depth)
         return depth
 
@@ -400,7 +436,7 @@ class DeadLetters:
 
     def _schemas(self) -> SchemaRegistry:
         if self._registry is None:
-            self._registry = Registry(self.settings.schema_registry_url)
+            self._registry = Registry.from_settings(self.settings)
         return self._registry
 
     def _not_found(self, offsets: builtins.list[int]) -> DlqRecordNotFoundError:
@@ -443,7 +479,7 @@ def parse_record(record: Record, replayed: tuple[datetime, int] | None = None) -
     env: Envelope | None = None
     env_error: str | None = None
     try:
-        env = Envelope.from_headers(record.headers)
+        env = Envelope.of(record)
     except EnvelopeError as exc:
         env_error = str(exc)
     failed_ms = number(routing.DLQ_FAILED_AT)
@@ -469,6 +505,19 @@ def parse_record(record: Record, replayed: tuple[datetime, int] | None = None) -
         replays=replayed[1] if replayed else 0,
         envelope_error=env_error,
     )
+
+
+def _redact_payload(value: Any, path: str, hidden: Callable[[str], bool]) -> Any:
+    """`value` with each field (of a record or map, at any depth) whose dotted path is `hidden` as '***'."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            at = f"{path}.{key}" if path else str(key)
+            out[key] = REDACTED if hidden(at) else _redact_payload(item, at, hidden)
+        return out
+    if isinstance(value, list):  # items of an array share its path
+        return [_redact_payload(item, path, hidden) for item in value]
+    return value
 
 
 def _text(raw: bytes) -> str:

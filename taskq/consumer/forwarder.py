@@ -1,7 +1,9 @@
 """The delay forwarder: releases tasks from the delay tiers to their priority topics when they are due.
 
 Each delay-tier partition is held at its head task until that task is due (pause, seek back, resume at the
-due time) while other partitions keep flowing. Forwarding is a Kafka transaction that carries both the
+due time) while other partitions keep flowing. A head never holds back a task due before it: when one behind
+it is due sooner, the head moves to the end of the tier that fits its remaining delay, and a held partition
+is looked at again every PEEK seconds for such tasks. Forwarding is a Kafka transaction that carries both the
 forwarded records and the consumed offsets, so a forwarder crash neither loses nor doubles a task.
 """
 
@@ -16,12 +18,15 @@ from typing import Any
 
 from taskq._core.durations import pick_delay_tier
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
-from taskq._core.errors import RecordTooLargeError, TaskqError
+from taskq._core.errors import KafkaAuthenticationError, RecordTooLargeError, TaskqError
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSink, RecordSource
 from taskq._core.settings import Settings
 from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id
 
 log = logging.getLogger("taskq.forwarder")
+
+#: A held partition is read again this often (seconds) for tasks behind its head that are due sooner.
+PEEK = 1.0
 
 
 class Forwarder:
@@ -45,7 +50,8 @@ class Forwarder:
         self._on_event = on_event
         self._clock = clock
         self._stop = threading.Event()
-        self._held: dict[TP, float] = {}  # partition -> epoch seconds its head task is due
+        self._held: dict[TP, float] = {}  # partition -> epoch seconds it is read again (head due, or a peek)
+        self._due: dict[TP, float] = {}  # partition -> epoch seconds its held head is due (or hops)
         # Assigned since the last resume. librdkafka keeps a partition's pause across revoke and re-assign
         # while a revoke forgets its hold, so a partition held before a rebalance comes back paused.
         self._fresh: set[TP] = set()
@@ -56,12 +62,17 @@ class Forwarder:
         self._stop.set()
 
     def run(self) -> None:
-        """Forward until stop(); a failed transaction restarts from the last committed offsets."""
+        """Forward until stop(); a failed transaction restarts from the last committed offsets.
+
+        Raises KafkaAuthenticationError when the broker refuses the settings: starting over cannot help.
+        """
         while not self._stop.is_set():
             try:
                 self.start()
                 while not self._stop.is_set():
                     self.step()
+            except KafkaAuthenticationError:
+                raise
             except Exception:  # whatever failed, the committed offsets are the truth: start over from them
                 log.exception("forwarder restarting")
                 self._stop.wait(1.0)
@@ -74,6 +85,7 @@ class Forwarder:
         sink = self.broker.sink(transactional_id=f"{self.group}.{self.instance_id}")
         sink.init_transactions()
         self._held.clear()
+        self._due.clear()
         self._fresh.clear()
         source = self.broker.source(group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update)
         self._clients = (sink, source)
@@ -91,7 +103,7 @@ class Forwarder:
 
     def next_due(self) -> float | None:
         """When the earliest held task is due (the clock's time), or None when nothing is held."""
-        return min(self._held.values(), default=None)
+        return min(self._due.values(), default=None)
 
     def close(self) -> None:
         """Leave the group and release the producer."""
@@ -104,12 +116,14 @@ class Forwarder:
     def _revoked(self, tps: list[TP]) -> None:
         for tp in tps:
             self._held.pop(tp, None)
+            self._due.pop(tp, None)
 
     def _resume_due(self, source: RecordSource) -> None:
         now = self._clock()
         due = [tp for tp, at in self._held.items() if at <= now]
         for tp in due:
             del self._held[tp]
+            self._due.pop(tp, None)
         fresh = [tp for tp in self._fresh if tp not in self._held]
         self._fresh.clear()
         source.resume(due + fresh)
@@ -129,11 +143,18 @@ class Forwarder:
         now = self._clock()
         offsets: dict[TP, int] = {}
         out: list[tuple[str, Record, list[tuple[str, bytes]]]] = []
-        for record in records:
+        # The earliest due time among each record's successors in its partition, in this batch.
+        sooner_behind: dict[int, float] = {}
+        earliest: dict[TP, float] = {}
+        for i in range(len(records) - 1, -1, -1):
+            record = records[i]
+            sooner_behind[i] = earliest.get(record.tp, float("inf"))
+            earliest[record.tp] = min(earliest.get(record.tp, float("inf")), _due_of(record))
+        for i, record in enumerate(records):
             if record.tp in self._held:
                 continue  # fetched behind a held head: it is read again after the resume
             try:
-                env = Envelope.from_headers(record.headers)
+                env = Envelope.of(record)
             except EnvelopeError as exc:
                 dl = self._dead_letter(record, f"bad envelope on a delay topic: {exc}")
                 out.append((dl.topic, record, dl.headers))
@@ -141,11 +162,11 @@ class Forwarder:
                 continue
             due = env.not_before.timestamp() if env.not_before else 0.0
             if due > now:
-                # A head holds its partition at most one tier's length from when it arrived: a task due
-                # later than that hops to the end of the tier that fits what is left, so the tasks behind
-                # it wait at most about one tier longer than their own due time, whatever the delay.
+                # A head holds its partition at most one tier's length from when it arrived, and never
+                # while a task behind it is due sooner: then it hops to the end of the tier that fits what
+                # is left, so no task waits behind one due later than itself, whatever the delay.
                 hop_at = record.timestamp_ms / 1000 + self._tier_seconds.get(record.topic, 0.0)
-                if hop_at <= now:
+                if hop_at <= now or sooner_behind[i] < due:
                     rest = timedelta(seconds=due - now)
                     hop = self.topics.delay(pick_delay_tier(rest, self.settings.delay_tiers))
                     out.append((hop, record, record.headers))
@@ -153,7 +174,8 @@ class Forwarder:
                     continue
                 source.pause([record.tp])
                 source.seek(record.tp, record.offset)
-                self._held[record.tp] = min(due, hop_at)
+                self._held[record.tp] = min(due, hop_at, now + PEEK)
+                self._due[record.tp] = min(due, hop_at)
                 continue
             target = env.origin_topic or self.topics.tier(env.priority)
             if target not in self.topics.priority_topics:
@@ -188,8 +210,10 @@ class Forwarder:
         return len(out)
 
 
-def run_in_thread(forwarder: Forwarder) -> threading.Thread:
-    """Start a forwarder on a daemon thread (how `taskq worker` runs it)."""
-    thread = threading.Thread(target=forwarder.run, name="taskq-forwarder", daemon=True)
-    thread.start()
-    return thread
+def _due_of(record: Record) -> float:
+    """When a delayed record is due (epoch seconds); 0 when it is due now or its envelope is unreadable."""
+    try:
+        env = Envelope.from_headers(record.headers)
+    except EnvelopeError:
+        return 0.0
+    return env.not_before.timestamp() if env.not_before else 0.0

@@ -6,12 +6,16 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError
+from taskq.consumer.periodic import CATCH_UPS, CatchUp, PeriodicSpec, schedule_of
 from taskq.consumer.retry import RetryPolicy
 from taskq.schemas import avro
+from taskq.schemas.errors import PayloadValidationError
 
 Isolation = Literal["thread", "process"]
 Upcaster = Callable[[dict[str, Any], int], dict[str, Any]]
@@ -51,6 +55,8 @@ class HandlerSpec:
     group_commit: bool = True
     upcaster: Upcaster | None = None
     is_async: bool = field(default=False)
+    #: Tasks with the same key (the `key=` they were enqueued with) run one at a time, in enqueue order.
+    ordered: bool = False
 
 
 class Handlers:
@@ -58,6 +64,7 @@ class Handlers:
 
     def __init__(self) -> None:
         self._specs: dict[str, HandlerSpec] = {}
+        self._periodic: dict[str, PeriodicSpec] = {}
         #: "MODULE:ATTR" this registry was loaded from (set by the worker; process isolation needs it).
         self.import_path: str | None = None
 
@@ -74,8 +81,13 @@ class Handlers:
         retry: RetryPolicy | None = None,
         non_retryable: tuple[type[BaseException], ...] = (),
         upcaster: Upcaster | None = None,
+        ordered: bool = False,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register `fn(payload, ctx)` (or `async def`) as the handler of a task type.
+
+        ordered=True: tasks enqueued with the same `key=` (in one tier) run one at a time, in enqueue order.
+        A failing one is retried in place, holding its key's later tasks back until it succeeds or is
+        dead-lettered.
 
         transactional=True: `ctx.db` is a connection in the transaction that records the completion, so the
         handler's writes there happen exactly once. Attempts ready together run in one transaction, each
@@ -124,10 +136,60 @@ class Handlers:
                 isolation=isolation,
                 upcaster=upcaster,
                 is_async=is_async,
+                ordered=ordered,
             )
             return fn
 
         return register
+
+    def periodic(
+        self,
+        cron: str | None = None,
+        *,
+        every: str | float | timedelta | None = None,
+        payload: Mapping[str, Any] | None = None,
+        priority: str = "normal",
+        name: str | None = None,
+        catch_up: CatchUp = "last",
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Run a registered handler's task on a schedule: a cron expression (UTC) or `every="30s"`.
+
+        Goes above `@handlers.task(...)`. Every worker runs the scheduler, and each slot is enqueued once,
+        with the idempotency key `periodic:<name>:<slot time>`, through the outbox (so the workers' relay,
+        or `taskq relay`, publishes it). After downtime, catch_up decides what runs of the missed slots:
+        "last" (the latest, the default), "all" or "skip".
+        """
+        schedule = schedule_of(cron, every)
+        if catch_up not in CATCH_UPS:
+            raise ConfigurationError(f"catch_up must be one of {', '.join(CATCH_UPS)}, got {catch_up!r}")
+        if priority not in PRIORITIES:
+            raise ConfigurationError(f"priority {priority!r} is not one of {', '.join(PRIORITIES)}")
+
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            spec = next((s for s in self._specs.values() if s.fn is fn), None)
+            if spec is None:
+                raise ConfigurationError(
+                    f"@handlers.periodic on {getattr(fn, '__name__', fn)!r}: put it above "
+                    "@handlers.task(...), on a registered handler"
+                )
+            key = name or spec.task_type
+            if key in self._periodic:
+                raise ConfigurationError(f"a periodic task named {key!r} is already registered (give name=)")
+            body = dict(payload or {})
+            if spec.parsed is not None:
+                try:
+                    avro.validate(spec.parsed, body, task_type=spec.task_type)
+                except PayloadValidationError as exc:
+                    raise ConfigurationError(f"periodic {key!r}: {exc}") from None
+            self._periodic[key] = PeriodicSpec(key, spec.task_type, schedule, body, priority, catch_up)
+            return fn
+
+        return register
+
+    @property
+    def periodic_tasks(self) -> list[PeriodicSpec]:
+        """The periodic tasks registered with `periodic`."""
+        return list(self._periodic.values())
 
     def get(self, task_type: str) -> HandlerSpec | None:
         """The handler of a task type, or None."""

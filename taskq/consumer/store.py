@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from taskq._core.db import Connection, Database, Row, Transaction, in_transaction
 from taskq._core.errors import TaskqError
-from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Store
+from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Store, WorkerRecord
 
 __all__ = [
     "Claim",
@@ -23,7 +23,12 @@ __all__ = [
     "Member",
     "NotStarted",
     "TaskStore",
+    "WorkerRecord",
 ]
+
+#: Liveness records silent for longer than this are forgotten (seconds): longer than any lease lasts, so
+#: a key leased by a forgotten worker is free by then anyway.
+FORGET_WORKERS_AFTER = 24 * 3600.0
 
 
 class LeaseLostError(Exception):
@@ -72,15 +77,23 @@ class TaskStore(Protocol):
         self, idempotency_key: str, attempts: int, result: Any = None
     ) -> AbstractContextManager[Any]: ...
     def run_group(self, members: Sequence[Member]) -> None: ...
+    def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]: ...
+    def beat(self, worker: WorkerRecord, in_flight: int) -> None: ...
+    def leave(self, worker_id: str) -> None: ...
     def close(self) -> None: ...
 
 
 class IdempotencyStore:
-    """Claims, completions and failures of idempotency keys, batched: one round trip for many tasks."""
+    """Claims, completions and failures of one namespace's idempotency keys, batched: one round trip for
+    many tasks. Namespaces sharing a database keep apart records of the same key."""
 
-    def __init__(self, database: Database, *, owner: str) -> None:
+    def __init__(self, database: Database, *, owner: str, namespace: str, stale_after: float = 10.0) -> None:
+        """`stale_after`: seconds after its last heartbeat when a worker is presumed dead and its keys are
+        taken over by the next claim."""
         self.database = database
         self.owner = owner
+        self.namespace = namespace
+        self.stale_after = stale_after
         self._store = Store(database)
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -91,7 +104,11 @@ class IdempotencyStore:
         unique: dict[str, ClaimRequest] = {}
         for r in requests:
             unique.setdefault(r.idempotency_key, r)
-        claims = self._store.claim(self.owner, list(unique.values())) if unique else []
+        claims = (
+            self._store.claim(self.namespace, self.owner, list(unique.values()), stale_after=self.stale_after)
+            if unique
+            else []
+        )
         by_key = {c.idempotency_key: c for c in claims}
         out: list[Claim] = []
         answered: set[str] = set()
@@ -110,19 +127,19 @@ class IdempotencyStore:
         done = [f for f in finished if f.state == "completed"]
         failed = [f for f in finished if f.state != "completed"]
         if done:
-            lost |= {f.idempotency_key for f in done} - self._store.complete(self.owner, done)
+            lost |= {f.idempotency_key for f in done} - self._store.complete(self.namespace, self.owner, done)
         if failed:
-            lost |= {f.idempotency_key for f in failed} - self._store.fail(self.owner, failed)
+            lost |= {f.idempotency_key for f in failed} - self._store.fail(self.namespace, self.owner, failed)
         return lost
 
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]:
         """Give back (key, attempt) claims whose attempts never started: the attempt is uncounted and the
         key can be claimed at once. Returns the keys released (the others' leases were taken over)."""
-        return self._store.release(self.owner, claims) if claims else set()
+        return self._store.release(self.namespace, self.owner, claims) if claims else set()
 
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]:
         """Extend (key, attempt, seconds from now) leases; returns the keys renewed (the others were lost)."""
-        return self._store.renew(self.owner, leases) if leases else set()
+        return self._store.renew(self.namespace, self.owner, leases) if leases else set()
 
     @contextmanager
     def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Connection]:
@@ -136,7 +153,7 @@ class IdempotencyStore:
             with self.database.transaction(conn) as tx:
                 yield conn
                 done = Finished(idempotency_key, attempts, "completed", result=result)
-                if not self._store.complete(self.owner, [done], tx=tx):
+                if not self._store.complete(self.namespace, self.owner, [done], tx=tx):
                     # Raised inside the transaction, so the handler's writes roll back with it.
                     raise LeaseLostError(f"lease of {idempotency_key!r} attempt {attempts} was taken over")
         finally:
@@ -170,13 +187,32 @@ class IdempotencyStore:
                     member.seconds = time.monotonic() - started
                 ok = [m for m in members if m.error is None]
                 done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]
-                recorded = self._store.complete(self.owner, done, tx=Transaction(self.database, conn))
+                tx = Transaction(self.database, conn)
+                recorded = self._store.complete(self.namespace, self.owner, done, tx=tx)
                 lost = frozenset(f.idempotency_key for f in done) - recorded
                 if lost:
                     # Raised inside the transaction: every member's writes roll back with it.
                     raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
         finally:
             self._check_in(conn)
+
+    def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]:
+        """Write the worker's liveness record, and mark dead the workers of its host started before it whose
+        process is gone (`alive(pid)` false): their keys are taken over at once. Returns the ids marked dead.
+        A host is one process id space: workers in containers that share a host name need their own."""
+        self._store.worker_beat(worker, 0)
+        gone = [worker_id for worker_id, pid in self._store.workers_on_host(worker) if not alive(pid)]
+        marked = self._store.workers_mark_dead(gone) if gone else set()
+        self._store.workers_prune(FORGET_WORKERS_AFTER)
+        return marked
+
+    def beat(self, worker: WorkerRecord, in_flight: int) -> None:
+        """Write the worker's heartbeat: alive now, with `in_flight` tasks running."""
+        self._store.worker_beat(worker, in_flight)
+
+    def leave(self, worker_id: str) -> None:
+        """Remove the worker's liveness record (a clean stop)."""
+        self._store.worker_leave(worker_id)
 
     def _check_in(self, conn: Connection) -> None:
         """After a handler's use: close a connection left in any state but idle (replaced next time)."""
@@ -196,28 +232,28 @@ class IdempotencyStore:
 
     def get(self, idempotency_key: str) -> Row | None:
         """The record of one key, or None."""
-        return self._store.get(idempotency_key)
+        return self._store.get(self.namespace, idempotency_key)
 
     def reset_for_replay(self, idempotency_key: str) -> bool:
         """Start a dead key's attempts over (DLQ replay); False if it is not dead (e.g. completed)."""
-        return self._store.reset_for_replay(idempotency_key)
+        return self._store.reset_for_replay(self.namespace, idempotency_key)
 
     def purge(self, ttl_seconds: float, *, batch: int = 10_000, keep: Sequence[str] = ()) -> int:
         """Delete completed and dead records older than the TTL, except the keys in `keep`; how many."""
         total = 0
         while True:
-            n = self._store.purge(ttl_seconds, batch=batch, keep=keep)
+            n = self._store.purge(self.namespace, ttl_seconds, batch=batch, keep=keep)
             total += n
             if n < batch:
                 return total
 
     def retries(self) -> tuple[int, int]:
         """(tasks that needed more than one attempt, attempts beyond the first), over all workers."""
-        return self._store.retries()
+        return self._store.retries(self.namespace)
 
     def counts(self) -> dict[str, int]:
         """Number of records per state."""
-        return self._store.counts()
+        return self._store.counts(self.namespace)
 
     def close(self) -> None:
         """Close the connections (the loop's, and the handler threads' idle ones)."""

@@ -358,19 +358,22 @@ def _worker_process(
                 config,
                 worker_id=default_worker_id(),
                 forwarder=config.forwarder and index == 0,
+                relay=config.relay and index == 0,
+                periodic=config.periodic and index == 0,
                 metrics_port=None,  # the supervisor serves every process's metrics
             ),
         )
         if stop_requested:
             return
         logging.getLogger("taskq.worker").info(
-            "worker %s: process %d of supervisor %d, %d handler(s), group %s%s",
+            "worker %s: process %d of supervisor %d, %d handler(s), group %s%s%s",
             worker.worker_id,
             index,
             parent_pid,
             len(handlers),
             worker.group,
             ", with the delay forwarder" if worker.config.forwarder else "",
+            ", with the outbox relay" if worker.config.relay else "",
         )
         worker.run()
     except (TaskqError, SchemaError) as exc:

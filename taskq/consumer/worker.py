@@ -9,8 +9,10 @@ by the broker (invariant 1).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -25,6 +27,7 @@ from taskq._core.db import Database
 from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeError, Priority, Topics
 from taskq._core.errors import ConfigurationError, StoreUnavailableError, TaskqError
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
+from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
 from taskq.consumer import metrics
 from taskq.consumer.completer import Completer
@@ -46,9 +49,11 @@ from taskq.consumer.events import (
     WorkerStopped,
 )
 from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
-from taskq.consumer.forwarder import Forwarder, run_in_thread
+from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
+from taskq.consumer.liveness import Liveness
 from taskq.consumer.offsets import OffsetTracker
+from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
 from taskq.consumer.retry import Reject
 from taskq.consumer.routing import bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
@@ -61,7 +66,10 @@ from taskq.consumer.store import (
     Member,
     NotStarted,
     TaskStore,
+    WorkerRecord,
 )
+from taskq.producer.outbox import OutboxRelay
+from taskq.producer.producer import TaskProducer
 from taskq.schemas import avro
 from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
 from taskq.schemas.registry import Registry, SchemaRegistry
@@ -78,6 +86,16 @@ GROUP_WINDOW = 0.05
 
 class GroupRolledBack(TaskqError):
     """The attempt's group commit was rolled back because of another attempt in it; it runs again."""
+
+
+def max_interruptions(max_attempts: int) -> int:
+    """Takeovers from dead workers after which a key is dead-lettered as a poison pill, unrun.
+
+    A task merely in flight (or claimed ahead) on a worker that died is not charged an attempt; but a task
+    that kills every worker running it must still end in the DLQ: after max_attempts runs, and never after
+    one death alone, so a single crash never dead-letters a healthy task with max_attempts=1.
+    """
+    return max(max_attempts, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,11 +118,20 @@ class WorkerConfig:
     #: Keys are claimed as their records arrive, and leased this much longer than the run needs while they
     #: wait for a slot; a task that waited over half of it renews its lease before it starts.
     claim_wait: float = 10.0
+    #: The worker's liveness record is written this often (seconds), by a thread of its own.
+    heartbeat_interval: float = 3.0
+    #: A worker whose heartbeat is older than this (seconds) is presumed dead: the keys it leased are taken
+    #: over by the next claim instead of after their leases (invariant 9).
+    stale_after: float = 10.0
     metrics_port: int | None = None
     #: Where /metrics listens: loopback unless told otherwise.
     metrics_host: str = "127.0.0.1"
     #: Run the delay forwarder in this process too (a thread); `taskq forwarder` runs it alone.
     forwarder: bool = True
+    #: Run the outbox relay in this process too (a thread); `taskq relay` runs it alone.
+    relay: bool = True
+    #: Run the scheduler of the handlers' periodic tasks in this process (a thread).
+    periodic: bool = True
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -116,9 +143,21 @@ class WorkerConfig:
             )
         if self.buffer_bytes < 1024 * 1024:
             raise ConfigurationError(f"buffer_bytes must be >= 1 MiB, got {self.buffer_bytes}")
-        for name in ("shutdown_timeout", "revoke_timeout", "commit_interval", "default_lease", "claim_wait"):
+        for name in (
+            "shutdown_timeout",
+            "revoke_timeout",
+            "commit_interval",
+            "default_lease",
+            "claim_wait",
+            "heartbeat_interval",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.stale_after >= 2 * self.heartbeat_interval:
+            raise ConfigurationError(
+                f"stale_after must be at least twice heartbeat_interval ({self.heartbeat_interval} s), "
+                f"got {self.stale_after}"
+            )
 
 
 @dataclass(slots=True)
@@ -139,6 +178,11 @@ class _Task:
 class _Held:
     task: _Task
     due: float
+
+
+def _key(task: _Task) -> tuple[TP, bytes | None]:
+    """What an ordered task type serializes on: its partition and message key."""
+    return task.record.tp, task.record.key
 
 
 def _size(record: Record) -> int:
@@ -185,6 +229,8 @@ class Worker:
         self._undecoded: list[Record] = []
         self._arrived: list[_Task] = []  # decoded this tick, to claim in one round trip
         self._unstarted: list[_Task] = []  # left out of a group that stopped early, to release
+        # Ordered task types: the task that holds each (partition, key) while it runs or waits to retry.
+        self._key_holder: dict[tuple[TP, bytes | None], int] = {}
         self._revoking: set[TP] = set()  # partitions whose revocation is being served
         self._paused: set[TP] = set()
         self._resume_at: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)  # depth a paused tier resumes at
@@ -195,23 +241,51 @@ class Worker:
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._database = None
         recorder: IdempotencyStore | None = None
+        beats: IdempotencyStore | None = None
         if store is None:
             self._database = Database(self.settings.database_url, schema=self.settings.database_schema)
-            store = IdempotencyStore(self._database, owner=self.worker_id)
-            # Outcomes are recorded on a connection and a thread of their own, so the loop goes on
-            # fetching, claiming and dispatching while Postgres commits them.
-            recorder = IdempotencyStore(
-                Database(self.settings.database_url, schema=self.settings.database_schema),
+            store = IdempotencyStore(
+                self._database,
                 owner=self.worker_id,
+                namespace=self.settings.namespace,
+                stale_after=self.config.stale_after,
             )
+            # Outcomes are recorded on a connection and a thread of their own, so the loop goes on
+            # fetching, claiming and dispatching while Postgres commits them; the heartbeat too.
+            recorder, beats = (
+                IdempotencyStore(
+                    Database(self.settings.database_url, schema=self.settings.database_schema),
+                    owner=self.worker_id,
+                    namespace=self.settings.namespace,
+                )
+                for _ in range(2)
+            )
+        self._beats = beats
         self.store: TaskStore = store
         self._recorder = recorder
-        self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
+        self._liveness = Liveness(
+            beats or store,
+            WorkerRecord(
+                self.worker_id,
+                self.settings.namespace,
+                self.group,
+                socket.gethostname(),
+                os.getpid(),
+                self.config.concurrency,
+                datetime.now(UTC),
+            ),
+            lambda: len(self._running),
+            interval=self.config.heartbeat_interval,
+        )
+        self._crashed = False  # the loop raised: keys may still be leased, so the liveness record stays
+        self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)
         self._source: RecordSource | None = None
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
+        self._relay: tuple[OutboxRelay, threading.Thread] | None = None
+        self._periodic: tuple[PeriodicScheduler, threading.Thread, TaskProducer] | None = None
         self._server: WSGIServer | None = None
         self._last_commit = 0.0
         self._last_poll = 0.0
@@ -250,13 +324,17 @@ class Worker:
             while not self._stop.is_set():
                 self._tick()
             self._shutdown()
+        except BaseException:
+            self._crashed = True
+            raise
         finally:
             self.close()
 
     def start(self) -> None:
         """Join the group and start the metrics server and the forwarder; `run` does it, tests may too."""
         if self._database is not None:
-            self._database.migrate()
+            self._database.migrate(namespace=self.settings.namespace)
+        self._liveness.start()
         if self.config.metrics_port is not None:
             self._server = metrics.serve(
                 self.config.metrics_port,
@@ -270,8 +348,36 @@ class Worker:
         self._source.subscribe(self.topics.priority_topics)
         if self.config.forwarder:
             forwarder = Forwarder(self.settings, instance_id=self.worker_id, broker=self.broker)
-            self._forwarder = (forwarder, run_in_thread(forwarder))
+            self._forwarder = (forwarder, run_in_thread(forwarder, "forwarder"))
+        if self.config.relay and self._database is not None:  # the outbox is in Postgres, not in the fakes
+            relay = OutboxRelay(self.settings, broker=self.broker)
+            self._relay = (relay, run_in_thread(relay, "relay"))
+        if self.config.periodic and self._database is not None and self.handlers.periodic_tasks:
+            self._periodic = self._start_periodic(self._database)
         self._emit(WorkerStarted(self.worker_id, self.group))
+
+    def _start_periodic(
+        self, database: Database
+    ) -> tuple[PeriodicScheduler, threading.Thread, TaskProducer]:
+        # Slots are staged in the outbox, in the transaction that advances the schedule: the relay publishes.
+        producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
+
+        def stage(spec: PeriodicSpec, slot: datetime, conn: Any) -> None:
+            producer.enqueue(
+                spec.task_type,
+                spec.payload,
+                priority=spec.priority,
+                idempotency_key=spec.idempotency_key(slot),
+                conn=conn,
+            )
+
+        scheduler = PeriodicScheduler(
+            self.handlers.periodic_tasks,
+            Database(self.settings.database_url, schema=self.settings.database_schema),
+            self.settings.namespace,
+            stage,
+        )
+        return scheduler, run_in_thread(scheduler, "periodic"), producer
 
     def step(self) -> None:
         """One turn of the loop: fetch, dispatch, record outcomes, commit when due."""
@@ -304,13 +410,29 @@ class Worker:
             forwarder.stop()
             thread.join(timeout=15)
             self._forwarder = None
+        if self._periodic is not None:
+            scheduler, thread, producer = self._periodic
+            scheduler.stop()
+            thread.join(timeout=15)
+            producer.close(5)
+            self._periodic = None
+        if self._relay is not None:
+            relay, thread = self._relay
+            relay.stop()
+            thread.join(timeout=15)
+            self._relay = None
         if self._source is not None:
             self._source.close()
             self._source = None
         self.executor.shutdown(timeout=1.0)
         self._completer.close()
+        # A clean stop completed, failed or released every key: the record goes. After a crash it stays,
+        # goes stale, and the keys still leased are taken over then.
+        self._liveness.stop(clean=not self._crashed)
         if self._recorder is not None:
             self._recorder.close()
+        if self._beats is not None:
+            self._beats.close()
         self.store.close()
         self.registry.close()
         if self._server is not None:
@@ -383,7 +505,7 @@ class Worker:
             except ValueError:
                 return  # a redelivery of an offset this assignment already holds
         try:
-            envelope = Envelope.from_headers(record.headers)
+            envelope = Envelope.of(record)
         except EnvelopeError as exc:
             self._dead_letter_raw(record, f"bad envelope: {exc}", "taskq.EnvelopeError", attempts=0)
             return
@@ -493,15 +615,20 @@ class Worker:
         per_group = max(1, min(GROUP_MAX, len(self._scheduler) // (2 * free)))
         jobs: list[list[_Task]] = []
         group: list[_Task] = []
+        waiting: list[_Task] = []  # ordered tasks whose key is held by an earlier task: they keep their place
         while len(jobs) < free or 0 < len(group) < per_group:
             task = self._scheduler.pop()
             if task is None:
                 break
+            if task.spec.ordered and self._key_holder.get(_key(task), id(task)) != id(task):
+                waiting.append(task)
+                continue
             if not (task.spec.transactional and task.spec.group_commit):
                 if len(jobs) >= free:  # only the open group had room: the task waits, first in line
                     self._scheduler.push_front(task.tier, task)
                     break
                 jobs.append([task])
+                self._hold_key(task)
                 continue
             if not group or len(group) >= per_group:
                 if len(jobs) >= free:
@@ -510,11 +637,18 @@ class Worker:
                 group = []
                 jobs.append(group)
             group.append(task)
+            self._hold_key(task)
+        for task in reversed(waiting):
+            self._scheduler.push_front(task.tier, task)
         stale = self._clock() - self.config.claim_wait / 2
         waited = [t for job in jobs for t in job if t.claimed_at < stale]
         if waited:
             # One statement renews every long-waiting task of this dispatch; those not renewed are dropped.
             lost = {id(t) for t in waited} - {id(t) for t in self._renew(waited)}
+            for job in jobs:
+                for t in job:
+                    if id(t) in lost:
+                        self._free_key(t)
             jobs = [[t for t in job if id(t) not in lost] for job in jobs]
         for job in jobs:
             if job and job[0].spec.transactional and job[0].spec.group_commit:
@@ -599,6 +733,14 @@ class Worker:
             # A poison pill: earlier attempts never reported (they killed their worker). Never run it again.
             self._finish_dead(
                 task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill"
+            )
+            return
+        if claim.interruptions >= max_interruptions(max_attempts):
+            # A poison pill too: its runs keep killing their workers (each taken over from a dead worker).
+            self._finish_dead(
+                task,
+                f"gave up after {claim.interruptions} run(s) ended with their worker's death",
+                "taskq.PoisonPill",
             )
             return
         self._scheduler.push(task.tier, task)
@@ -776,6 +918,13 @@ class Worker:
             )
             self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
             return
+        if spec.ordered:
+            # Retried in place: its offset stays pending and its key stays held, so the key's later tasks
+            # wait for it (what ordering means); a restart or rebalance redelivers it first.
+            self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
+            self._completer.record(Finished(env.idempotency_key, task.attempts, "failed", error=message))
+            self._held.append(_Held(task, self._clock() + delay.total_seconds()))
+            return
         now = datetime.now(UTC)
         out = retry_record(
             task.record,
@@ -848,7 +997,16 @@ class Worker:
         self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
 
     def _done(self, task: _Task) -> None:
+        self._free_key(task)
         self._offset_done(task.record, task.generation)
+
+    def _hold_key(self, task: _Task) -> None:
+        if task.spec.ordered:
+            self._key_holder[_key(task)] = id(task)
+
+    def _free_key(self, task: _Task) -> None:
+        if task.spec.ordered and self._key_holder.get(_key(task)) == id(task):
+            del self._key_holder[_key(task)]
 
     def _offset_done(self, record: Record, generation: int) -> None:
         if self._generation.get(record.tp) == generation and record.tp in self._assigned:
@@ -919,6 +1077,7 @@ class Worker:
         self._release(dropped)
         self._held = [h for h in self._held if h.task.record.tp not in revoked]
         self._undecoded = [r for r in self._undecoded if r.tp not in revoked]
+        self._key_holder = {k: v for k, v in self._key_holder.items() if k[0] not in revoked}
         self._drain(
             lambda: any(t.record.tp in revoked for t in self._running.values()),
             timeout=self.config.revoke_timeout,

@@ -118,14 +118,14 @@ def main() -> int:
     settings = Settings.from_env(namespace=ns, database_schema=ns)
     db = Database(settings.database_url, schema=ns)
     _say(f"== kafka-taskq demo, namespace {ns}")
-    with Registry(settings.schema_registry_url) as registry:
+    with Registry.from_settings(settings) as registry:
         for name in SCHEMA_FILES:
             reg = registry.register(schema(name))
             _say(f"   task type {reg.subject:<22} schema v{reg.version} (registry id {reg.schema_id})")
     created = create_topics(settings, partitions=3)
     tiers = len(settings.delay_tiers)
     _say(f"   {len(created)} topics: {ns}.critical|high|normal|low, {tiers} delay tiers, {ns}.dlq")
-    db.migrate()
+    db.migrate(namespace=ns)
     with db.connection() as conn:
         conn.execute(DEMO_TABLES)
         conn.execute("INSERT INTO demo_outages VALUES ('https://partner.example/hook')")
@@ -187,7 +187,7 @@ def main() -> int:
         subprocess.Popen([*cmd, "forwarder"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     )
     _say("== started 2 workers (concurrency 4 each) and the delay forwarder")
-    store = IdempotencyStore(db, owner="demo")
+    store = IdempotencyStore(db, owner="demo", namespace=ns)
     try:
 
         def counts() -> dict[str, int]:

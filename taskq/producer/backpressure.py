@@ -14,7 +14,10 @@ log = logging.getLogger("taskq.backpressure")
 
 
 def tier_depths(admin: TopicAdmin, topics: Topics, group: str) -> dict[Priority, int]:
-    """Per tier: end offsets minus the group's committed offsets (or the log start if none)."""
+    """Per tier: end offsets minus the group's committed offsets (or the log start if none).
+
+    An estimate of the tasks waiting, a little high: the forwarder's transaction markers take offsets too.
+    """
     names = topics.priority_topics
     end = admin.end_offsets(names)
     committed = admin.committed(group, names)

@@ -12,10 +12,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 from uuid import UUID
+
+import psycopg
+from psycopg import sql
 
 from taskq._core.db import Database
 from taskq._core.durations import pick_delay_tier
@@ -38,10 +42,12 @@ from taskq._core.errors import (
     ProducerClosedError,
     QueueFullError,
     RateLimitedError,
+    StoreUnavailableError,
     UnknownTaskTypeError,
 )
 from taskq._core.kafka import Broker, KafkaBroker, Record
-from taskq._core.settings import Settings
+from taskq._core.settings import Settings, redact
+from taskq._core.store import outbox_stage
 from taskq.producer.backpressure import DepthMonitor
 from taskq.producer.metrics import producer_metrics
 from taskq.producer.ratelimit import RateLimit, RateLimiter
@@ -79,6 +85,8 @@ class TaskSpec:
     idempotency_key: str | None = None
     key: str | bytes | None = None
     delay: timedelta | float | datetime | None = None
+    #: When the task is due (a timezone-aware datetime; a past one runs now), instead of a delay.
+    at: datetime | None = None
     max_attempts: int | None = None
     timeout: float | timedelta | None = None
     task_id: str | None = None
@@ -116,6 +124,19 @@ class _TaskType:
     schema_id: int
     parsed: avro.ParsedSchema
     fetched_at: float
+    check: avro.Check | None  # the quick payload test; full validation when it is None or says no
+
+
+#: An accepted task, ready to send: topic, framed value, message key, envelope.
+_Prepared = tuple[str, bytes, bytes, Envelope]
+
+
+def _settled(outcomes: Sequence[tuple[Receipt, str | None]]) -> list[Receipt]:
+    """The acknowledged receipts of a batch someone waited for; DeliveryError if any task failed."""
+    failed = [(r.task_id, err) for r, err in outcomes if err is not None]
+    if failed:
+        raise DeliveryError(f"{len(failed)} task(s) not acknowledged: {failed[0][1]}", failures=failed)
+    return [r for r, _ in outcomes]
 
 
 class TaskProducer:
@@ -140,9 +161,11 @@ class TaskProducer:
         self.settings = settings or Settings.from_env()
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
         self._owns_registry = registry is None
-        self.registry: SchemaRegistry = registry or Registry(self.settings.schema_registry_url)
+        self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._metrics = producer_metrics()
+        # Label children bound once per (task type, priority): labels() costs a lock and a tuple per call.
+        self._enqueued: dict[tuple[str, str], Any] = {}
         self._sink = self.broker.sink(**dict(kafka_config or {}))
         self._max_payload = max_payload_bytes
         self._auto_register = auto_register
@@ -188,8 +211,7 @@ class TaskProducer:
     # ---------------------------------------------------------------- schemas
     def _task_type(self, task_type: str) -> _TaskType:
         now = time.monotonic()
-        with self._lock:
-            hit = self._types.get(task_type)
+        hit = self._types.get(task_type)  # a dict read is atomic; the lock guards the writes
         if hit is not None and (task_type in self._local_schemas or now - hit.fetched_at < self._schema_ttl):
             return hit
         local = self._local_schemas.get(task_type)
@@ -211,7 +233,7 @@ class TaskProducer:
                 f"unknown task type {task_type!r}: no schema is registered under that subject "
                 "(register it with `taskq schemas register PATH`)"
             ) from exc
-        entry = _TaskType(reg.schema_id, reg.parsed, now)
+        entry = _TaskType(reg.schema_id, reg.parsed, now, avro.compile_check(reg.parsed))
         with self._lock:
             self._types[task_type] = entry
         return entry
@@ -222,7 +244,7 @@ class TaskProducer:
             raise InvalidPriorityError(f"priority {priority!r} is not one of {', '.join(PRIORITIES)}")
         return priority
 
-    def _prepare(self, spec: TaskSpec, now: datetime) -> tuple[str, bytes, bytes, Envelope]:
+    def _prepare(self, spec: TaskSpec, now: datetime) -> _Prepared:
         """Validate and encode one task; raises before anything is sent."""
         if self._closed:
             raise ProducerClosedError()
@@ -243,9 +265,15 @@ class TaskProducer:
                 f"timeout must be a positive number of seconds up to {MAX_TIMEOUT_SECONDS:.0f} (7 days), "
                 f"got {spec.timeout!r}"
             )
-        not_before = self._not_before(spec.delay, now)
+        if spec.at is not None:
+            if spec.delay is not None:
+                raise InvalidTaskError("give delay= or at=, not both")
+            if not isinstance(spec.at, datetime):
+                raise InvalidTaskError(f"at must be a timezone-aware datetime, got {spec.at!r}")
+        not_before = self._not_before(spec.at if spec.at is not None else spec.delay, now)
         tt = self._task_type(spec.task_type)
-        avro.validate(tt.parsed, spec.payload, task_type=spec.task_type)
+        if tt.check is None or not tt.check(spec.payload):
+            avro.validate(tt.parsed, spec.payload, task_type=spec.task_type)
         body = avro.encode(tt.parsed, spec.payload)
         if len(body) > self._max_payload:
             raise PayloadTooLargeError(
@@ -286,7 +314,7 @@ class TaskProducer:
             return None
         if isinstance(delay, datetime):
             if delay.tzinfo is None:
-                raise InvalidTaskError("an absolute delay must be a timezone-aware datetime")
+                raise InvalidTaskError(f"a due time must be a timezone-aware datetime, got {delay!r} (naive)")
             at = delay
         elif isinstance(delay, timedelta | int | float) and not isinstance(delay, bool):
             # NaN and out-of-range delays would escape as ValueError/OverflowError, not as a bad argument.
@@ -309,11 +337,14 @@ class TaskProducer:
         idempotency_key: str | None = None,
         key: str | bytes | None = None,
         delay: timedelta | float | datetime | None = None,
+        at: datetime | None = None,
         max_attempts: int | None = None,
         timeout: float | timedelta | None = None,
         wait: bool = False,
+        conn: psycopg.Connection[Any] | None = None,
     ) -> Receipt:
-        """Enqueue one task; raises, sending nothing, on invalid input, a full tier or an exhausted limit."""
+        """Enqueue one task; raises, sending nothing, on invalid input, a full tier or an exhausted limit.
+        With `conn`, the task is staged in the outbox inside that connection's transaction (enqueue_many)."""
         spec = TaskSpec(
             task_type=task_type,
             payload=payload,
@@ -321,16 +352,59 @@ class TaskProducer:
             idempotency_key=idempotency_key,
             key=key,
             delay=delay,
+            at=at,
             max_attempts=max_attempts,
             timeout=timeout,
         )
-        return self.enqueue_many([spec], wait=wait)[0]
+        return self.enqueue_many([spec], wait=wait, conn=conn)[0]
 
-    def enqueue_many(self, tasks: Iterable[TaskSpec], *, wait: bool = False) -> list[Receipt]:
-        """Enqueue a batch: every task is validated first, so an invalid one means none is sent."""
+    def enqueue_many(
+        self, tasks: Iterable[TaskSpec], *, wait: bool = False, conn: psycopg.Connection[Any] | None = None
+    ) -> list[Receipt]:
+        """Enqueue a batch: every task is validated first, so an invalid one means none is sent.
+
+        With `conn` (a psycopg connection in the application's open transaction) the tasks are staged in the
+        outbox through it instead: they are published by a relay after, and only if, that transaction
+        commits.
+        """
         started = time.perf_counter()
-        now = datetime.now(UTC)
         specs = list(tasks)
+        if conn is not None:
+            self._check_stageable(wait)
+            prepared = self._accept(specs)
+            statement, params, receipts = self._staged(prepared, specs)
+            try:
+                conn.execute(statement, params)
+            except psycopg.Error as exc:
+                raise self._stage_failed(exc) from exc
+            self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
+            return receipts
+        prepared = self._accept(specs)
+        if not wait:
+            receipts = self._send(prepared, specs, None)
+            self._sink.poll(0)
+            self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
+            return receipts
+        outcomes: list[tuple[Receipt, str | None] | None] = [None] * len(specs)
+        pending = threading.Semaphore(0)
+
+        def settle(i: int, receipt: Receipt, err: str | None) -> None:
+            outcomes[i] = (receipt, err)
+            pending.release()
+
+        receipts = self._send(prepared, specs, settle)
+        self._sink.poll(0)
+        self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
+        for _ in receipts:
+            while not pending.acquire(timeout=0.05):
+                self._sink.poll(0.05)
+        return _settled([o for o in outcomes if o is not None])
+
+    # The two halves of an enqueue, for AsyncTaskProducer too: _accept may wait on the registry or a shared
+    # rate limit (_may_block says whether it can), _send only hands records to the Kafka client.
+    def _accept(self, specs: Sequence[TaskSpec]) -> list[_Prepared]:
+        """Validate, encode, and pass the depth and rate limits; raises, having sent nothing."""
+        now = datetime.now(UTC)
         try:
             prepared = [self._prepare(s, now) for s in specs]
         except PayloadValidationError:
@@ -353,59 +427,120 @@ class TaskProducer:
             except QueueFullError:
                 self._metrics.rejected.labels("queue_full").inc()
                 raise
-        try:
-            self._limiter.acquire([(env.task_type, env.priority) for _, _, _, env in prepared])
-        except RateLimitedError:
-            self._metrics.rejected.labels("rate_limited").inc()
-            raise
-        receipts: list[Receipt] = []
-        confirmed: dict[str, Receipt] = {}
-        pending = threading.Semaphore(0)
+        if self._limiter.limited:
+            try:
+                self._limiter.acquire([(env.task_type, env.priority) for _, _, _, env in prepared])
+            except RateLimitedError:
+                self._metrics.rejected.labels("rate_limited").inc()
+                raise
+        return prepared
+
+    @staticmethod
+    def _check_stageable(wait: bool) -> None:
+        if wait:
+            raise InvalidTaskError(
+                "wait=True cannot be combined with conn=: a task staged in your transaction is published "
+                "after it commits"
+            )
+
+    def _staged(
+        self, prepared: Sequence[_Prepared], specs: Sequence[TaskSpec]
+    ) -> tuple[sql.Composed, dict[str, Any], list[Receipt]]:
+        """The statement staging accepted tasks in the outbox, its parameters, and their receipts."""
+        records = []
+        receipts = []
         for (topic, value, key, env), spec in zip(prepared, specs, strict=True):
+            headers = env.to_headers()
+            if spec.extra_headers:
+                headers.extend(spec.extra_headers)
+            records.append((topic, key, value, headers))
+            receipts.append(
+                Receipt(env.task_id, env.task_type, topic, env.priority, env.idempotency_key, env.not_before)
+            )
+            self._count(env)
+        statement, params = outbox_stage(self.settings.database_schema, self.settings.namespace, records)
+        return statement, params, receipts
+
+    def _stage_failed(self, exc: psycopg.Error) -> StoreUnavailableError:
+        hint = " (run `taskq db migrate`)" if isinstance(exc, psycopg.errors.UndefinedTable) else ""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return StoreUnavailableError(
+            redact(f"staging tasks in the outbox failed: {text}{hint}", self.settings.database_url)
+        )
+
+    def _count(self, env: Envelope) -> None:
+        counter = self._enqueued.get((env.task_type, env.priority))
+        if counter is None:
+            counter = self._enqueued[env.task_type, env.priority] = self._metrics.enqueued.labels(
+                env.task_type, env.priority
+            )
+        counter.inc()
+
+    def _may_block(self, specs: Sequence[TaskSpec]) -> bool:
+        """Whether _accept could wait on I/O: a schema to fetch from the registry, or a shared rate limit."""
+        if self._limiter.shared:
+            return True
+        now = time.monotonic()
+        for spec in specs:
+            hit = self._types.get(spec.task_type)
+            if hit is None or (
+                spec.task_type not in self._local_schemas and now - hit.fetched_at >= self._schema_ttl
+            ):
+                return True
+        return False
+
+    def _send(
+        self,
+        prepared: Sequence[_Prepared],
+        specs: Sequence[TaskSpec],
+        settle: Callable[[int, Receipt, str | None], None] | None,
+    ) -> list[Receipt]:
+        """Hand accepted tasks to the Kafka client. `settle(i, receipt, error)` hears of the i-th task's
+        acknowledgement (with its partition and offset) or failure, from whichever thread polls the client;
+        a failure nobody settles is kept for flush()."""
+        receipts: list[Receipt] = []
+        # A record needs a callback of its own only when someone waits for its offset: the caller (settle)
+        # or the on_delivery hook. Any other is reported only if it fails (_undelivered), which saves turning
+        # every acknowledgement into a record and a receipt.
+        reported = settle is not None or self._on_delivery is not None
+        for i, ((topic, value, key, env), spec) in enumerate(zip(prepared, specs, strict=True)):
             receipt = Receipt(
                 env.task_id, env.task_type, topic, env.priority, env.idempotency_key, env.not_before
             )
             receipts.append(receipt)
-            headers = env.to_headers() + list(spec.extra_headers)
+            headers = env.to_headers()
+            if spec.extra_headers:
+                headers.extend(spec.extra_headers)
             self._sink.send(
                 topic,
                 value,
                 key=key,
                 headers=headers,
-                on_delivery=self._delivered(receipt, confirmed, pending),
+                on_delivery=self._delivered(receipt, None if settle is None else partial(settle, i))
+                if reported
+                else None,
+                on_failure=partial(self._undelivered, receipt),
             )
-            self._metrics.enqueued.labels(env.task_type, env.priority).inc()
-        self._sink.poll(0)
-        self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
-        if not wait:
-            return receipts
-        for _ in receipts:
-            while not pending.acquire(timeout=0.05):
-                self._sink.poll(0.05)
-        failed = [(r.task_id, err) for r in receipts if (err := self._failure_of(r.task_id))]
-        if failed:
-            raise DeliveryError(f"{len(failed)} task(s) not acknowledged: {failed[0][1]}", failures=failed)
-        return [confirmed.get(r.task_id, r) for r in receipts]
+            self._count(env)
+        return receipts
 
-    def _failure_of(self, task_id: str) -> str | None:
-        with self._lock:
-            for i, (tid, err) in enumerate(self._failures):
-                if tid == task_id:
-                    del self._failures[i]
-                    return err
-        return None
+    def _undelivered(self, receipt: Receipt, err: str, *, waited: bool = False) -> None:
+        """A task was not acknowledged: kept for flush() unless its waiter raises it (reported once)."""
+        self._metrics.delivery_failed.inc()
+        log.error("task %s (%s) was not acknowledged: %s", receipt.task_id, receipt.task_type, err)
+        if not waited:
+            with self._lock:
+                self._failures.append((receipt.task_id, err))
 
     def _delivered(
-        self, receipt: Receipt, confirmed: dict[str, Receipt], pending: threading.Semaphore
+        self, receipt: Receipt, settle: Callable[[Receipt, str | None], None] | None
     ) -> Callable[[str | None, Record | None], None]:
         def done(err: str | None, record: Record | None) -> None:
             if err is not None:
-                self._metrics.delivery_failed.inc()
-                log.error("task %s (%s) was not acknowledged: %s", receipt.task_id, receipt.task_type, err)
-                with self._lock:
-                    self._failures.append((receipt.task_id, err))
-            elif record is not None:
-                confirmed[receipt.task_id] = Receipt(
+                self._undelivered(receipt, err, waited=settle is not None)
+            final = receipt
+            if record is not None:
+                final = Receipt(
                     receipt.task_id,
                     receipt.task_type,
                     receipt.topic,
@@ -416,8 +551,9 @@ class TaskProducer:
                     record.offset,
                 )
             if self._on_delivery is not None:
-                self._on_delivery(confirmed.get(receipt.task_id, receipt), err)
-            pending.release()
+                self._on_delivery(final, err)
+            if settle is not None:
+                settle(final, err)
 
         return done
 

@@ -182,6 +182,16 @@ class RateLimiter:
             self._buckets.append((limit, bucket))
         self._namespace = namespace
 
+    @property
+    def shared(self) -> bool:
+        """Whether acquire() may wait on Postgres (a shared limit applies)."""
+        return any(isinstance(bucket, SharedBucket) for _, bucket in self._buckets)
+
+    @property
+    def limited(self) -> bool:
+        """Whether any limit applies at all (without one, acquire() is a no-op not worth calling)."""
+        return bool(self._buckets)
+
     def acquire(self, tasks: Sequence[tuple[str, str]]) -> None:
         """Take the tokens of these (task type, tier) pairs from every matching bucket, or none at all."""
         if not self._buckets:

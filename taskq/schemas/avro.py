@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,10 @@ MAGIC = 0
 
 __all__ = [
     "MAGIC",
+    "Check",
     "ParsedSchema",
     "canonical_json",
+    "compile_check",
     "decode",
     "encode",
     "frame",
@@ -109,6 +111,88 @@ def validate(parsed: ParsedSchema, payload: Any, *, task_type: str = "") -> None
         raise PayloadValidationError(
             f"invalid payload for {label}: {problem_text}", task_type=task_type, field=field
         ) from None
+
+
+#: Ranges of Avro's int and long; fastavro's validation holds values to them.
+_INT = (-(2**31), 2**31 - 1)
+_LONG = (-(2**63), 2**63 - 1)
+
+Check = Callable[[Any], bool]
+
+
+def compile_check(parsed: ParsedSchema) -> Check | None:
+    """A quick test of payloads against a parsed schema, for the producer's hot path, or None.
+
+    The test is conservative: True means `validate` would accept the payload (every field of every record
+    given, each value of exactly the Python type Avro writes, within range), so the full validation can be
+    skipped. False means "not known to be valid": run `validate`, which accepts or names the problem.
+    Schemas with logical types or recursive records get no quick test (None): `validate` decides alone.
+    """
+    named = parsed.get("__named_schemas", {}) if isinstance(parsed, dict) else {}
+    try:
+        return _check_of(parsed, named, frozenset())
+    except _NoQuickCheck:
+        return None
+
+
+class _NoQuickCheck(Exception):
+    """A schema construct the quick test does not cover."""
+
+
+def _ranged(low: int, high: int) -> Check:
+    return lambda v: type(v) is int and low <= v <= high
+
+
+def _check_of(schema: Any, named: Mapping[str, Any], seen: frozenset[str]) -> Check:
+    if isinstance(schema, str):
+        simple: dict[str, Check] = {
+            "null": lambda v: v is None,
+            "boolean": lambda v: type(v) is bool,
+            "int": _ranged(*_INT),
+            "long": _ranged(*_LONG),
+            # fastavro writes any int as a double; one beyond a double's range would not convert.
+            "float": lambda v: type(v) is float or (type(v) is int and -(2**53) <= v <= 2**53),
+            "double": lambda v: type(v) is float or (type(v) is int and -(2**53) <= v <= 2**53),
+            "string": lambda v: type(v) is str,
+            "bytes": lambda v: type(v) is bytes,
+        }
+        if schema in simple:
+            return simple[schema]
+        if schema in named and schema not in seen:
+            return _check_of(named[schema], named, seen | {schema})
+        raise _NoQuickCheck(schema)
+    if isinstance(schema, list):
+        branches = tuple(_check_of(b, named, seen) for b in schema)
+        return lambda v: any(check(v) for check in branches)
+    if not isinstance(schema, dict) or "logicalType" in schema:
+        raise _NoQuickCheck(str(schema))
+    kind = schema.get("type")
+    if kind == "record":
+        name = str(schema.get("name", ""))
+        inner = seen | {name}
+        fields = tuple((f["name"], _check_of(f["type"], named, inner)) for f in schema["fields"])
+        names = frozenset(n for n, _ in fields)
+        return lambda v: (
+            type(v) is dict
+            and len(v) == len(names)
+            and names.issuperset(v)
+            and all(check(v[n]) for n, check in fields)
+        )
+    if kind == "enum":
+        symbols = frozenset(schema["symbols"])
+        return lambda v: type(v) is str and v in symbols
+    if kind == "fixed":
+        size = schema["size"]
+        return lambda v: type(v) is bytes and len(v) == size
+    if kind == "array":
+        items = _check_of(schema["items"], named, seen)
+        return lambda v: type(v) is list and all(items(x) for x in v)
+    if kind == "map":
+        values = _check_of(schema["values"], named, seen)
+        return lambda v: type(v) is dict and all(type(k) is str and values(x) for k, x in v.items())
+    if isinstance(kind, str | list | dict):
+        return _check_of(kind, named, seen)
+    raise _NoQuickCheck(str(kind))
 
 
 def _record_problem(schema: Any, value: Any, path: str, named: Mapping[str, Any]) -> tuple[str, str] | None:

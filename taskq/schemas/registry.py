@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -13,7 +14,8 @@ from typing import Any, Protocol, TypeVar
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from taskq._core.settings import redact
+from taskq._core.errors import ConfigurationError
+from taskq._core.settings import Settings, redact
 from taskq.schemas import avro
 from taskq.schemas.errors import (
     IncompatibleSchemaError,
@@ -60,12 +62,54 @@ class Registry:
     def __init__(
         self, url: str, *, config: Mapping[str, Any] | None = None, latest_ttl: float = 30.0
     ) -> None:
+        """A client of the registry at `url`; `config` adds confluent-kafka's client properties."""
         self.url = url
-        self._client = SchemaRegistryClient({"url": url, **(config or {})})
+        config = dict(config or {})
+        # Credentials given outside the URL: every message strips them as it strips the URL's password.
+        self._secrets = tuple(
+            secret
+            for secret in (
+                str(config.get("basic.auth.user.info", "")).partition(":")[2],
+                str(config.get("bearer.auth.token", "")),
+            )
+            if secret
+        )
+        try:
+            self._client = SchemaRegistryClient({"url": url, **config})
+        except (OSError, ValueError, TypeError) as exc:  # ssl.SSLError is an OSError: a bad PEM file
+            raise ConfigurationError(self._redact(f"schema registry client for {url}: {exc}")) from exc
         self._latest_ttl = latest_ttl
         self._lock = threading.Lock()
         self._by_id: dict[int, avro.ParsedSchema] = {}
         self._latest: dict[str, tuple[float, RegisteredSchema]] = {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, latest_ttl: float = 30.0) -> Registry:
+        """The registry of `settings`: its URL, credentials (basic auth or a bearer token) and TLS files."""
+        config: dict[str, Any] = {}
+        if settings.schema_registry_user:
+            user, password = settings.schema_registry_user, settings.schema_registry_password
+            config["basic.auth.user.info"] = f"{user}:{password}"
+        if settings.schema_registry_token:
+            # The client's static bearer token. Its logical cluster names a Confluent Cloud registry (sent as
+            # target-sr-cluster); other registries read only the Authorization header.
+            config["bearer.auth.credentials.source"] = "STATIC_TOKEN"
+            config["bearer.auth.token"] = settings.schema_registry_token
+            config["bearer.auth.logical.cluster"] = ""
+        for prop, name, path in (
+            ("ssl.ca.location", "CA_FILE", settings.schema_registry_ca_file),
+            ("ssl.certificate.location", "CERT_FILE", settings.schema_registry_cert_file),
+            ("ssl.key.location", "KEY_FILE", settings.schema_registry_key_file),
+        ):
+            if path:
+                var = f"TASKQ_SCHEMA_REGISTRY_{name}"
+                if not os.path.isfile(path):
+                    raise ConfigurationError(f"{var}: no such file {path!r}")
+                config[prop] = path
+        return cls(settings.schema_registry_url, config=config, latest_ttl=latest_ttl)
+
+    def _redact(self, text: str) -> str:
+        return redact(text, self.url, secrets=self._secrets)
 
     def close(self) -> None:
         """Close the HTTP connections."""
@@ -81,23 +125,30 @@ class Registry:
         try:
             return fn()
         except SchemaRegistryError as exc:
-            if exc.error_code in _NOT_FOUND or exc.http_status_code == 404:
-                raise SchemaNotFoundError(f"{what}: {exc.error_message}") from exc
-            if exc.http_status_code == 409 or exc.error_code == 409:
-                raise IncompatibleSchemaError(f"{what}: {exc.error_message}") from exc
-            if exc.http_status_code >= 500 or exc.http_status_code < 0:
+            message, status = self._redact(str(exc.error_message)), exc.http_status_code
+            if exc.error_code in _NOT_FOUND or status == 404:
+                raise SchemaNotFoundError(f"{what}: {message}") from exc
+            if status == 409 or exc.error_code == 409:
+                raise IncompatibleSchemaError(f"{what}: {message}") from exc
+            if status >= 500 or status < 0:
                 raise RegistryUnavailableError(
-                    redact(f"{what}: registry at {self.url} failed: {exc.error_message}", self.url)
+                    self._redact(f"{what}: registry at {self.url} failed: {message}")
                 ) from exc
-            raise SchemaError(f"{what}: {exc.error_message} (HTTP {exc.http_status_code})") from exc
+            if status in (401, 403):
+                raise SchemaError(
+                    self._redact(
+                        f"{what}: registry at {self.url} refused the credentials (HTTP {status}): {message}"
+                    )
+                ) from exc
+            raise SchemaError(f"{what}: {message} (HTTP {status})") from exc
         except (OSError, ConnectionError, TimeoutError) as exc:
             raise RegistryUnavailableError(
-                redact(f"{what}: registry at {self.url} unreachable: {exc}", self.url)
+                self._redact(f"{what}: registry at {self.url} unreachable: {exc}")
             ) from exc
         except Exception as exc:  # the client raises its HTTP library's own errors for transport failures
             if type(exc).__module__.split(".")[0] in _TRANSPORT_MODULES:
                 raise RegistryUnavailableError(
-                    redact(f"{what}: registry at {self.url} unreachable: {exc}", self.url)
+                    self._redact(f"{what}: registry at {self.url} unreachable: {exc}")
                 ) from exc
             raise
 

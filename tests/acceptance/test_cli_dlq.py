@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -17,7 +18,10 @@ from taskq._core.kafka import Record
 from taskq._core.settings import Settings
 from taskq.consumer.store import IdempotencyStore
 from taskq.schemas import Registry
-from tests.integration.test_dlq import FIELDS, dead_letter, publish_garbage
+from taskq._core.envelope import Topics
+from taskq.consumer.routing import dead_letter_record
+from taskq.producer.producer import TaskProducer
+from tests.integration.test_dlq import FIELDS, dead_letter, publish, publish_garbage, read
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -26,10 +30,10 @@ Run = Callable[..., subprocess.CompletedProcess[str]]
 def taskq(env_of: Callable[..., dict[str, str]], settings: Settings) -> Run:
     """Run `python -m consumer.cli --namespace NS ...` in the test's namespace."""
 
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "taskq.cli", "--namespace", settings.namespace, *args],
-            env=env_of(),
+            env=env_of(**env),
             capture_output=True,
             text=True,
             timeout=120,
@@ -44,7 +48,7 @@ def dlq_records(settings: Settings, task_schema: Callable[..., dict[str, Any]]) 
     with Registry(settings.schema_registry_url) as registry:
         email = registry.register(task_schema("SendEmail", FIELDS)).subject
         report = registry.register(task_schema("Report", FIELDS)).subject
-    store = IdempotencyStore(Database(settings.database_url, schema=settings.database_schema), owner="w")
+    store = IdempotencyStore(Database(settings.database_url, schema=settings.database_schema), owner="w", namespace=settings.namespace)
     try:
         tasks = [
             dead_letter(settings, store, email, 1, failed_at=datetime.now(UTC) - timedelta(hours=2)),
@@ -156,3 +160,100 @@ def test_stats(taskq: Run, dlq_records: list[Record]) -> None:
 
     text = taskq("stats")
     assert "DLQ depth (not replayed): 4" in text.stdout and "dead 3" in text.stdout
+    assert "tier depth, estimated (offsets" in text.stdout  # markers count: the output says so
+
+
+SECRETS = ("hunter2", "tok-123", "s-456", "Bearer abc-789", "c-000")
+
+
+@pytest.fixture
+def secret_record(settings: Settings, task_schema: Callable[..., dict[str, Any]]) -> None:
+    """DLQ offset 0: a task whose payload and headers hold secrets (nested, in a map, by pattern)."""
+    record = lambda name, *names: {  # noqa: E731
+        "type": "record",
+        "name": name,
+        "fields": [{"name": n, "type": "string"} for n in names],
+    }
+    fields = [
+        {"name": "to", "type": "string"},
+        {"name": "auth", "type": record("Auth", "user", "password")},
+        {"name": "card", "type": record("Card", "number", "holder")},
+        {"name": "api_token", "type": "string"},
+        {"name": "extra", "type": {"type": "map", "values": "string"}},
+    ]
+    with Registry(settings.schema_registry_url) as registry:
+        signup = registry.register(task_schema("Signup", fields)).subject
+    payload = {
+        "to": "a@example.com",
+        "auth": {"user": "ann", "password": "hunter2"},
+        "card": {"number": "4111-1111", "holder": "Ann"},
+        "api_token": "tok-123",
+        "extra": {"Session-Secret": "s-456", "note": "\x1b[31mred"},
+    }
+    with TaskProducer(settings) as producer:
+        receipt = producer.enqueue(signup, payload, wait=True)
+    assert receipt.partition is not None and receipt.offset is not None
+    [task] = read(settings, [(receipt.topic, receipt.partition, receipt.offset)], 1)
+    headers = [
+        *task.headers,
+        ("authorization", b"Bearer abc-789"),
+        ("Cookie", b"sid=c-000"),
+        ("x-tenant", b"acme"),
+        ("x-note", b"\x1b[2Jclear"),
+    ]
+    out = dead_letter_record(
+        replace(task, headers=headers),
+        reason="failed 1 attempt(s): ValueError: no",
+        error_type="builtins.ValueError",
+        traceback="",
+        attempts=1,
+        worker_id="w",
+        topics=Topics(settings.namespace),
+    )
+    publish(settings, out)
+
+
+def shown(taskq: Run, *args: str, **env: str) -> dict[str, Any]:
+    done = taskq("dlq", "show", "0", "--json", *args, **env)
+    assert done.returncode == 0, done.stderr
+    data: dict[str, Any] = json.loads(done.stdout)
+    return data
+
+
+def test_show_hides_secret_headers_and_fields_by_default(taskq: Run, secret_record: None) -> None:
+    data = shown(taskq)
+    headers, payload = data["headers"], data["payload"]
+    assert headers["authorization"] == "***" and headers["Cookie"] == "***"
+    assert headers["x-tenant"] == "acme"
+    assert headers["x-note"] == "\\x1b[2Jclear"  # control characters are still escaped
+    assert payload["auth"] == {"user": "ann", "password": "***"}
+    assert payload["api_token"] == "***"
+    assert payload["extra"] == {"Session-Secret": "***", "note": "\x1b[31mred"}
+    assert payload["card"] == {"number": "4111-1111", "holder": "Ann"}
+
+    text = taskq("dlq", "show", "0")
+    assert text.returncode == 0, text.stderr
+    assert not [s for s in SECRETS if s in text.stdout], text.stdout
+    assert "\x1b" not in text.stdout and "authorization: ***" in text.stdout
+
+
+def test_show_redact_adds_fields_and_headers(taskq: Run, secret_record: None) -> None:
+    data = shown(taskq, "--redact", "card.number", "--redact", "X-TENANT")
+    assert data["payload"]["card"] == {"number": "***", "holder": "Ann"}
+    assert data["headers"]["x-tenant"] == "***"
+    assert data["payload"]["auth"]["password"] == "***"  # the defaults still apply
+    assert shown(taskq, "--redact", "card")["payload"]["card"] == "***"  # a whole record
+
+    bad = taskq("dlq", "show", "0", "--redact", "")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "must not be empty" in bad.stderr
+
+
+def test_the_default_redact_list_is_a_setting(taskq: Run, secret_record: None) -> None:
+    custom = shown(taskq, TASKQ_DLQ_REDACT="holder, x-*")
+    assert custom["payload"]["card"] == {"number": "4111-1111", "holder": "***"}
+    assert custom["headers"]["x-tenant"] == "***" and custom["headers"]["x-note"] == "***"
+    assert custom["payload"]["auth"]["password"] == "hunter2"  # the list replaces the defaults
+
+    everything = shown(taskq, TASKQ_DLQ_REDACT="")
+    assert everything["payload"]["api_token"] == "tok-123"
+    assert everything["headers"]["authorization"] == "Bearer abc-789"

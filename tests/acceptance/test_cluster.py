@@ -53,16 +53,18 @@ class Cluster:
     """A 3-node Kafka of compose/stack: its state dir, its ports, its bootstrap servers."""
 
     def __init__(self, state: Path) -> None:
-        # 3 client ports, then 3 controller ports, all consecutive (compose/stack's cluster layout).
+        # 3 client ports, then 3 controller ports, then 3 SASL_SSL ports, all consecutive (compose/stack's
+        # cluster layout).
         bases = random.sample(range(20000, 32000, 10), 50)
-        base = next((b for b in bases if all(_free(b + i) for i in range(2 * BROKERS))), None)
+        base = next((b for b in bases if all(_free(b + i) for i in range(3 * BROKERS))), None)
         if base is None:
-            pytest.fail("no 6 consecutive free ports for a 3-broker cluster")
+            pytest.fail("no 9 consecutive free ports for a 3-broker cluster")
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("TASKQ_")},
             "TASKQ_STACK_DIR": str(state),
             "TASKQ_STACK_KAFKA_PORT": str(base),
             "TASKQ_STACK_KAFKA_CONTROLLER_PORT": str(base + BROKERS),
+            "TASKQ_STACK_KAFKA_SASL_PORT": str(base + 2 * BROKERS),
         }
         self.bootstrap = ",".join(f"127.0.0.1:{base + i}" for i in range(BROKERS))
 

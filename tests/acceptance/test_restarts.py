@@ -36,6 +36,7 @@ STACK = REPO / "compose" / "stack"
 _PORTS = {
     "TASKQ_STACK_KAFKA_PORT": 9092,
     "TASKQ_STACK_KAFKA_CONTROLLER_PORT": 9093,
+    "TASKQ_STACK_KAFKA_SASL_PORT": 9102,
     "TASKQ_STACK_REGISTRY_PORT": 8081,
     "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT": 8082,
     "TASKQ_STACK_POSTGRES_PORT": 5432,
@@ -342,7 +343,7 @@ def test_a_long_lived_store_reports_a_postgres_restart_as_unavailable_and_then_r
     from taskq._core.errors import StoreUnavailableError
     from taskq.consumer.store import IdempotencyStore
 
-    store = IdempotencyStore(private_app.db, owner="restarts-test")
+    store = IdempotencyStore(private_app.db, owner="restarts-test", namespace=private_app.settings.namespace)
     try:
         for call in (store.counts, lambda: store.purge(3600), lambda: store.get("nothing")):
             assert call() in ({}, 0, None)  # a connection is open and idle

@@ -127,9 +127,11 @@ def test_a_task_that_kills_its_worker_every_time_ends_in_the_dlq_while_restarts_
         if not live:
             app.spawn("--concurrency", "2")  # the supervisor's restart
         time.sleep(0.2)
-    # Max attempts is 2: two workers died running it, the next claim counted a third attempt and parked it.
+    # Max attempts is 2: two workers died running it. Each restart took the key over from its dead
+    # predecessor as an interruption, not an attempt; the second interruption parked it unrun.
     assert deaths == 2, app.logs()
-    assert app.scalar("SELECT attempts FROM taskq_tasks WHERE idempotency_key = 'poison'") == 3
+    row = app.query("SELECT attempts, interruptions FROM taskq_tasks WHERE idempotency_key = 'poison'")
+    assert row == [{"attempts": 1, "interruptions": 2}], row
     wait_until(
         lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
         timeout=90,
@@ -142,8 +144,36 @@ def test_a_task_that_kills_its_worker_every_time_ends_in_the_dlq_while_restarts_
     finally:
         source.close()
     reason = (records[0].header("taskq-dlq-reason") or b"").decode()
-    assert "never finished" in reason, reason
+    assert "2 run(s) ended with their worker's death" in reason, reason
     assert any(w.proc.poll() is None for w in app.workers), "no worker survives the poison pill"
+
+
+def test_a_poison_pill_under_a_restarting_supervisor_reaches_the_dlq_within_a_minute(app: App) -> None:
+    # Die takes its whole worker process down (os._exit); 3 attempts. The supervisor restarts the process,
+    # which marks its dead predecessor dead at start, so the key is taken over as soon as its partition
+    # comes back, without waiting for a lease.
+    keys = [f"s{i}" for i in range(20)]
+    app.producer.enqueue(app.type("Die"), {"code": 9}, idempotency_key="poison", max_attempts=3)
+    for i, k in enumerate(keys):
+        app.producer.enqueue(app.type("Ledger"), {"key": k, "amount": i}, idempotency_key=f"ledger:{k}")
+    app.producer.flush(30)
+    supervisor = app.spawn("--processes", "2", "--concurrency", "2")
+
+    def state() -> str | None:
+        return app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = 'poison'")
+
+    wait_until(lambda: state() == "dead", timeout=60, what=f"the poison pill in the DLQ\n{app.logs()}")
+    row = app.query("SELECT attempts, interruptions, last_error FROM taskq_tasks WHERE idempotency_key = 'poison'")
+    assert (row[0]["attempts"], row[0]["interruptions"]) == (1, 3), row
+    assert "3 run(s) ended with their worker's death" in row[0]["last_error"], row
+    wait_until(
+        lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
+        timeout=90,
+        what=f"the other tasks\n{app.logs()}",
+    )
+    app.assert_once_each(keys)
+    assert supervisor.proc.poll() is None, app.logs()  # three deaths in a minute: below its give-up rule
+    assert supervisor.output().count("died after") == 3, app.logs()
 
 
 def test_an_always_failing_task_is_dead_lettered_then_replayed_once_after_the_fix(app: App) -> None:

@@ -25,6 +25,7 @@ def _stack(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProces
         for name in (
             "TASKQ_STACK_KAFKA_PORT",
             "TASKQ_STACK_KAFKA_CONTROLLER_PORT",
+            "TASKQ_STACK_KAFKA_SASL_PORT",
             "TASKQ_STACK_REGISTRY_PORT",
             "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT",
             "TASKQ_STACK_POSTGRES_PORT",

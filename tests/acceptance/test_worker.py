@@ -8,9 +8,10 @@ from collections import Counter
 from pathlib import Path
 
 from taskq._core.envelope import PRIORITIES
+from taskq.producer.admin import create_topics
 from taskq.producer.producer import TaskSpec
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import all_committed, wait_until
+from tests.acceptance.helpers import WorkerProcess, all_committed, wait_until
 
 
 def test_each_key_takes_effect_once_across_three_workers(app: App) -> None:
@@ -46,6 +47,116 @@ def test_kill_9_and_rebalances_keep_one_effect_per_key(app: App) -> None:
     wait_until(lambda: all_committed(app.settings), timeout=90, what="the group to commit every offset")
     app.assert_once_each(keys)
     assert third.proc.poll() is None, "a surviving worker died"
+
+
+def test_namespaces_sharing_a_database_each_run_their_own_task_of_one_key_once(app: App) -> None:
+    # A second namespace in the same database schema: its own topics, workers and task types.
+    other_settings = app.settings.with_namespace(f"{app.ns}.other")
+    create_topics(other_settings, partitions=3)
+    other = App(
+        other_settings,
+        lambda **env: app.env_of(**{"TASKQ_NAMESPACE": other_settings.namespace, **env}),
+        app.tmp_path / "other",
+    )
+    (app.tmp_path / "other").mkdir()
+    try:
+        for a in (app, other):
+            a.enqueue_ledger(["shared"], copies=2)  # idempotency key 'ledger:shared' in both namespaces
+            a.spawn("--concurrency", "2")
+        ran = lambda: app.scalar("SELECT count(*) FROM ledger WHERE key = 'shared'")  # noqa: E731
+        wait_until(lambda: ran() >= 2, timeout=90, what=f"both namespaces' tasks to run\n{app.logs()}")
+        for a in (app, other):
+            wait_until(lambda a=a: all_committed(a.settings), timeout=60, what=f"{a.ns} to commit")
+            for w in a.workers:
+                w.terminate()
+                assert w.wait(60) == 0, w.output()[-3000:]
+        assert ran() == 2  # once in each namespace
+        states = app.query("SELECT namespace, state, attempts FROM taskq_tasks ORDER BY namespace")
+        assert states == [
+            {"namespace": app.ns, "state": "completed", "attempts": 1},
+            {"namespace": other.ns, "state": "completed", "attempts": 1},
+        ]
+    finally:
+        other.close()
+
+
+def test_a_worker_keeps_a_liveness_record_while_it_runs_and_removes_it_on_a_clean_stop(app: App) -> None:
+    def record(w: WorkerProcess) -> dict[str, object] | None:
+        rows = app.query(
+            "SELECT namespace, worker_group, pid, concurrency, heartbeat_at, dead_at FROM taskq_workers "
+            "WHERE worker_id LIKE %s",
+            f"%:{w.proc.pid}:%",
+        )
+        return rows[0] if rows else None
+
+    stopped, killed = app.spawn("--concurrency", "2"), app.spawn("--concurrency", "3", "--no-forwarder")
+    first = wait_until(lambda: record(stopped), timeout=60, what=f"the liveness record\n{app.logs()}")
+    assert (first["namespace"], first["worker_group"], first["pid"], first["concurrency"]) == (
+        app.ns,
+        f"{app.ns}.workers",
+        stopped.proc.pid,
+        2,
+    )
+    wait_until(
+        lambda: (r := record(stopped)) is not None and r["heartbeat_at"] > first["heartbeat_at"],
+        timeout=15,
+        what="a heartbeat",
+    )
+    wait_until(lambda: record(killed), timeout=60, what="the second worker's record")
+    stopped.terminate()
+    assert stopped.wait(60) == 0, stopped.output()[-3000:]
+    assert record(stopped) is None  # a clean stop: every key was completed, failed or released
+    killed.kill()
+    late = record(killed)
+    assert late is not None and late["dead_at"] is None  # kept: it goes stale, and its keys are taken over
+    restarted = app.spawn("--concurrency", "1", "--no-forwarder")  # on the same host: the process is gone
+    wait_until(lambda: record(restarted), timeout=60, what="the restarted worker's record")
+    wait_until(
+        lambda: (r := record(killed)) is not None and r["dead_at"] is not None,
+        timeout=15,
+        what="the restarted worker to mark its dead predecessor",
+    )
+
+
+def test_keys_of_a_killed_worker_run_again_elsewhere_within_15_s_whatever_their_lease(app: App) -> None:
+    # Hold has no timeout: its keys are leased for 300 s (plus the claim wait). Max attempts 1: a task that
+    # was merely in flight, or claimed ahead, on the killed worker must not be dead-lettered for it.
+    keys = [f"h{i:02d}" for i in range(24)]
+    for k in keys:
+        app.producer.enqueue(app.type("Hold"), {"key": k, "seconds": 1.5}, idempotency_key=f"hold:{k}")
+    app.producer.flush(30)
+    first = app.spawn("--concurrency", "3", "--no-forwarder")
+    second = app.spawn("--concurrency", "3", "--no-forwarder")
+
+    def held_by(w: WorkerProcess) -> set[str]:
+        rows = app.query(
+            "SELECT idempotency_key FROM taskq_tasks WHERE state = 'running' AND lease_owner LIKE %s",
+            f"%:{w.proc.pid}:%",
+        )
+        return {r["idempotency_key"] for r in rows}
+
+    wait_until(lambda: held_by(first) and held_by(second), timeout=90, what=f"both workers to hold keys\n{app.logs()}")
+    first.kill()
+    held = held_by(first)
+    assert held
+
+    def moved_on() -> bool:
+        rows = app.query(
+            "SELECT idempotency_key, state, lease_owner FROM taskq_tasks WHERE idempotency_key = ANY(%s)",
+            sorted(held),
+        )
+        return all(r["state"] == "completed" or f":{first.proc.pid}:" not in (r["lease_owner"] or "") for r in rows)
+
+    wait_until(moved_on, timeout=15, what=f"another worker to take over {sorted(held)}\n{app.logs()}")
+    wait_until(
+        lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
+        timeout=120,
+        what=f"every Hold task\n{app.logs()}",
+    )
+    app.assert_once_each(keys)
+    states = app.query("SELECT state, count(*) AS n, max(attempts) AS attempts FROM taskq_tasks GROUP BY state")
+    assert states == [{"state": "completed", "n": len(keys), "attempts": 1}], states  # none dead-lettered
+    wait_until(lambda: all_committed(app.settings), timeout=60, what="the group to commit every offset")
 
 
 def test_tiers_share_one_slot_by_weight_without_starving_low(app: App) -> None:

@@ -106,8 +106,9 @@ def test_db_purge_deletes_finished_records_older_than_the_ttl_but_keeps_keys_in_
     assert worker.wait(60) == 0, worker.output()[-3000:]
     # A retryable key is not finished: purge must keep it whatever its age.
     app.query(
-        "INSERT INTO taskq_tasks (idempotency_key, task_id, task_type, state, attempts, updated_at)"
-        " VALUES ('retrying', 't', %s, 'failed', 1, now() - interval '1 day') RETURNING idempotency_key",
+        "INSERT INTO taskq_tasks (namespace, idempotency_key, task_id, task_type, state, attempts, updated_at)"
+        " VALUES (%s, 'retrying', 't', %s, 'failed', 1, now() - interval '1 day') RETURNING idempotency_key",
+        app.ns,
         app.type("Ledger"),
     )
 

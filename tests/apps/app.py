@@ -31,6 +31,9 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Fragile": [{"name": "key", "type": "string"}],
         "RejectProc": [{"name": "code", "type": "int"}],
         "Flaky": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
+        "Tick": [{"name": "note", "type": "string", "default": ""}],
+        "Ordered": [{"name": "account", "type": "string"}, {"name": "seq", "type": "long"}],
+        "Hold": [{"name": "key", "type": "string"}, {"name": "seconds", "type": "double"}],
     }
     return {
         name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()
@@ -45,6 +48,10 @@ CREATE TABLE IF NOT EXISTS ledger (
     priority text NOT NULL, worker int NOT NULL
 );
 CREATE TABLE IF NOT EXISTS broken (key text PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS ticks (slot text NOT NULL, worker int NOT NULL);
+CREATE TABLE IF NOT EXISTS ordered_log (
+    n bigserial PRIMARY KEY, account text NOT NULL, seq bigint NOT NULL, worker int NOT NULL
+);
 CREATE TABLE IF NOT EXISTS attempt_log (
     key text NOT NULL, attempt int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""  # no unique constraint on key: a duplicate effect must be visible, not refused
@@ -94,6 +101,16 @@ def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:
     )
 
 
+@handlers.task(f"{NS}.Hold", schema=S["Hold"], transactional=True, max_attempts=1)
+def hold(payload: dict[str, Any], ctx: TaskContext) -> None:
+    # No timeout: its key is leased for the worker's default lease (300 s), however long that is.
+    time.sleep(payload["seconds"])
+    ctx.db.execute(
+        "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
+        (payload["key"], ctx.task_id, ctx.priority, os.getpid()),
+    )
+
+
 @handlers.task(f"{NS}.Die", schema=S["Die"], timeout=1, max_attempts=2)
 def die_in_worker(payload: dict[str, Any], ctx: TaskContext) -> None:
     os._exit(payload["code"])  # takes the whole worker down: a poison pill unless attempts are counted first
@@ -113,3 +130,23 @@ def fragile(payload: dict[str, Any], ctx: TaskContext) -> None:
 @handlers.task(f"{NS}.RejectProc", schema=S["RejectProc"], max_attempts=5, isolation="process")
 def reject_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
     raise Reject(f"code {payload['code']} can never be processed")
+
+
+@handlers.task(f"{NS}.Tick", schema=S["Tick"], transactional=True)
+def tick(payload: dict[str, Any], ctx: TaskContext) -> None:
+    ctx.db.execute("INSERT INTO ticks (slot, worker) VALUES (%s, %s)", (ctx.idempotency_key, os.getpid()))
+
+
+# Only the periodic test's workers schedule it (TASKQ_TEST_PERIODIC=<interval>).
+if os.environ.get("TASKQ_TEST_PERIODIC"):
+    handlers.periodic(every=os.environ["TASKQ_TEST_PERIODIC"], payload={"note": "tick"})(tick)
+
+
+@handlers.task(f"{NS}.Ordered", schema=S["Ordered"], transactional=True, ordered=True)
+def ordered(payload: dict[str, Any], ctx: TaskContext) -> None:
+    if payload["seq"] % 7 == 3 and ctx.attempt == 1:  # an injected failure: retried in place
+        raise RuntimeError(f"{payload['account']}#{payload['seq']}: first attempt fails")
+    ctx.db.execute(
+        "INSERT INTO ordered_log (account, seq, worker) VALUES (%s, %s, %s)",
+        (payload["account"], payload["seq"], os.getpid()),
+    )

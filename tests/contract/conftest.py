@@ -51,14 +51,28 @@ def stores(kind: str, request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any
     """Two stores over one table, as two workers (owners 'a' and 'b') see it."""
     if kind == "memory":
         a = InMemoryStore(owner="a")
-        yield a, InMemoryStore(owner="b", rows=a.rows)
+        yield a, InMemoryStore(owner="b", rows=a.rows, workers=a.workers)
         return
     s = _settings(request)
     db = Database(s.database_url, schema=s.database_schema)
-    a, b = IdempotencyStore(db, owner="a"), IdempotencyStore(db, owner="b")
+    a, b = IdempotencyStore(db, owner="a", namespace=s.namespace), IdempotencyStore(db, owner="b", namespace=s.namespace)
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.fixture
+def namespaces(kind: str, request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
+    """Two stores of two namespaces ('x' with owner 'a', 'y' with owner 'b') sharing one database."""
+    if kind == "memory":
+        yield InMemoryStore(owner="a", namespace="x"), InMemoryStore(owner="b", namespace="y")
+        return
+    s = _settings(request)
+    db = Database(s.database_url, schema=s.database_schema)
+    x, y = IdempotencyStore(db, owner="a", namespace="x"), IdempotencyStore(db, owner="b", namespace="y")
+    yield x, y
+    x.close()
+    y.close()
 
 
 @pytest.fixture
@@ -78,6 +92,6 @@ def replay_log(kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
         yield InMemoryStore(owner="dlq")
         return
     s = _settings(request)
-    log = PostgresReplayLog(Database(s.database_url, schema=s.database_schema))
+    log = PostgresReplayLog(Database(s.database_url, schema=s.database_schema), namespace=s.namespace)
     yield log
     log.close()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
-from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError
+from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, WorkerRecord
 from tests.acceptance.helpers import wait_until
 
 
@@ -122,3 +124,94 @@ def test_a_renewed_lease_outlives_its_first_term_and_a_lost_one_is_not_renewed(s
     assert a.renew([("gone", 1, 30.0)]) == set()
     (held,) = b.claim([req("k")])
     assert held.outcome == "running" and held.lease_left > 10
+
+
+def test_namespaces_sharing_a_database_keep_their_own_record_of_a_key(namespaces: tuple[Any, Any]) -> None:
+    x, y = namespaces
+    (in_x,) = x.claim([req("k")])
+    (in_y,) = y.claim([req("k")])  # the same key in another namespace is another task: it runs there too
+    assert (in_x.outcome, in_x.attempts) == (in_y.outcome, in_y.attempts) == ("claimed", 1)
+    assert x.finish([Finished("k", 1, "completed")]) == set()
+    assert y.finish([Finished("k", 1, "dead", error="boom")]) == set()
+    assert (x.get("k")["state"], y.get("k")["state"]) == ("completed", "dead")
+    assert x.counts() == {"completed": 1} and y.counts() == {"dead": 1}
+    assert x.reset_for_replay("k") is False and y.reset_for_replay("k") is True
+    assert x.purge(-60) == 1  # x's record only
+    assert x.get("k") is None and y.get("k")["state"] == "failed"
+    (again,) = y.claim([req("k")])
+    assert (again.outcome, again.attempts) == ("claimed", 1)
+    assert y.finish([Finished("k", 1, "failed", error="again")]) == set()
+    (retry,) = y.claim([req("k")])
+    assert retry.attempts == 2 and x.retries() == (0, 0) and y.retries() == (1, 1)
+
+
+def worker(owner: str, pid: int = 1_000_001, host: str = "host-1", later: float = 0.0) -> WorkerRecord:
+    return WorkerRecord(owner, "ns", "ns.workers", host, pid, 4, datetime.now(UTC) + timedelta(seconds=later))
+
+
+def test_a_key_leased_by_a_worker_whose_heartbeat_is_stale_is_taken_over_as_an_interruption(
+    stores: tuple[Any, Any],
+) -> None:
+    a, b = stores
+    a.enter(worker("a"), lambda pid: True)
+    a.claim([req("k", lease=300)])
+    b.stale_after = 0.3  # seconds; a beats no more
+    (held,) = b.claim([req("k")])
+    assert held.outcome == "running"  # a's heartbeat is fresh
+    taken = wait_until(
+        lambda: next((c for c in b.claim([req("k")]) if c.outcome == "claimed"), None),
+        timeout=10,
+        what="a's heartbeat to go stale",
+    )
+    # Not charged an attempt: the same attempt runs again, counted as an interruption.
+    assert (taken.attempts, taken.interruptions) == (1, 1)
+    assert a.finish([Finished("k", 1, "completed")]) == {"k"}  # presumed dead: a records nothing
+    row = b.get("k")
+    assert (row["lease_owner"], row["attempts"], row["interruptions"]) == ("b", 1, 1)
+    assert b.finish([Finished("k", 1, "dead", error="x")]) == set()
+    assert b.reset_for_replay("k") and b.get("k")["interruptions"] == 0
+
+
+def test_a_worker_that_beats_keeps_its_keys_and_its_own_stale_record_never_frees_them_for_itself(
+    stores: tuple[Any, Any],
+) -> None:
+    a, b = stores
+    a.enter(worker("a"), lambda pid: True)
+    a.claim([req("k", lease=300)])
+    a.stale_after = b.stale_after = 0.3
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        a.beat(worker("a"), 1)
+        assert [c.outcome for c in b.claim([req("k")])] == ["running"]
+        time.sleep(0.1)
+    time.sleep(0.5)  # a's record goes stale; a itself still holds its key (a redelivered copy waits)
+    assert [c.outcome for c in a.claim([req("k")])] == ["running"]
+
+
+def test_keys_of_a_worker_without_a_liveness_record_wait_for_their_lease(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    a.enter(worker("a"), lambda pid: True)
+    a.leave("a")  # a clean stop: the record goes
+    a.claim([req("k", lease=300)])
+    b.stale_after = 0.01
+    time.sleep(0.2)
+    (held,) = b.claim([req("k")])
+    assert held.outcome == "running" and held.lease_left > 250
+
+
+def test_a_starting_worker_marks_dead_the_gone_processes_of_its_host_and_takes_their_keys_at_once(
+    stores: tuple[Any, Any],
+) -> None:
+    a, b = stores
+    a.enter(worker("a", pid=111), lambda pid: True)
+    a.claim([req("k", lease=300)])
+    a.enter(worker("other-host", pid=111, host="host-2"), lambda pid: True)
+    a.enter(worker("younger", pid=333, later=3600), lambda pid: True)
+    marked = b.enter(worker("b", pid=222, later=1), lambda pid: pid == 222)
+    # Pid 111 is gone from host-1; host-2's pid 111 is not ours to judge, nor a worker started after b.
+    assert marked == {"a"}
+    (taken,) = b.claim([req("k")])
+    assert (taken.outcome, taken.attempts, taken.interruptions) == ("claimed", 1, 1)
+    assert b.enter(worker("b", pid=222, later=1), lambda pid: pid == 222) == set()  # marked once
+    a.beat(worker("a", pid=111), 0)  # a was alive after all: its record revives, its lost lease stays lost
+    assert a.finish([Finished("k", 1, "completed")]) == {"k"}

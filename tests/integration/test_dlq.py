@@ -19,6 +19,7 @@ from taskq._core.kafka import Admin, Record, Sink, Source
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import DeadLetters, DlqRecordNotFoundError
 from taskq.consumer.events import DuplicateSkipped
+from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.routing import dead_letter_record
 from taskq.consumer.store import ClaimRequest, Finished, IdempotencyStore
 from taskq.consumer.worker import Worker, WorkerConfig
@@ -26,6 +27,7 @@ from taskq.producer.producer import TaskProducer
 from taskq.schemas import Registry
 from taskq.testing import RecordingHook
 from tests.acceptance.helpers import wait_until
+from tests.rawkafka import produce_raw
 
 FIELDS = [{"name": "to", "type": "string"}, {"name": "n", "type": "int"}]
 
@@ -50,7 +52,7 @@ def dlq(settings: Settings) -> Iterator[DeadLetters]:
 
 @pytest.fixture
 def store(settings: Settings) -> Iterator[IdempotencyStore]:
-    s = IdempotencyStore(Database(settings.database_url, schema=settings.database_schema), owner="w")
+    s = IdempotencyStore(Database(settings.database_url, schema=settings.database_schema), owner="w", namespace=settings.namespace)
     yield s
     s.close()
 
@@ -253,6 +255,21 @@ def test_garbage_is_listed_but_refused_on_replay(
     assert [r.offset for r in dlq.list()] == [0]
 
 
+def test_a_dlq_record_whose_header_key_is_not_utf8_is_listed_shown_and_refused(
+    settings: Settings, store: IdempotencyStore, dlq: DeadLetters, email_type: str
+) -> None:
+    dead_letter(settings, store, email_type, 1)
+    dlq_topic = Topics(settings.namespace).dlq
+    produce_raw(settings.bootstrap_servers, dlq_topic, 0, key=None, value=b"v", headers=[(b"\xff\xfe", b"x")])
+    listed = dlq.list()
+    assert [r.offset for r in listed] == [0, 1]
+    assert listed[1].envelope_error and "not valid UTF-8" in listed[1].envelope_error
+    assert dlq.show(1).value == b"v"
+    results = dlq.replay(all=True)
+    assert [(r.offset, r.replayed) for r in results] == [(0, True), (1, False)]
+    assert results[1].refused and results[1].refused.startswith("not a task")
+
+
 def test_replay_names_missing_offsets_and_replays_nothing(
     settings: Settings, store: IdempotencyStore, dlq: DeadLetters, email_type: str
 ) -> None:
@@ -357,3 +374,33 @@ def test_list_reaches_the_end_past_a_transaction_marker(
     sink.commit()
     records = dlq.list()
     assert [r.offset for r in records] == [only.offset, only.offset + 1]
+
+
+def test_depth_counts_records_not_the_forwarders_transaction_markers(
+    settings: Settings, dlq: DeadLetters, store: IdempotencyStore, email_type: str
+) -> None:
+    # The forwarder dead-letters in transactions, and each commit marker takes an offset of the DLQ:
+    # two records then span three offsets. The depth is the records, and stays right as the DLQ grows.
+    dead_letter(settings, store, email_type, 1)
+    sink = Sink(settings)  # not a task, on a delay topic: the forwarder dead-letters it
+    delay_topic = Topics(settings.namespace, settings.delay_tiers).delay_topics[0]
+    sink.send(delay_topic, b"\x01garbage", key=None, headers=[])
+    assert sink.flush(30) == 0
+    forwarder = Forwarder(settings)
+    forwarder.start()
+    try:
+        wait_until(lambda: forwarder.step() >= 1, timeout=60, what="the forwarder's DLQ record")
+    finally:
+        forwarder.close()
+    dlq_tp = (Topics(settings.namespace).dlq, 0)
+    assert Admin(settings).end_offsets([dlq_tp[0]])[dlq_tp] == 3  # two records and a commit marker
+    assert [r.reason.split(":")[0] for r in dlq.list()] == [
+        "failed 3 attempt(s)",
+        "bad envelope on a delay topic",
+    ]
+    assert dlq.depth() == 2
+    assert REGISTRY.get_sample_value("taskq_dlq_depth") == 2
+
+    dlq.replay([0])
+    publish_garbage(settings)  # read on from where the last count stopped
+    assert dlq.depth() == 2

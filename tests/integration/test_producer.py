@@ -490,3 +490,23 @@ def test_a_task_the_broker_never_takes_surfaces_on_flush_and_on_wait(
         producer.flush(30)  # each failure is reported once: nothing is left to raise
     finally:
         producer.close(5)
+
+
+def test_a_task_the_broker_never_takes_surfaces_on_flush_without_a_delivery_hook(
+    settings: Settings, email_type: str
+) -> None:
+    # Without a hook and without wait, records carry no callback of their own: the sink reports failures.
+    orphan = settings.with_namespace(settings.namespace + "y")
+    producer = TaskProducer(orphan, kafka_config={"message.timeout.ms": 1500})
+    try:
+        first = producer.enqueue(email_type, {"to": "a@example.com", "n": 1})
+        second = producer.enqueue(email_type, {"to": "b@example.com", "n": 2})
+        with pytest.raises(DeliveryError) as raised:
+            producer.flush(30)
+        assert sorted(task_id for task_id, _ in raised.value.failures) == sorted(
+            [first.task_id, second.task_id]
+        )
+        assert all(err for _, err in raised.value.failures)
+        producer.flush(30)  # each failure is reported once
+    finally:
+        producer.close(5)

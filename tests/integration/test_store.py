@@ -46,19 +46,21 @@ def _terminate(db: Database, pid: int) -> None:
 
 
 def test_named_queries_return_a_row_rows_and_a_row_count(db: Database) -> None:
-    assert db.one("get", key="nothing") is None
+    assert db.one("get", namespace="ns", key="nothing") is None
     rows = db.all(
-        "claim", keys=["a", "b"], task_ids=["1", "2"], task_types=["t", "t"], leases=[60.0, 60.0], owner="w"
+        "claim", namespace="ns", stale_after=10.0, keys=["a", "b"], task_ids=["1", "2"], task_types=["t", "t"], leases=[60.0, 60.0], owner="w"
     )
     assert sorted((r["idempotency_key"], r["outcome"], r["attempts"]) for r in rows) == [
         ("a", "claimed", 1),
         ("b", "claimed", 1),
     ]
-    row = db.one("get", key="a")
+    row = db.one("get", namespace="ns", key="a")
     assert row is not None and (row["state"], row["lease_owner"]) == ("running", "w")
-    assert db.all("counts") == [{"state": "running", "n": 2}]
-    db.all("fail", keys=["a", "b"], attempts=[1, 1], states=["dead", "dead"], errors=["x", "y"], owner="w")
-    assert db.execute("purge", ttl_seconds=-60, batch=10, keep=[]) == 2
+    assert db.all("counts", namespace="ns") == [{"state": "running", "n": 2}]
+    db.all(
+        "fail", namespace="ns", keys=["a", "b"], attempts=[1, 1], states=["dead", "dead"], errors=["x", "y"], owner="w"
+    )
+    assert db.execute("purge", namespace="ns", ttl_seconds=-60, batch=10, keep=[]) == 2
 
 
 def test_a_transaction_commits_on_a_clean_exit_and_rolls_back_on_an_error(db: Database) -> None:
@@ -113,7 +115,7 @@ def test_a_driver_error_becomes_store_unavailable_naming_the_query_without_the_p
     unmigrated = Database(base_settings.database_url, schema="t" + uuid.uuid4().hex[:10])
     try:
         with pytest.raises(StoreUnavailableError) as info:
-            Store(unmigrated).counts()
+            Store(unmigrated).counts("ns")
     finally:
         unmigrated.close()
     assert "'counts'" in str(info.value) and "taskq_tasks" in str(info.value)
@@ -131,43 +133,44 @@ def test_a_driver_error_becomes_store_unavailable_naming_the_query_without_the_p
 def test_an_unreachable_database_is_store_unavailable_without_the_password(url: str) -> None:
     db = Database(url)
     with pytest.raises(StoreUnavailableError) as info:
-        db.one("counts")
+        db.one("counts", namespace="ns")
     assert "127.0.0.1" in str(info.value) and "s3cret-pw" not in str(info.value)
     assert isinstance(info.value.__cause__, psycopg.OperationalError)
 
 
 def test_the_kept_connection_is_dropped_after_it_breaks_and_the_next_query_reconnects(db: Database) -> None:
-    assert db.all("counts") == []
+    assert db.all("counts", namespace="ns") == []
     pid = _backend_pid(db)
     _terminate(db, pid)
     with pytest.raises(StoreUnavailableError, match="'counts'") as info:
-        db.all("counts")
+        db.all("counts", namespace="ns")
     assert isinstance(info.value.__cause__, psycopg.OperationalError)
     assert db._conn is None
-    assert db.all("counts") == []
+    assert db.all("counts", namespace="ns") == []
     assert _backend_pid(db) != pid
 
 
 def test_the_store_records_claims_and_outcomes_under_the_owners_lease(db: Database) -> None:
     store = Store(db)
-    claims = store.claim("w1", [ClaimRequest("a", "1", "t", 60), ClaimRequest("b", "2", "t", 60)])
+    requests = [ClaimRequest("a", "1", "t", 60), ClaimRequest("b", "2", "t", 60)]
+    claims = store.claim("ns", "w1", requests, stale_after=10.0)
     assert [(c.idempotency_key, c.outcome, c.attempts) for c in claims] == [
         ("a", "claimed", 1),
         ("b", "claimed", 1),
     ]
-    [held] = store.claim("w2", [ClaimRequest("a", "1", "t", 60)])
+    [held] = store.claim("ns", "w2", [ClaimRequest("a", "1", "t", 60)], stale_after=10.0)
     assert held.outcome == "running" and 0 < held.lease_left <= 60
-    assert store.complete("w2", [Finished("a", 1, "completed")]) == set()  # not w2's lease
-    assert store.complete("w1", [Finished("a", 1, "completed", result={"ok": True})]) == {"a"}
-    assert store.fail("w1", [Finished("b", 1, "dead", error="boom")]) == {"b"}
-    row = store.get("a")
+    assert store.complete("ns", "w2", [Finished("a", 1, "completed")]) == set()  # not w2's lease
+    assert store.complete("ns", "w1", [Finished("a", 1, "completed", result={"ok": True})]) == {"a"}
+    assert store.fail("ns", "w1", [Finished("b", 1, "dead", error="boom")]) == {"b"}
+    row = store.get("ns", "a")
     assert row is not None and (row["state"], row["result"]) == ("completed", {"ok": True})
-    assert store.counts() == {"completed": 1, "dead": 1}
-    assert store.reset_for_replay("b") and not store.reset_for_replay("a")
-    [again] = store.claim("w2", [ClaimRequest("b", "2", "t", 60)])
+    assert store.counts("ns") == {"completed": 1, "dead": 1}
+    assert store.reset_for_replay("ns", "b") and not store.reset_for_replay("ns", "a")
+    [again] = store.claim("ns", "w2", [ClaimRequest("b", "2", "t", 60)], stale_after=10.0)
     assert (again.outcome, again.attempts) == ("claimed", 1)
-    assert store.retries() == (0, 0)
-    assert store.purge(-60, batch=10) == 1  # the completed key; b runs again
+    assert store.retries("ns") == (0, 0)
+    assert store.purge("ns", -60, batch=10) == 1  # the completed key; b runs again
     granted, left = store.take_tokens("ns:*:*", rate=10, capacity=5, want=3)
     assert (granted, left) == (3, 2)
 
@@ -185,7 +188,7 @@ def _effects(db: Database) -> list[str]:
 
 
 def test_a_handler_transaction_commits_its_writes_with_the_completion(effects: Database) -> None:
-    store = IdempotencyStore(effects, owner="w1")
+    store = IdempotencyStore(effects, owner="w1", namespace="ns")
     try:
         [claim] = store.claim([ClaimRequest("k", "1", "t", 60)])
         with store.transaction("k", claim.attempts, result=7) as conn:
@@ -198,10 +201,10 @@ def test_a_handler_transaction_commits_its_writes_with_the_completion(effects: D
 
 
 def test_a_handler_transaction_whose_lease_was_taken_over_rolls_back(effects: Database) -> None:
-    store = IdempotencyStore(effects, owner="w1")
+    store = IdempotencyStore(effects, owner="w1", namespace="ns")
     try:
         store.claim([ClaimRequest("k", "1", "t", 0.0)])  # a lease that has expired already
-        [taken] = IdempotencyStore(effects, owner="w2").claim([ClaimRequest("k", "1", "t", 60)])
+        [taken] = IdempotencyStore(effects, owner="w2", namespace="ns").claim([ClaimRequest("k", "1", "t", 60)])
         assert (taken.outcome, taken.attempts) == ("claimed", 2)
         with pytest.raises(LeaseLostError), store.transaction("k", 1) as conn:
             conn.execute("INSERT INTO effects (id) VALUES ('k')")
@@ -213,7 +216,7 @@ def test_a_handler_transaction_whose_lease_was_taken_over_rolls_back(effects: Da
 
 
 def test_a_thread_keeps_its_handler_connection_and_replaces_a_broken_one(effects: Database) -> None:
-    store = IdempotencyStore(effects, owner="w1")
+    store = IdempotencyStore(effects, owner="w1", namespace="ns")
     try:
         store.claim([ClaimRequest(k, k, "t", 60) for k in ("a", "b", "c")])
         with pytest.raises(ValueError), store.transaction("a", 1) as conn:
@@ -239,7 +242,7 @@ def _plan(db: Database, name: str, **params: object) -> str:
     """EXPLAIN of a named query on the kept connection (the one the worker's claims and completions use)."""
     from taskq._core.db import queries
 
-    db.all("counts")  # open the kept connection
+    db.all("counts", namespace="ns")  # open the kept connection
     assert db._conn is not None
     rows = db._conn.execute("EXPLAIN " + queries()[name], params).fetchall()
     return "\n".join(str(next(iter(r.values()))) for r in rows)
@@ -251,12 +254,12 @@ def test_claims_and_completions_reach_rows_by_key_on_a_new_unanalyzed_table(db: 
     store = Store(db)
     for b in range(8):
         keys = [f"k{b}-{i}" for i in range(500)]
-        store.claim("w", [ClaimRequest(k, k, "t", 60.0) for k in keys])
-        store.complete("w", [Finished(k, 1, "completed") for k in keys])
+        store.claim("ns", "w", [ClaimRequest(k, k, "t", 60.0) for k in keys], stale_after=10.0)
+        store.complete("ns", "w", [Finished(k, 1, "completed") for k in keys])
     keys = [f"new-{i}" for i in range(500)]
-    claim = _plan(db, "claim", keys=keys, task_ids=keys, task_types=keys, leases=[60.0] * 500, owner="w")
-    complete = _plan(db, "complete", keys=keys, attempts=[1] * 500, results=[None] * 500, owner="w")
-    fail = _plan(db, "fail", keys=keys, attempts=[1] * 500, states=["dead"] * 500, errors=[""] * 500, owner="w")
+    claim = _plan(db, "claim", namespace="ns", stale_after=10.0, keys=keys, task_ids=keys, task_types=keys, leases=[60.0] * 500, owner="w")
+    complete = _plan(db, "complete", namespace="ns", keys=keys, attempts=[1] * 500, results=[None] * 500, owner="w")
+    fail = _plan(db, "fail", namespace="ns", keys=keys, attempts=[1] * 500, states=["dead"] * 500, errors=[""] * 500, owner="w")
     for plan in (claim, complete, fail):
         assert "Seq Scan on taskq_tasks" not in plan, plan
         assert "Join Filter" not in plan, plan  # a nested loop comparing every key with every row
@@ -267,7 +270,7 @@ def _group_store(db: Database) -> IdempotencyStore:
     with db.connection() as conn:
         # Deferred: a duplicate is found only at commit, which is how a commit can fail after every member ran.
         conn.execute("CREATE TABLE group_effects (k text, CONSTRAINT once UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)")
-    store = IdempotencyStore(db, owner="w")
+    store = IdempotencyStore(db, owner="w", namespace="ns")
     store.claim([ClaimRequest(k, k, "t", 60.0) for k in ("a", "b", "c")])
     return store
 
@@ -318,10 +321,46 @@ def test_a_failed_group_commit_leaves_no_effect_and_no_completion(db: Database) 
 def test_a_group_whose_member_lost_its_lease_records_nothing(db: Database) -> None:
     store = _group_store(db)
     store.release([("b", 1)])
-    IdempotencyStore(db, owner="other").claim([ClaimRequest("b", "b", "t", 60.0)])
+    IdempotencyStore(db, owner="other", namespace="ns").claim([ClaimRequest("b", "b", "t", 60.0)])
     members = [Member("a", 1, _insert("a")), Member("b", 1, _insert("b"))]
     with pytest.raises(LeaseLostError) as lost:
         store.run_group(members)
     assert lost.value.keys == {"b"}
     assert _group_effects(db) == [] and store.get("a")["state"] == "running"
     store.close()
+
+
+def test_migrating_keeps_older_records_under_the_namespace_of_the_migrating_process(
+    base_settings: Settings,
+) -> None:
+    # A database as 0002 left it: records keyed by idempotency key alone.
+    from taskq._core.db import migrations
+
+    db = Database(base_settings.database_url, schema="t" + uuid.uuid4().hex[:10])
+    try:
+        with db.connection() as conn:
+            conn.execute(f'CREATE SCHEMA "{db.schema}"')
+            conn.execute(
+                "CREATE TABLE taskq_migrations (version integer PRIMARY KEY, name text NOT NULL, "
+                "applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            for version, name, sql in migrations()[:2]:
+                conn.execute(sql.encode())
+                conn.execute("INSERT INTO taskq_migrations (version, name) VALUES (%s, %s)", (version, name))
+            conn.execute(
+                "INSERT INTO taskq_tasks (idempotency_key, task_id, task_type, state, attempts) "
+                "VALUES ('done', 't1', 't', 'completed', 1), ('dead', 't2', 't', 'dead', 3)"
+            )
+        assert "0003_tasks_by_namespace" in db.migrate(namespace="shop")
+        shop, other = (IdempotencyStore(db, owner="w", namespace=ns) for ns in ("shop", "other"))
+        assert shop.counts() == {"completed": 1, "dead": 1} and other.counts() == {}
+        assert shop.reset_for_replay("dead") and shop.get("dead")["attempts"] == 0
+        claims = shop.claim([ClaimRequest("done", "t3", "t", 60), ClaimRequest("dead", "t4", "t", 60)])
+        # Kept: 'done' is not run again, and the replayed 'dead' starts over.
+        assert [(c.outcome, c.attempts) for c in claims] == [("completed", 1), ("claimed", 1)]
+        assert [c.outcome for c in other.claim([ClaimRequest("done", "t5", "t", 60)])] == ["claimed"]
+        shop.close()
+        other.close()
+    finally:
+        db.close()
+        db.drop_schema()

@@ -3,12 +3,16 @@ contiguous commits and bounded buffering."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
+
+import pytest
 
 from taskq import Handlers
 from taskq._core.db import Database
@@ -23,12 +27,13 @@ from taskq.consumer.events import (
     PartitionsRevoked,
     TaskCompleted,
 )
-from taskq.consumer.routing import DLQ_OFFSET, DLQ_REASON
+from taskq.consumer.routing import DLQ_OFFSET, DLQ_REASON, DLQ_TOPIC
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.producer import TaskProducer, TaskSpec
 from taskq.schemas import Registry, avro
 from taskq.testing import RecordingHook
 from tests.acceptance.helpers import wait_until
+from tests.rawkafka import produce_raw
 
 ID_FIELDS = [{"name": "id", "type": "string"}]
 
@@ -158,6 +163,45 @@ def test_bad_input_goes_to_the_dlq_with_its_reason_and_the_worker_moves_on(
         record = by_name[name]
         assert reason in (record.header(DLQ_REASON) or b"").decode(), (name, record.header(DLQ_REASON))
         assert record.value == value, name  # the original bytes, untouched
+
+
+@pytest.mark.partitions(1)
+def test_a_header_key_that_is_not_utf8_is_dead_lettered_on_a_tier_and_a_delay_topic(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    ns = settings.namespace
+    schema = task_schema("Job", ID_FIELDS)
+    schema_id = _register(settings, schema)
+    topics = Topics(ns, settings.delay_tiers)
+    body = avro.frame(schema_id, avro.encode(avro.parse(schema), {"id": "bad"}))
+    env = Envelope(task_id="bad", task_type=f"{ns}.Job", idempotency_key="bad", priority="normal")
+    # No client library writes such a key (they all encode header keys as UTF-8): a raw Produce request.
+    headers = [(k.encode(), v) for k, v in env.to_headers()] + [(b"\xff\xfe", b"x")]
+    tier, delay = topics.tier("normal"), topics.delay(settings.delay_tiers[0])
+    for topic in (tier, delay):
+        produce_raw(settings.bootstrap_servers, topic, 0, key=b"bad", value=body, headers=headers)
+    with TaskProducer(settings) as producer:  # good tasks behind them, now and delayed
+        for i in range(3):
+            producer.enqueue(f"{ns}.Job", {"id": f"now{i}"})
+            producer.enqueue(f"{ns}.Job", {"id": f"later{i}"}, delay=timedelta(seconds=1))
+
+    seen: list[str] = []
+    h = Handlers()
+
+    @h.task(f"{ns}.Job", schema=schema)
+    def job(payload: dict[str, Any], ctx: Any) -> None:
+        seen.append(payload["id"])
+
+    with caplog.at_level(logging.ERROR, logger="taskq"), running(h, settings) as (_, events):
+        events.count(TaskCompleted, 6)
+        dlq = _read_all(settings, topics.dlq, 1, want=2)
+    assert sorted(seen) == sorted([f"now{i}" for i in range(3)] + [f"later{i}" for i in range(3)])
+    assert sorted((r.header(DLQ_TOPIC) or b"").decode() for r in dlq) == sorted([tier, delay])
+    for record in dlq:
+        reason = (record.header(DLQ_REASON) or b"").decode()
+        assert "bad envelope" in reason and "not valid UTF-8" in reason, reason
+        assert record.value == body
+    assert not [r for r in caplog.records if r.name.startswith("taskq")], caplog.text  # no restart, no crash
 
 
 # ------------------------------------------------------------------------------------------- schema evolution

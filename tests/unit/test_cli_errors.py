@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from taskq import cli
+from taskq._core.errors import KafkaAuthenticationError
+from taskq._core.service import run_in_thread
+from taskq._core.settings import Settings
+from taskq.consumer.forwarder import Forwarder
+from taskq.testing import InMemoryBroker
 
 
 def test_a_bad_argument_is_one_line_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["worker", "tests.apps.app:handlers", "--weights", "8,4,two,1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "taskq: error: --weights must be integers, got '8,4,two,1'"
+
+
+def test_a_heartbeat_staleness_too_short_for_the_heartbeat_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["worker", "tests.apps.app:handlers", "--stale-after", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "taskq: error: stale_after must be at least twice heartbeat_interval (3.0 s), got 5.0"
 
 
 def test_a_bad_setting_is_one_line_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,3 +69,40 @@ def test_a_handlers_module_that_cannot_be_imported_is_one_line(
     assert cli.main(["worker", "brokenapp:handlers"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot import brokenapp" in err and named in err
+
+
+class _RefusingBroker(InMemoryBroker):
+    """Kafka refusing the credentials, as the clients' error callback reports it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attempts = 0
+        self.stop: Callable[[], None] = lambda: None
+
+    def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> Any:
+        self.attempts += 1
+        if self.attempts > 1:
+            self.stop()  # a forwarder that starts over would do so for ever: end it here
+        raise KafkaAuthenticationError("Kafka refused the connection: SASL authentication error")
+
+
+def test_the_forwarder_stops_on_refused_credentials_instead_of_restarting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = _RefusingBroker()
+    forwarder = Forwarder(Settings(namespace="unit"), broker=broker)
+    broker.stop = forwarder.stop
+    with pytest.raises(KafkaAuthenticationError):
+        forwarder.run()  # starting over cannot fix the settings
+    assert broker.attempts == 1
+
+    # In a worker it stops with one line, no traceback: the worker's own clients meet the same refusal.
+    broker = _RefusingBroker()
+    forwarder = Forwarder(Settings(namespace="unit"), broker=broker)
+    broker.stop = forwarder.stop
+    thread = run_in_thread(forwarder, "forwarder")
+    thread.join(10)
+    assert not thread.is_alive()
+    stopped = [r for r in caplog.records if r.name == "taskq.forwarder" and "forwarder stopped" in r.message]
+    assert len(stopped) == 1 and stopped[0].exc_info is None, caplog.text
+    assert "Kafka refused the connection" in stopped[0].message

@@ -3,7 +3,7 @@ worker and the forwarder carry on with the good tasks behind them."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -187,3 +187,50 @@ def test_a_dlq_listing_with_a_limit_reads_no_further_than_one_fetch() -> None:
         assert [r.reason for r in dlq.list(limit=2)] == ["r0", "r1"]
         assert q.broker.fetched - before <= 500
         assert len(dlq.list()) == 2000
+
+
+def test_tasks_behind_a_long_delay_that_are_due_sooner_are_not_held_back_by_it() -> None:
+    handlers, ran = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        ran.append((payload["n"], q.clock.offset))
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        # One partition (one key), the 1 h tier: three tasks due in 3 h, then 100 due in 55 min behind them.
+        for n in range(3):
+            q.producer.enqueue("unit.Job", {"n": n}, key="k", delay=timedelta(hours=3))
+        for n in range(3, 103):
+            q.producer.enqueue("unit.Job", {"n": n}, key="k", delay=timedelta(minutes=55))
+        q.run_until_idle()
+        waited = dict(ran)
+        assert sorted(waited) == list(range(103))
+        # The clock's offset counts from before the enqueues (which took real milliseconds): allow a second.
+        assert all(55 * 60 - 1 <= waited[n] <= 56 * 60 for n in range(3, 103))  # on time, not after the heads
+        assert all(
+            3 * 3600 - 1 <= waited[n] <= 3 * 3600 + 60 for n in range(3)
+        )  # and the long ones not early
+
+
+def test_at_takes_a_due_time() -> None:
+    handlers, ran = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        ran.append((payload["n"], q.clock.offset))
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        now = datetime.fromtimestamp(q.clock.time(), UTC)
+        q.producer.enqueue("unit.Job", {"n": 1}, at=now + timedelta(hours=3))
+        q.producer.enqueue("unit.Job", {"n": 2}, at=now - timedelta(days=2))  # in the past: runs now
+        for bad, problem in [
+            ({"at": datetime(2030, 1, 1)}, "timezone-aware"),
+            ({"at": now, "delay": 5}, "not both"),
+            ({"at": now + timedelta(days=400)}, "maximum of 365 days"),
+        ]:
+            with pytest.raises(InvalidTaskError, match=problem) as raised:
+                q.producer.enqueue("unit.Job", {"n": 3}, **bad)  # type: ignore[arg-type]
+            assert "\n" not in str(raised.value)
+        q.run_until_idle()
+        waited = dict(ran)
+        assert waited[2] < 1 and 3 * 3600 - 1 <= waited[1] <= 3 * 3600 + 60

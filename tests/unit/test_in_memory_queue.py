@@ -64,3 +64,35 @@ def test_the_operators_loop_on_the_fakes_dead_letter_fix_replay_once() -> None:
         assert forced.already_completed
         q.run_until_idle()
         assert sent == ["a@example.com"]  # and a forced one has no second effect
+
+
+ORDERED = {
+    "type": "record",
+    "name": "Step",
+    "namespace": "unit",
+    "fields": [{"name": "account", "type": "string"}, {"name": "seq", "type": "long"}],
+}
+
+
+def test_ordered_tasks_of_a_key_take_effect_in_enqueue_order_through_retries() -> None:
+    handlers = Handlers()
+    effects: list[tuple[str, int]] = []
+    failed_once: set[tuple[str, int]] = set()
+
+    @handlers.task("unit.Step", schema=ORDERED, ordered=True)
+    def step(payload: dict[str, Any], ctx: TaskContext) -> None:
+        item = (payload["account"], payload["seq"])
+        if payload["seq"] % 4 == 1 and item not in failed_once:
+            failed_once.add(item)
+            raise RuntimeError("the partner API said 503")
+        effects.append(item)
+
+    with InMemoryQueue(handlers, concurrency=8) as q:
+        for seq in range(12):
+            for account in ("a", "b", "c"):
+                q.producer.enqueue("unit.Step", {"account": account, "seq": seq}, key=account)
+        q.run_until_idle()
+        assert q.dead_letters == []
+    assert len(failed_once) == 9  # seq 1, 5 and 9 of each account failed once and ran again
+    for account in ("a", "b", "c"):
+        assert [seq for acc, seq in effects if acc == account] == list(range(12))

@@ -12,10 +12,12 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError
 
 from taskq import PayloadValidationError, Settings, derive_idempotency_key
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
-from taskq._core.kafka import LIBRDKAFKA_LOG, base_config
+from taskq._core.errors import KafkaAuthenticationError
+from taskq._core.kafka import LIBRDKAFKA_LOG, base_config, consumer_config, producer_config
 from taskq.schemas import DecodeError, avro
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,7 +225,41 @@ def test_settings_from_env_passes_taskq_kafka_variables_through_to_librdkafka():
         "sasl.username": "svc",
         "ssl.ca.location": "/etc/ca.pem",
     }
-    assert base_config(s) == {"bootstrap.servers": s.bootstrap_servers, "logger": LIBRDKAFKA_LOG, **s.kafka}
+    conf = base_config(s)
+    assert conf == {
+        "bootstrap.servers": s.bootstrap_servers,
+        "logger": LIBRDKAFKA_LOG,
+        "error_cb": conf["error_cb"],
+        **s.kafka,
+    }
+
+
+@pytest.mark.parametrize("protocol", ["consumer", "classic"])
+def test_every_client_config_carries_the_kafka_settings(protocol: str) -> None:
+    # Producers (the forwarder's transactional one too), consumers (the worker's, the forwarder's, the DLQ
+    # reader's) and the admin client are all built from these, so TASKQ_KAFKA_* reaches every one.
+    env = {"TASKQ_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "TASKQ_KAFKA_SASL_PASSWORD": "pw"}
+    s = Settings.from_env({**env, "TASKQ_GROUP_PROTOCOL": protocol})
+    for conf in (base_config(s), producer_config(s), consumer_config(s, group="g")):
+        assert conf["security.protocol"] == "SASL_SSL" and conf["sasl.password"] == "pw"
+        assert conf["error_cb"] is base_config(s)["error_cb"]
+
+
+@pytest.mark.parametrize(
+    ("code", "text"),
+    [
+        (KafkaError._AUTHENTICATION, "SASL authentication error: Authentication failed (password=hunter2)"),
+        (KafkaError._SSL, "SSL handshake failed: certificate verify failed"),
+    ],
+)
+def test_every_client_raises_when_kafka_refuses_its_settings(code: int, text: str) -> None:
+    # librdkafka retries a refused login for ever; the error callback of every client (producer, consumer,
+    # admin, forwarder, DLQ tools all start from base_config) raises it instead, in the call that serves it.
+    on_error = base_config(Settings())["error_cb"]
+    with pytest.raises(KafkaAuthenticationError, match="Kafka refused the connection") as refused:
+        on_error(KafkaError(code, text))
+    assert "hunter2" not in str(refused.value)
+    on_error(KafkaError(KafkaError._TRANSPORT, "1/1 brokers are down"))  # retried by the client: no raise
 
 
 def test_settings_from_env_refuses_kafka_variables_that_would_break_a_guarantee():

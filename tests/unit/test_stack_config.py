@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import socket
+import ssl
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -100,7 +104,7 @@ def test_config_comes_from_the_mapping_given(tmp_path: Path, stack: ModuleType) 
     assert cfg.cache == tmp_path / "xdg" / "kafka-taskq"
     assert cfg.m2 == tmp_path / "m2"
     assert cfg.timeout == 7.5
-    assert (cfg.kafka_port, cfg.kafka_controller_port) == (29092, 29093)
+    assert (cfg.kafka_port, cfg.kafka_controller_port, cfg.kafka_sasl_port) == (29092, 29093, 29102)
     assert (cfg.registry_port, cfg.registry_management_port, cfg.postgres_port) == (28081, 28082, 25432)
     assert (cfg.java, cfg.java21, cfg.java_home) == ("/opt/jdk17/bin/java", "/opt/jdk21/bin/java", "/opt/jdk")
     assert cfg.path == "/nowhere"
@@ -112,7 +116,7 @@ def test_config_comes_from_the_mapping_given(tmp_path: Path, stack: ModuleType) 
     s = stack.Stack(cfg)
     [kafka] = s.kafkas
     assert [s.postgres.port, kafka.port, s.registry.port] == [25432, 29092, 28081]
-    assert kafka.ports() == [29092, 29093] and s.registry.ports() == [28081, 28082]
+    assert kafka.ports() == [29092, 29093, 29102] and s.registry.ports() == [28081, 28082]
     assert s.postgres.record_path == cfg.state / "run" / "postgres.json"
     assert kafka.libs.is_relative_to(tmp_path / "xdg" / "kafka-taskq")
     assert s.registry.home.parent == tmp_path / "xdg" / "kafka-taskq"
@@ -127,10 +131,22 @@ def test_defaults(tmp_path: Path, stack: ModuleType) -> None:
     assert cfg.timeout == 180.0
     assert (cfg.postgres_port, cfg.kafka_port, cfg.kafka_controller_port) == (15432, 19092, 19093)
     assert (cfg.registry_port, cfg.registry_management_port) == (18081, 18082)
+    assert cfg.kafka_sasl_port == 19102  # the Kafka port + 10
     assert (cfg.java, cfg.java21, cfg.java_home) == (None, None, None)
 
 
-@pytest.mark.parametrize("name", ["TASKQ_STACK_POSTGRES_PORT", "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT"])
+def test_the_sasl_port_follows_the_kafka_port_unless_set(stack: ModuleType) -> None:
+    assert (
+        stack.StackConfig.from_env({"HOME": "/", "TASKQ_STACK_KAFKA_PORT": "23092"}).kafka_sasl_port == 23102
+    )
+    cfg = stack.StackConfig.from_env({"HOME": "/", "TASKQ_STACK_KAFKA_SASL_PORT": "24000"})
+    assert (cfg.kafka_port, cfg.kafka_sasl_port) == (19092, 24000)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["TASKQ_STACK_POSTGRES_PORT", "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT", "TASKQ_STACK_KAFKA_SASL_PORT"],
+)
 def test_a_bad_port_is_named(stack: ModuleType, name: str) -> None:
     with pytest.raises(stack.StackError, match=f"{name}='x' is not a port number"):
         stack.StackConfig.from_env({"HOME": "/", name: "x"})
@@ -176,9 +192,9 @@ def test_three_brokers_take_consecutive_ports_and_replicate_everything_three_tim
     s = stack.Stack(stack.StackConfig.from_env(env), 3)
     # The default controller port (19093) is among the client ports: the controllers come after them.
     assert [(k.name, k.ports()) for k in s.kafkas] == [
-        ("kafka-1", [19092, 19095]),
-        ("kafka-2", [19093, 19096]),
-        ("kafka-3", [19094, 19097]),
+        ("kafka-1", [19092, 19095, 19102]),
+        ("kafka-2", [19093, 19096, 19103]),
+        ("kafka-3", [19094, 19097, 19104]),
     ]
     assert s.names == ["postgres", "kafka-1", "kafka-2", "kafka-3", "registry"]
     assert s.closure(["kafka"]) == ["kafka-1", "kafka-2", "kafka-3"]
@@ -200,7 +216,11 @@ def test_three_brokers_take_consecutive_ports_and_replicate_everything_three_tim
 
     # A controller port clear of the client ports is kept.
     cfg = stack.StackConfig.from_env({**env, **PORTS, "TASKQ_STACK_KAFKA_CONTROLLER_PORT": "39000"})
-    assert [k.ports() for k in stack.Stack(cfg, 3).kafkas] == [[29092, 39000], [29093, 39001], [29094, 39002]]
+    assert [k.ports() for k in stack.Stack(cfg, 3).kafkas] == [
+        [29092, 39000, 29102],
+        [29093, 39001, 29103],
+        [29094, 39002, 29104],
+    ]
 
 
 def test_the_state_dir_remembers_its_cluster_size(
@@ -240,3 +260,167 @@ def test_a_bad_cluster_command_is_one_line(
         stack.main(argv, {**os.environ, "TASKQ_STACK_DIR": str(tmp_path)})
     assert exited.value.code == 2
     assert capsys.readouterr().err == f"stack: error: {message}\n"
+
+
+def test_the_sasl_ssl_listener_is_configured_and_exported_once_it_runs(
+    tmp_path: Path, stack: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    environ = {**os.environ, **PORTS, "TASKQ_STACK_DIR": str(tmp_path / "state")}
+    [kafka] = stack.Stack(stack.StackConfig.from_env(environ)).kafkas
+    assert kafka.tls == tmp_path / "state" / "kafka" / "tls"  # one broker: where it always was
+    kafka.write_props()
+    assert "SASL_SSL" not in kafka.props.read_text()  # without openssl: PLAINTEXT only
+
+    kafka.sasl = True
+    kafka.write_props()
+    props = dict(
+        line.split("=", 1) for line in kafka.props.read_text().splitlines() if "=" in line and line[0] != "#"
+    )
+    assert props["listeners"].split(",") == [
+        "PLAINTEXT://127.0.0.1:29092",
+        "CONTROLLER://127.0.0.1:29093",
+        "SASL_SSL://127.0.0.1:29102",
+    ]
+    assert props["advertised.listeners"] == "PLAINTEXT://127.0.0.1:29092,SASL_SSL://127.0.0.1:29102"
+    assert props["inter.broker.listener.name"] == "PLAINTEXT"  # brokers and controller stay as they were
+    assert props["listener.name.sasl_ssl.sasl.enabled.mechanisms"] == "SCRAM-SHA-512"
+    assert props["listener.name.sasl_ssl.ssl.keystore.location"] == str(kafka.tls / "broker.pem")
+
+    # `env` tells the listener only once a broker that has it runs and the SCRAM user exists.
+    kafka.write_record()
+    kafka.save_sasl_user("s3cret")
+    assert stack.main(["env"], environ) == 0
+    assert capsys.readouterr().out.splitlines()[3:] == [
+        "export TASKQ_STACK_SASL_BOOTSTRAP=127.0.0.1:29102",
+        f"export TASKQ_STACK_SASL_CA={kafka.tls / 'ca.pem'}",
+        "export TASKQ_STACK_SASL_USERNAME=taskq",
+        "export TASKQ_STACK_SASL_PASSWORD=s3cret",
+    ]
+    kafka.sasl = False
+    kafka.write_record()  # a broker started without the listener
+    assert stack.main(["env"], environ) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_the_broker_certificate_verifies_for_127_0_0_1_against_the_ca(
+    tmp_path: Path, stack: ModuleType
+) -> None:
+    tls = tmp_path / "tls"
+    stack.make_tls(shutil.which("openssl"), tls)
+    made = (tls / "broker.pem").read_bytes()
+    stack.make_tls(shutil.which("openssl"), tls)
+    assert (tls / "broker.pem").read_bytes() == made  # made once, kept across starts
+    assert sorted(p.name for p in tls.iterdir()) == ["broker.pem", "ca.pem"]  # no CA key left to sign with
+    assert (tls / "broker.pem").stat().st_mode & 0o077 == 0  # it holds the broker's key
+
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(tls / "broker.pem")  # the key and the chain, in the one PEM file Kafka reads
+    client = ssl.create_default_context(cafile=str(tls / "ca.pem"))
+    a, b = socket.socketpair()
+    with a, b:
+        served: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                with server.wrap_socket(a, server_side=True):
+                    pass
+            except (OSError, ssl.SSLError) as exc:
+                served.append(exc)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        with client.wrap_socket(b, server_hostname="127.0.0.1") as tls_socket:
+            assert tls_socket.version() is not None  # the handshake verified the chain and the address
+        t.join(10)
+    assert not served
+
+
+def test_every_node_of_a_cluster_has_its_own_sasl_ssl_listener_and_all_are_exported(
+    tmp_path: Path, stack: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    environ = {**os.environ, **PORTS, "TASKQ_STACK_DIR": str(tmp_path)}
+    s = stack.Stack(stack.StackConfig.from_env(environ), 3)
+    assert [k.sasl_port for k in s.kafkas] == [29102, 29103, 29104]  # the SASL port + k - 1
+    for k in s.kafkas:
+        k.sasl = True
+        props = _props(k)
+        c = k.controller_port
+        assert props["listeners"] == (
+            f"PLAINTEXT://127.0.0.1:{k.port},CONTROLLER://127.0.0.1:{c},SASL_SSL://127.0.0.1:{k.sasl_port}"
+        )
+        assert props["advertised.listeners"] == (
+            f"PLAINTEXT://127.0.0.1:{k.port},SASL_SSL://127.0.0.1:{k.sasl_port}"
+        )
+        assert props["listener.security.protocol.map"] == (
+            "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL"
+        )
+        # One CA and broker certificate and one SCRAM user, beside the nodes, for the whole cluster.
+        keystore = props["listener.name.sasl_ssl.ssl.keystore.location"]
+        assert keystore == str(tmp_path / "kafka-tls" / "broker.pem")
+        assert (k.tls, k.credentials) == (tmp_path / "kafka-tls", tmp_path / "kafka-sasl-user.json")
+
+    (tmp_path / "kafka.brokers").write_text("3\n")
+    for k in s.kafkas:
+        k.write_record()
+    s.kafkas[0].save_sasl_user("s3cret")
+    assert stack.main(["env"], environ) == 0
+    assert capsys.readouterr().out.splitlines()[3:] == [
+        "export TASKQ_STACK_SASL_BOOTSTRAP=127.0.0.1:29102,127.0.0.1:29103,127.0.0.1:29104",
+        f"export TASKQ_STACK_SASL_CA={tmp_path / 'kafka-tls' / 'ca.pem'}",
+        "export TASKQ_STACK_SASL_USERNAME=taskq",
+        "export TASKQ_STACK_SASL_PASSWORD=s3cret",
+    ]
+
+
+def _formats(
+    stack: ModuleType, kafkas: list[object], monkeypatch: pytest.MonkeyPatch
+) -> dict[str, list[str]]:
+    """Prepare `kafkas` together as `up` does, StorageTool stubbed: the arguments each node formats with."""
+    formats: dict[str, list[str]] = {}
+
+    def tool(self: object, main_class: str, *args: str) -> object:
+        formats[self.name] = list(args)  # type: ignore[attr-defined]
+        (self.data / "meta.properties").write_text("")  # type: ignore[attr-defined]
+        return stack.subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(stack.Kafka, "tool", tool)
+    monkeypatch.setattr(stack.Kafka, "ensure_libs", lambda self: None)
+    monkeypatch.setattr(stack, "find_java", lambda *args, **kwargs: ("java", 17))
+    monkeypatch.setattr(stack, "which", lambda *args, **kwargs: None)  # no openssl: no certificates to make
+    threads = [threading.Thread(target=k.prepare) for k in kafkas]  # type: ignore[attr-defined]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return formats
+
+
+def test_a_new_cluster_formats_every_node_with_one_cluster_id_and_one_scram_password(
+    tmp_path: Path, stack: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = stack.StackConfig.from_env({**PORTS, "HOME": str(tmp_path), "TASKQ_STACK_DIR": str(tmp_path)})
+    s = stack.Stack(cfg, 3)
+    formats = _formats(stack, s.kafkas, monkeypatch)
+    assert sorted(formats) == ["kafka-1", "kafka-2", "kafka-3"]
+    username, password = s.kafkas[0].sasl_user()
+    cluster_id = (tmp_path / "kafka-cluster.id").read_text().strip()
+    for name, args in formats.items():
+        assert args[:3] == ["format", "-t", cluster_id], name
+        assert args[-2:] == ["--add-scram", f"SCRAM-SHA-512=[name={username},password={password}]"], name
+    assert (tmp_path / "kafka-sasl-user.json").stat().st_mode & 0o077 == 0
+
+
+def test_a_node_joining_older_storage_leaves_the_scram_user_to_after_ready(
+    tmp_path: Path, stack: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # kafka-1 and kafka-3 were formatted before the SASL_SSL listener existed; kafka-2's data was removed.
+    cfg = stack.StackConfig.from_env({**PORTS, "HOME": str(tmp_path), "TASKQ_STACK_DIR": str(tmp_path)})
+    s = stack.Stack(cfg, 3)
+    for k in (s.kafkas[0], s.kafkas[2]):
+        k.data.mkdir(parents=True)
+        (k.data / "meta.properties").write_text("")
+    formats = _formats(stack, s.kafkas, monkeypatch)
+    assert list(formats) == ["kafka-2"]
+    assert "--add-scram" not in formats["kafka-2"]  # the quorum's metadata decides; a password here would lie
+    assert s.kafkas[1].sasl_user() is None  # so after_ready adds the user once the nodes answer

@@ -5,13 +5,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from taskq import Handlers, TaskContext
 from taskq._core.envelope import Envelope
 from taskq._core.settings import Settings
 from taskq.consumer.events import Event, TaskCompleted
-from taskq.consumer.store import ClaimRequest
+from taskq.consumer.store import ClaimRequest, WorkerRecord
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.admin import topic_specs
 from taskq.producer.producer import TaskProducer
@@ -104,6 +105,30 @@ def test_a_task_whose_attempts_never_reported_is_dead_lettered_as_a_poison_pill(
         assert runs == []
         (dead,) = q.dead_letters
         assert dead.error_type == "taskq.PoisonPill" and dead.attempts == 3
+
+
+def test_keys_of_a_dead_worker_run_at_once_uncharged_unless_their_runs_keep_killing_workers() -> None:
+    handlers, runs = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB, max_attempts=1)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        runs.append((payload["n"], ctx.attempt))
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        # Another worker leased both keys for 300 s, then died; "pill" had already killed one worker before.
+        ghost = InMemoryStore(owner="ghost", clock=q.clock.time, rows=q.store.rows, workers=q.store.workers)
+        ghost.enter(WorkerRecord("ghost", "unit", "unit.workers", "h", 1, 4, datetime.now(UTC)), lambda pid: True)
+        ghost.claim([ClaimRequest(k, "t", "unit.Job", 300.0) for k in ("healthy", "pill")])
+        q.store.rows["pill"].interruptions = 1
+        q.clock.advance(11)  # the ghost's heartbeat is stale: no lease waited out
+        q.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="healthy")
+        q.producer.enqueue("unit.Job", {"n": 2}, idempotency_key="pill")
+        q.run_until_idle()
+        assert runs == [(1, 1)]  # taken over as the same attempt: max_attempts=1 still lets it run
+        assert (q.store.get("healthy")["state"], q.store.get("healthy")["interruptions"]) == ("completed", 1)
+        (dead,) = q.dead_letters
+        assert dead.idempotency_key == "pill" and dead.error_type == "taskq.PoisonPill"
+        assert "2 run(s) ended with their worker's death" in dead.reason
 
 
 def test_an_attempt_that_lost_its_lease_records_nothing_and_the_new_holder_decides() -> None:

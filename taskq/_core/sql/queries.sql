@@ -19,32 +19,48 @@ ON CONFLICT (name) DO UPDATE SET
 RETURNING last_granted AS granted, tokens, rate;
 
 -- name: claim
--- Claim idempotency keys for one attempt each, in one round trip. A key is claimed when it is new, failed,
--- dead (replayed), or running under an expired lease; claiming counts the attempt before the task runs, so a
--- task that kills its worker still uses up its attempts. Rows of completed keys and of keys leased by a live
--- worker come back with their state so the worker can skip or hold them.
+-- Claim idempotency keys of one namespace for one attempt each, in one round trip. A key is claimed when it
+-- is new, failed, dead (replayed), running under an expired lease, or running under the lease of a worker
+-- presumed dead: its liveness record is stale or marked dead (invariant 9). Claiming counts the attempt
+-- before the task runs, so a task that kills its worker still uses up its attempts; but a run taken over
+-- from a dead worker is counted as an interruption, not as an attempt (a worker holds the keys it claimed
+-- ahead too, and those never ran): it keeps its attempt number. Taking over stays safe if the owner was in
+-- fact alive, since only the lease holder's current attempt may complete. Rows of completed keys and of
+-- keys leased by a live worker come back with their state so the worker can skip or hold them.
 WITH input AS (
     SELECT * FROM unnest(%(keys)s::text[], %(task_ids)s::text[], %(task_types)s::text[], %(leases)s::float8[])
         AS i(idempotency_key, task_id, task_type, lease_seconds)
+), dead_workers AS MATERIALIZED (
+    -- A few rows, one per worker: read once per statement, never per key.
+    SELECT worker_id FROM taskq_workers
+    WHERE dead_at IS NOT NULL OR heartbeat_at < clock_timestamp() - %(stale_after)s * interval '1 second'
 ), claimed AS (
     INSERT INTO taskq_tasks AS t
-        (idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at, updated_at)
-    SELECT idempotency_key, task_id, task_type, 'running', 1, %(owner)s,
+        (namespace, idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at, updated_at)
+    SELECT %(namespace)s, idempotency_key, task_id, task_type, 'running', 1, %(owner)s,
            clock_timestamp() + lease_seconds * interval '1 second', clock_timestamp()
     FROM input
-    ON CONFLICT (idempotency_key) DO UPDATE SET
+    ON CONFLICT (namespace, idempotency_key) DO UPDATE SET
         state = 'running',
-        attempts = t.attempts + 1,
+        attempts = CASE WHEN t.state = 'running' AND t.lease_owner <> %(owner)s
+                             AND t.lease_owner IN (SELECT worker_id FROM dead_workers)
+                        THEN t.attempts ELSE t.attempts + 1 END,
+        interruptions = CASE WHEN t.state = 'running' AND t.lease_owner <> %(owner)s
+                                  AND t.lease_owner IN (SELECT worker_id FROM dead_workers)
+                             THEN t.interruptions + 1 ELSE t.interruptions END,
         task_id = EXCLUDED.task_id,
         lease_owner = EXCLUDED.lease_owner,
         lease_expires_at = EXCLUDED.lease_expires_at,
         updated_at = EXCLUDED.updated_at
-    WHERE t.state IN ('failed', 'dead') OR (t.state = 'running' AND t.lease_expires_at < clock_timestamp())
-    RETURNING t.idempotency_key, t.attempts
+    WHERE t.state IN ('failed', 'dead')
+       OR (t.state = 'running' AND t.lease_expires_at < clock_timestamp())
+       OR (t.state = 'running' AND t.lease_owner <> %(owner)s AND t.lease_owner IN (SELECT worker_id FROM dead_workers))
+    RETURNING t.idempotency_key, t.attempts, t.interruptions
 )
 SELECT i.idempotency_key,
        CASE WHEN c.idempotency_key IS NOT NULL THEN 'claimed' ELSE t.state END AS outcome,
        COALESCE(c.attempts, t.attempts) AS attempts,
+       COALESCE(c.interruptions, t.interruptions) AS interruptions,
        t.lease_owner,
        EXTRACT(EPOCH FROM t.lease_expires_at - clock_timestamp()) AS lease_left
 FROM input i
@@ -53,8 +69,8 @@ LEFT JOIN claimed c ON c.idempotency_key = i.idempotency_key
 -- the lookup a subquery of its own). A plain join is planned as a scan of the whole table while the table
 -- is new and unanalyzed, and such a plan is kept while the table grows.
 LEFT JOIN LATERAL (
-    SELECT state, attempts, lease_owner, lease_expires_at FROM taskq_tasks k
-    WHERE k.idempotency_key = i.idempotency_key OFFSET 0
+    SELECT state, attempts, interruptions, lease_owner, lease_expires_at FROM taskq_tasks k
+    WHERE k.namespace = %(namespace)s AND k.idempotency_key = i.idempotency_key OFFSET 0
 ) t ON true;
 
 -- name: complete
@@ -66,7 +82,8 @@ UPDATE taskq_tasks t SET
 FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(results)s::jsonb[]) AS c(idempotency_key, attempts, result)
 -- Plan stability: `= ANY(keys)` makes the primary key the way in, whatever the statistics say; on a new,
 -- unanalyzed table the join alone was planned as a scan of the whole table per key.
-WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+  AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
@@ -78,7 +95,8 @@ FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(states)s::text[], %(errors)
     AS c(idempotency_key, attempts, state, error)
 -- Plan stability: `= ANY(keys)` makes the primary key the way in, whatever the statistics say; on a new,
 -- unanalyzed table the join alone was planned as a scan of the whole table per key.
-WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+  AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
@@ -90,7 +108,8 @@ UPDATE taskq_tasks t SET
     attempts = t.attempts - 1, lease_owner = NULL, lease_expires_at = clock_timestamp() - interval '1 microsecond',
     updated_at = clock_timestamp()
 FROM unnest(%(keys)s::text[], %(attempts)s::int[]) AS c(idempotency_key, attempts)
-WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+  AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
@@ -100,35 +119,63 @@ RETURNING t.idempotency_key;
 UPDATE taskq_tasks t SET
     lease_expires_at = clock_timestamp() + c.lease_seconds * interval '1 second', updated_at = clock_timestamp()
 FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(leases)s::float8[]) AS c(idempotency_key, attempts, lease_seconds)
-WHERE t.idempotency_key = ANY(%(keys)s::text[]) AND t.idempotency_key = c.idempotency_key
+WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+  AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
 -- name: reset_for_replay
 -- A DLQ replay starts the key's attempts over; a completed key stays completed (no second effect).
-UPDATE taskq_tasks SET attempts = 0, state = 'failed', updated_at = clock_timestamp()
-WHERE idempotency_key = %(key)s AND state = 'dead'
+UPDATE taskq_tasks SET attempts = 0, interruptions = 0, state = 'failed', updated_at = clock_timestamp()
+WHERE namespace = %(namespace)s AND idempotency_key = %(key)s AND state = 'dead'
 RETURNING idempotency_key;
 
 -- name: get
 -- One key's record; a plain read that takes no row locks and sees committed changes only.
-SELECT idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at, last_error, result,
-       created_at, updated_at, completed_at
-FROM taskq_tasks WHERE idempotency_key = %(key)s;
+SELECT idempotency_key, task_id, task_type, state, attempts, interruptions, lease_owner, lease_expires_at,
+       last_error, result, created_at, updated_at, completed_at
+FROM taskq_tasks WHERE namespace = %(namespace)s AND idempotency_key = %(key)s;
 
 -- name: purge
--- Forget finished keys older than the TTL, a bounded batch at a time so the table is never locked for long.
+-- Forget finished keys of one namespace older than the TTL, a bounded batch at a time so the table is never locked for long.
 -- Keys in `keep` (those of tasks still in the DLQ) are never forgotten: a replay must still find them.
 DELETE FROM taskq_tasks WHERE ctid IN (
     SELECT ctid FROM taskq_tasks
-    WHERE state IN ('completed', 'dead') AND updated_at < clock_timestamp() - %(ttl_seconds)s * interval '1 second'
+    WHERE namespace = %(namespace)s AND state IN ('completed', 'dead') AND updated_at < clock_timestamp() - %(ttl_seconds)s * interval '1 second'
       AND NOT (idempotency_key = ANY(%(keep)s::text[]))
     LIMIT %(batch)s
 );
 
 -- name: counts
--- Records per state, a snapshot: no locks, so it may trail concurrent claims.
-SELECT state, count(*) AS n FROM taskq_tasks GROUP BY state;
+-- Records of one namespace per state, a snapshot: no locks, so it may trail concurrent claims.
+SELECT state, count(*) AS n FROM taskq_tasks WHERE namespace = %(namespace)s GROUP BY state;
+
+-- name: worker_beat
+-- A worker's liveness record, written at its start and on every heartbeat: alive now, with this many tasks
+-- in flight. A record marked dead by mistake comes back to life (its lost leases stay lost).
+INSERT INTO taskq_workers AS w
+    (worker_id, namespace, worker_group, host, pid, concurrency, in_flight, started_at, heartbeat_at)
+VALUES (%(worker_id)s, %(namespace)s, %(group)s, %(host)s, %(pid)s, %(concurrency)s, %(in_flight)s,
+        %(started_at)s, clock_timestamp())
+ON CONFLICT (worker_id) DO UPDATE SET heartbeat_at = clock_timestamp(), in_flight = EXCLUDED.in_flight, dead_at = NULL;
+
+-- name: worker_leave
+-- A clean stop: the worker's liveness record goes (its keys were completed, failed or released).
+DELETE FROM taskq_workers WHERE worker_id = %(worker_id)s;
+
+-- name: workers_on_host
+-- The live-looking workers of a host started before a starting worker, for it to check whose process is gone.
+SELECT worker_id, pid FROM taskq_workers
+WHERE host = %(host)s AND worker_id <> %(worker_id)s AND started_at <= %(started_at)s AND dead_at IS NULL;
+
+-- name: workers_mark_dead
+-- Mark workers dead (their process is gone): the next claim of a key they leased takes it over.
+UPDATE taskq_workers SET dead_at = clock_timestamp() WHERE worker_id = ANY(%(worker_ids)s::text[]) AND dead_at IS NULL
+RETURNING worker_id;
+
+-- name: workers_prune
+-- Forget the liveness records of workers silent for longer than any lease lasts (killed, never removed).
+DELETE FROM taskq_workers WHERE heartbeat_at < clock_timestamp() - %(older_than)s * interval '1 second';
 
 -- name: dlq_replayed
 -- The replayed records of one DLQ topic, so listings can hide them.
@@ -149,6 +196,61 @@ WHERE %(force)s
 RETURNING replayed_at, replays;
 
 -- name: retries
--- Attempts beyond the first, over every worker: the retry count `taskq stats` shows across processes.
+-- Attempts beyond the first in one namespace, over every worker: the retry count `taskq stats` shows.
 SELECT count(*) FILTER (WHERE attempts > 1) AS tasks, COALESCE(sum(GREATEST(attempts - 1, 0)), 0) AS retries
-FROM taskq_tasks;
+FROM taskq_tasks WHERE namespace = %(namespace)s;
+
+-- name: outbox_stage
+-- Stage tasks in the outbox, on the application's connection and inside its transaction ({schema} is the
+-- project's schema, filled in as an identifier: that connection's search_path is the application's). The
+-- notification reaches listening relays when, and only if, the transaction commits.
+WITH staged AS (
+    INSERT INTO {schema}.taskq_outbox (namespace, topic, key, value, headers)
+    SELECT %(namespace)s, topic, key, value, headers
+    FROM unnest(%(topics)s::text[], %(keys)s::bytea[], %(values)s::bytea[], %(headers)s::jsonb[])
+        AS r(topic, key, value, headers)
+    RETURNING id
+)
+SELECT pg_notify('taskq_outbox', %(namespace)s) FROM (SELECT count(*) FROM staged) AS s;
+
+-- name: outbox_claim
+-- The oldest staged tasks of a namespace, locked for this relay's transaction; rows another relay holds are
+-- skipped, so relays publish disjoint batches.
+SELECT id, topic, key, value, headers, EXTRACT(EPOCH FROM clock_timestamp() - created_at) AS age
+FROM taskq_outbox WHERE namespace = %(namespace)s
+ORDER BY id LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: outbox_delete
+-- Forget published rows, in the transaction that claimed them.
+DELETE FROM taskq_outbox WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: outbox_backlog
+-- Rows waiting in a namespace's outbox and the age of the oldest: the relay's lag, for stats and metrics.
+SELECT count(*) AS n, COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0) AS oldest
+FROM taskq_outbox WHERE namespace = %(namespace)s;
+
+-- name: outbox_listen
+-- Wake a relay when a transaction that staged tasks commits (outbox_stage notifies).
+LISTEN taskq_outbox
+
+-- name: periodic_ensure
+-- Make sure a periodic task has its row (a new one has no last slot yet).
+INSERT INTO taskq_periodic (namespace, name) VALUES (%(namespace)s, %(name)s)
+ON CONFLICT (namespace, name) DO NOTHING;
+
+-- name: periodic_lock
+-- Lock a periodic task's row for this scheduler's transaction; no row if another scheduler holds it.
+SELECT last_slot FROM taskq_periodic WHERE namespace = %(namespace)s AND name = %(name)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: periodic_advance
+-- Record the last slot staged, in the transaction that staged it.
+UPDATE taskq_periodic SET last_slot = %(slot)s, schedule = %(schedule)s, catch_up = %(catch_up)s,
+    staged_at = clock_timestamp()
+WHERE namespace = %(namespace)s AND name = %(name)s;
+
+-- name: periodic_list
+-- Every periodic task of a namespace that a scheduler has seen, with its last slot.
+SELECT name, schedule, catch_up, last_slot, staged_at FROM taskq_periodic
+WHERE namespace = %(namespace)s ORDER BY name;

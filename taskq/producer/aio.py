@@ -1,0 +1,168 @@
+"""AsyncTaskProducer: TaskProducer's API for asyncio services, without blocking their event loop.
+
+Validation and encoding are CPU work of microseconds and run on the loop. Anything that can wait on I/O runs
+in a thread: fetching a task type's schema from the registry (first use, then once per schema TTL), a
+shared rate limit's round trip to Postgres, flush and close. Acknowledgements come from a thread that polls
+the Kafka client and settle asyncio futures on the loop, so `await enqueue(..., wait=True)` suspends only
+its own coroutine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import Any
+
+import psycopg
+
+from taskq._core.errors import KafkaAuthenticationError, ProducerClosedError
+from taskq._core.settings import Settings
+from taskq.producer.producer import Receipt, TaskProducer, TaskSpec, _settled
+
+__all__ = ["AsyncTaskProducer"]
+
+
+class AsyncTaskProducer:
+    """Enqueues typed tasks from asyncio code: `await enqueue(...)`, `await enqueue_many(...)`,
+    `await flush()`, `async with`. Takes TaskProducer's arguments and raises the same exceptions."""
+
+    def __init__(self, settings: Settings | None = None, **kwargs: Any) -> None:
+        self._producer = TaskProducer(settings, **kwargs)
+        self._stop = threading.Event()
+        # The futures of every enqueue waiting for acknowledgements, with their loops.
+        self._waiting: set[tuple[asyncio.AbstractEventLoop, tuple[asyncio.Future[Any], ...]]] = set()
+        self._poller = threading.Thread(target=self._poll, name="taskq-async-producer", daemon=True)
+        self._poller.start()
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> AsyncTaskProducer:
+        """A producer configured from TASKQ_* environment variables."""
+        return cls(Settings.from_env(), **kwargs)
+
+    @property
+    def producer(self) -> TaskProducer:
+        """The synchronous producer underneath (its settings, topics and registry)."""
+        return self._producer
+
+    def _poll(self) -> None:
+        # Serves delivery reports; the client releases the GIL while it waits.
+        while not self._stop.is_set():
+            try:
+                self._producer._sink.poll(0.1)
+            except KafkaAuthenticationError as exc:
+                # Refused credentials: who waits hears it now, as from TaskProducer, not when delivery
+                # times out; the thread goes on serving delivery reports.
+                for loop, futures in list(self._waiting):
+                    with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits them
+                        loop.call_soon_threadsafe(_fail, futures, exc)
+
+    async def enqueue(
+        self,
+        task_type: str,
+        payload: Mapping[str, Any],
+        *,
+        priority: str = "normal",
+        idempotency_key: str | None = None,
+        key: str | bytes | None = None,
+        delay: timedelta | float | datetime | None = None,
+        at: datetime | None = None,
+        max_attempts: int | None = None,
+        timeout: float | timedelta | None = None,
+        wait: bool = False,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+    ) -> Receipt:
+        """Enqueue one task (see TaskProducer.enqueue); with wait, until the broker acknowledges it; with
+        `conn` (an async psycopg connection in an open transaction), staged in the outbox through it."""
+        spec = TaskSpec(
+            task_type=task_type,
+            payload=payload,
+            priority=priority,
+            idempotency_key=idempotency_key,
+            key=key,
+            delay=delay,
+            at=at,
+            max_attempts=max_attempts,
+            timeout=timeout,
+        )
+        return (await self.enqueue_many([spec], wait=wait, conn=conn))[0]
+
+    async def enqueue_many(
+        self,
+        tasks: Iterable[TaskSpec],
+        *,
+        wait: bool = False,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+    ) -> list[Receipt]:
+        """Enqueue a batch: every task is validated first, so an invalid one means none is sent. With
+        `conn`, staged in the outbox inside that connection's transaction (see TaskProducer.enqueue_many)."""
+        producer = self._producer
+        specs = list(tasks)
+        loop = asyncio.get_running_loop()
+        if conn is not None:
+            producer._check_stageable(wait)
+        if producer._may_block(specs):
+            prepared = await loop.run_in_executor(None, producer._accept, specs)
+        else:
+            prepared = producer._accept(specs)
+        if conn is not None:
+            statement, params, receipts = producer._staged(prepared, specs)
+            try:
+                await conn.execute(statement, params)
+            except psycopg.Error as exc:
+                raise producer._stage_failed(exc) from exc
+            return receipts
+        if not wait:
+            return producer._send(prepared, specs, None)
+        futures: list[asyncio.Future[tuple[Receipt, str | None]]] = [loop.create_future() for _ in specs]
+
+        def settle(i: int, receipt: Receipt, err: str | None) -> None:
+            # Called by the polling thread (or by a poll on the loop): hand the outcome to the loop.
+            try:
+                loop.call_soon_threadsafe(_resolve, futures[i], (receipt, err))
+            except RuntimeError:  # the loop is closed: nobody awaits this future any more
+                pass
+
+        producer._send(prepared, specs, settle)
+        waiting = (loop, tuple(futures))
+        self._waiting.add(waiting)
+        try:
+            return _settled(await asyncio.gather(*futures))
+        finally:
+            self._waiting.discard(waiting)
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until every accepted task is acknowledged; DeliveryError lists any the broker refused."""
+        await asyncio.get_running_loop().run_in_executor(None, self._producer.flush, timeout)
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Flush, then release the Kafka client and the polling thread."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._producer.close, timeout)
+        finally:
+            self._stop.set()
+            await asyncio.get_running_loop().run_in_executor(None, self._poller.join)
+
+    async def __aenter__(self) -> AsyncTaskProducer:
+        if self._stop.is_set():
+            raise ProducerClosedError()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+def _fail(futures: tuple[asyncio.Future[Any], ...], exc: BaseException) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(exc)
+
+
+def _resolve(future: asyncio.Future[tuple[Receipt, str | None]], outcome: tuple[Receipt, str | None]) -> None:
+    if not future.done():  # a cancelled waiter leaves its future done
+        future.set_result(outcome)
