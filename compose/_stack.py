@@ -1,15 +1,24 @@
 """Run kafka-taskq's services (PostgreSQL, Kafka, Apicurio Registry) as local processes, without Docker.
 
-    compose/stack up                    start what is not running, wait until all answer, print exports
+    compose/stack up [--brokers N]      start what is not running, wait until all answer, print exports
     compose/stack down                  stop what this stack started (pid files in the state dir)
     compose/stack status                one line per service; exit 0 if all run, 3 otherwise
-    compose/stack start|stop|restart SERVICE   one of: postgres, kafka, registry
+    compose/stack start|stop|restart SERVICE   one of: postgres, kafka, registry, and kafka-1..kafka-N
+    compose/stack kill SERVICE          SIGKILL it (a hard crash, for failure tests); `start` brings it back
     compose/stack env                   print the export lines without starting anything
 
+`--brokers N` (1 to 5, default 1) runs Kafka as an N-node KRaft cluster, each node a broker and a controller,
+named kafka-1..kafka-N; `kafka` names them all. Node k takes client port TASKQ_STACK_KAFKA_PORT+k-1,
+controller port C+k-1, where C is TASKQ_STACK_KAFKA_CONTROLLER_PORT, or TASKQ_STACK_KAFKA_PORT+N when that
+falls among the client ports, and SASL_SSL port TASKQ_STACK_KAFKA_SASL_PORT+k-1 (the defaults: clients
+19092-19094, controllers 19095-19097, SASL_SSL 19102-19104). Topics default to replication factor min(N, 3)
+and min.insync.replicas 2 (1 below three nodes). The state dir remembers N, so later commands follow it;
+another N needs another state dir (or Kafka's data removed).
+
 `eval "$(compose/stack up)"` sets TASKQ_BOOTSTRAP_SERVERS, TASKQ_SCHEMA_REGISTRY_URL, TASKQ_DATABASE_URL,
-and the facts of Kafka's SASL_SSL listener (SCRAM-SHA-512 over TLS): TASKQ_STACK_SASL_BOOTSTRAP,
-TASKQ_STACK_SASL_CA (the CA file), TASKQ_STACK_SASL_USERNAME, TASKQ_STACK_SASL_PASSWORD. Only export lines
-go to stdout; progress and errors go to stderr.
+and the facts of Kafka's SASL_SSL listener (SCRAM-SHA-512 over TLS): TASKQ_STACK_SASL_BOOTSTRAP (every
+node's), TASKQ_STACK_SASL_CA (the CA file), TASKQ_STACK_SASL_USERNAME, TASKQ_STACK_SASL_PASSWORD. Only export
+lines go to stdout; progress and errors go to stderr.
 
 Environment:
     TASKQ_STACK_DIR            state (data, logs, pid files); default <repo>/.stack
@@ -61,7 +70,7 @@ APICURIO_VERSION = "3.3.3"
 APICURIO_GAV = f"io.apicurio:apicurio-registry-app:{APICURIO_VERSION}:tar.gz:all"
 PG_SUPERUSER = "postgres"
 PG_DATABASES = ("taskq", "registry")
-SERVICES = ("postgres", "kafka", "registry")  # start order; stop in reverse
+MAX_BROKERS = 5
 DEPENDS = {"registry": ("postgres",)}
 DEFAULT_TIMEOUT = "180"  # seconds, as TASKQ_STACK_TIMEOUT would spell it
 SASL_MECHANISM = "SCRAM-SHA-512"
@@ -374,6 +383,25 @@ class Service(ABC):
             return
         log(f"{self.name}: stopping pid {pid}")
         terminate(pid, self.name)
+        self.clear_record()
+
+    def kill(self) -> None:
+        """SIGKILL the service (and what it started): a crash, with no chance to shut down cleanly."""
+        pid = self.ours_alive()
+        if pid is None:
+            log(f"{self.name}: not running")
+            self.clear_record()
+            return
+        log(f"{self.name}: killing pid {pid} (SIGKILL)")
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(pid) == pid:  # we started it as a session leader: its children die with it
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        for _ in range(100):
+            if not pid_alive(pid):
+                break
+            time.sleep(0.1)
         self.clear_record()
 
     # helpers
@@ -770,35 +798,72 @@ def make_tls(openssl: str, directory: Path) -> None:
     tmp.replace(directory)
 
 
+class KafkaNode(NamedTuple):
+    """One KRaft node of the stack's Kafka: its id, its client, controller and SASL_SSL ports."""
+
+    id: int
+    port: int
+    controller_port: int
+    sasl_port: int
+
+
+def kafka_nodes(cfg: StackConfig, brokers: int) -> list[KafkaNode]:
+    """The nodes of a `brokers`-node Kafka, on consecutive ports (see the module docstring)."""
+    controllers = cfg.kafka_controller_port
+    if cfg.kafka_port <= controllers < cfg.kafka_port + brokers:
+        controllers = cfg.kafka_port + brokers
+    return [
+        KafkaNode(k, cfg.kafka_port + k - 1, controllers + k - 1, cfg.kafka_sasl_port + k - 1)
+        for k in range(1, brokers + 1)
+    ]
+
 
 class Kafka(Service):
     name = "kafka"
     port_env = "TASKQ_STACK_KAFKA_PORT"
     started_marker = "Kafka Server started"
+    # The nodes prepare in threads: one of them fetches the jars, and the first to need them makes what the
+    # cluster shares (its id, TLS material and SCRAM password); the others read it.
+    _shared_lock = threading.Lock()
 
-    def __init__(self, cfg: StackConfig) -> None:
-        super().__init__(cfg, cfg.kafka_port)
-        self.controller_port = cfg.kafka_controller_port
-        self.base = cfg.state / "kafka"
+    def __init__(self, cfg: StackConfig, node: KafkaNode | None = None, nodes: int = 1) -> None:
+        """Node `node` of a `nodes`-node cluster; by default the one node of a one-broker stack."""
+        node = node or KafkaNode(1, cfg.kafka_port, cfg.kafka_controller_port, cfg.kafka_sasl_port)
+        # One broker keeps the names it always had; a cluster's nodes are kafka-1..kafka-N.
+        self.name = "kafka" if nodes == 1 else f"kafka-{node.id}"
+        super().__init__(cfg, node.port)
+        self.node = node
+        self.voters = kafka_nodes(cfg, nodes) if nodes > 1 else [node]
+        self.controller_port = node.controller_port
+        self.base = cfg.state / self.name
         self.data = self.base / "data"
         self.props = self.base / "server.properties"
-        self.logs_dir = cfg.logs / "kafka"
+        self.logs_dir = cfg.logs / self.name
         self.server_log = self.logs_dir / "server.log"
-        self.log_path = cfg.logs / "kafka.out"
+        self.log_path = cfg.logs / f"{self.name}.out"
         self.pom = cfg.compose / "kafka-pom.xml"
         m = re.search(r"<kafka\.version>([^<]+)</kafka\.version>", self.pom.read_text())
         self.version = m.group(1) if m else "unknown"
         self.libs = cfg.cache / f"kafka-{self.version}" / "libs"
         self.log_offset = 0
         self.java = ""
-        self.sasl_port = cfg.kafka_sasl_port
-        self.tls = self.base / "tls"  # ca.pem and the broker's PEM keystore (make_tls)
-        # The SCRAM user's name and password, written once the user exists in the cluster.
-        self.credentials = self.base / "sasl-user.json"
+        self.sasl_port = node.sasl_port
+        self.tls = self.shared("tls")  # ca.pem and the brokers' PEM keystore (make_tls), one for all nodes
+        # The SCRAM user's name and password, one for the cluster: written when the user exists in the
+        # cluster, or, for a new cluster, before its nodes' storage is formatted with it.
+        self.credentials = self.shared("sasl-user.json")
         self.sasl = False  # whether this start opens the SASL_SSL listener (openssl found)
+
+    def shared(self, what: str) -> Path:
+        """Where `what`, shared by all nodes, lives: in the one broker's dir, or beside a cluster's nodes."""
+        return self.base / what if len(self.voters) == 1 else self.cfg.state / f"kafka-{what}"
 
     def ports(self) -> list[int]:
         return [self.port, self.controller_port, self.sasl_port]
+
+    def recorded_sasl_port(self) -> int | None:
+        """The running node's SASL_SSL port, if it opened that listener."""
+        return self._recorded_int("sasl_port")
 
     def write_record(self, **extra: object) -> None:
         if self.sasl:  # `exports` tells the SASL_SSL listener only to clients of a broker that has one
@@ -820,23 +885,14 @@ class Kafka(Service):
         os.chmod(tmp, 0o600)
         tmp.replace(self.credentials)
 
-    def sasl_exports(self) -> list[str]:
-        """The SASL_SSL listener's connection facts, when the running broker has one."""
-        port = self._recorded_int("sasl_port")
-        user = self.sasl_user()
-        if port is None or user is None:
-            return []
-        return [
-            f"export TASKQ_STACK_SASL_BOOTSTRAP=127.0.0.1:{port}",
-            f"export TASKQ_STACK_SASL_CA={shlex.quote(str(self.tls / 'ca.pem'))}",
-            f"export TASKQ_STACK_SASL_USERNAME={user[0]}",
-            f"export TASKQ_STACK_SASL_PASSWORD={user[1]}",
-        ]
-
     def answering(self) -> bool:
         return kafka_api_versions(self.recorded_port() if self.proc is None else self.port)
 
     def ensure_libs(self) -> None:
+        with self._shared_lock:
+            self._ensure_libs()
+
+    def _ensure_libs(self) -> None:
         stamp = self.libs / ".complete"
         if stamp.exists():
             return
@@ -868,11 +924,19 @@ class Kafka(Service):
     def write_props(self) -> None:
         self.base.mkdir(parents=True, exist_ok=True)
         p, c = self.port, self.controller_port
+        voters = ",".join(f"{v.id}@127.0.0.1:{v.controller_port}" for v in self.voters)
+        # Three copies of every partition, and acks=all needs two of them: one node can fail (or be killed)
+        # and producers, transactions and offset commits carry on. Fewer nodes: as many copies as nodes.
+        rf = min(len(self.voters), 3)
+        isr = max(1, min(2, rf - 1))
+        # A cluster fences a node that stops answering after 6 s (Kafka's default is 9 s): leadership of its
+        # partitions moves and it leaves their in-sync replicas.
+        fencing = "broker.session.timeout.ms=6000\nbroker.heartbeat.interval.ms=1000\n" if rf > 1 else ""
         advertised = f"PLAINTEXT://127.0.0.1:{p}"
         listeners = f"{advertised},CONTROLLER://127.0.0.1:{c}"
         protocols, sasl = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT", ""
         if self.sasl:
-            # SCRAM-SHA-512 over TLS for clients that choose it; brokers and controller stay on PLAINTEXT.
+            # SCRAM-SHA-512 over TLS for clients that choose it; brokers and controllers stay on PLAINTEXT.
             listeners += f",SASL_SSL://127.0.0.1:{self.sasl_port}"
             advertised += f",SASL_SSL://127.0.0.1:{self.sasl_port}"
             protocols += ",SASL_SSL:SASL_SSL"
@@ -886,8 +950,8 @@ class Kafka(Service):
         self.props.write_text(
             "# Written by compose/stack on every start; edit compose/stack, not this file.\n"
             "process.roles=broker,controller\n"
-            "node.id=1\n"
-            f"controller.quorum.voters=1@127.0.0.1:{c}\n"
+            f"node.id={self.node.id}\n"
+            f"controller.quorum.voters={voters}\n"
             f"listeners={listeners}\n"
             f"advertised.listeners={advertised}\n"
             "controller.listener.names=CONTROLLER\n"
@@ -897,15 +961,15 @@ class Kafka(Service):
             f"log.dirs={self.data}\n"
             "auto.create.topics.enable=false\n"
             "num.partitions=1\n"
-            "default.replication.factor=1\n"
-            "min.insync.replicas=1\n"
-            "offsets.topic.replication.factor=1\n"
+            f"default.replication.factor={rf}\n"
+            f"min.insync.replicas={isr}\n"
+            f"offsets.topic.replication.factor={rf}\n"
             "offsets.topic.num.partitions=10\n"
-            "transaction.state.log.replication.factor=1\n"
-            "transaction.state.log.min.isr=1\n"
+            f"transaction.state.log.replication.factor={rf}\n"
+            f"transaction.state.log.min.isr={isr}\n"
             "transaction.state.log.num.partitions=10\n"
-            "share.coordinator.state.topic.replication.factor=1\n"
-            "share.coordinator.state.topic.min.isr=1\n"
+            f"share.coordinator.state.topic.replication.factor={rf}\n"
+            f"share.coordinator.state.topic.min.isr={isr}\n"
             "group.initial.rebalance.delay.ms=0\n"
             # KIP-848 groups: the broker owns session and heartbeat. A dead worker's partitions move after
             # 10 s (Kafka's default is 45 s), and assignments reach members within a second.
@@ -913,6 +977,7 @@ class Kafka(Service):
             "group.consumer.min.session.timeout.ms=6000\n"
             "group.consumer.heartbeat.interval.ms=1000\n"
             "group.consumer.min.heartbeat.interval.ms=500\n"
+            f"{fencing}"
             "num.network.threads=2\n"
             "num.io.threads=4\n"
             "num.recovery.threads.per.data.dir=1\n"
@@ -927,46 +992,57 @@ class Kafka(Service):
         openssl = which("openssl", self.cfg.path)
         self.sasl = openssl is not None
         if openssl is None:
-            log("kafka: `openssl` not found on PATH; starting without the SASL_SSL listener")
+            log(f"{self.name}: `openssl` not found on PATH; starting without the SASL_SSL listener")
         else:
-            make_tls(openssl, self.tls)
+            with self._shared_lock:  # made once, by the first node to get here
+                make_tls(openssl, self.tls)
         self.write_props()
         if (self.data / "meta.properties").exists():
             return  # a SCRAM user missing from an older storage is added once the broker answers
-        cid_file = self.base / "cluster.id"
-        if cid_file.exists():
-            cluster_id = cid_file.read_text().strip()
-        else:
-            # StorageTool random-uuid is a base64url UUID; generating it here saves a JVM start.
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-            cid_file.write_text(cluster_id + "\n")
-        log(f"kafka: formatting storage {self.data} (cluster id {cluster_id})")
+        # A cluster's nodes share one id and one SCRAM user: the first node to get here makes them, the others
+        # read them.
+        cid_file = self.shared("cluster.id")
+        # The other nodes' storage: formatted already when this node joins an existing cluster.
+        others = [self.cfg.state / f"kafka-{v.id}" / "data" for v in self.voters if v != self.node]
+        with self._shared_lock:
+            if cid_file.exists():
+                cluster_id = cid_file.read_text().strip()
+            else:
+                # StorageTool random-uuid is a base64url UUID; generating it here saves a JVM start.
+                cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+                cid_file.write_text(cluster_id + "\n")
+            user = self.sasl_user()
+            if user is None and not any((o / "meta.properties").exists() for o in others):
+                # A new cluster: every node's storage is formatted with this one password, so their bootstrap
+                # metadata agree. A node joining older storage takes the user from the cluster's metadata,
+                # and a user missing there is added by after_ready.
+                self.save_sasl_user(secrets.token_urlsafe(18))
+                user = self.sasl_user()
+        log(f"{self.name}: formatting storage {self.data} (cluster id {cluster_id})")
         self.data.mkdir(parents=True, exist_ok=True)
         # The SCRAM user is created with the storage: no extra JVM start, nothing to wait for.
-        password = secrets.token_urlsafe(18)
-        r = self.tool(
-            "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(self.props),
-            "--add-scram", f"{SASL_MECHANISM}=[name={SASL_USERNAME},password={password}]",
-        )
+        scram = ["--add-scram", f"{SASL_MECHANISM}=[name={user[0]},password={user[1]}]"] if user else []
+        r = self.tool("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(self.props), *scram)
         if r.returncode != 0 or not (self.data / "meta.properties").exists():
-            raise StackError(f"kafka: storage format failed:\n{r.stdout}\n{r.stderr}")
-        self.save_sasl_user(password)
+            raise StackError(f"{self.name}: storage format failed:\n{r.stdout}\n{r.stderr}")
 
     def tool(self, main_class: str, *args: str) -> subprocess.CompletedProcess[str]:
         """Run one of Kafka's command-line tools (a JVM) to completion."""
         return subprocess.run(
-            [self.java, "-Xmx256m", f"-Dlog4j2.configurationFile={self.cfg.compose / 'log4j2.yaml'}",
+            [self.java, "-Xmx256m", "-XX:TieredStopAtLevel=1",  # a short-lived tool: the quick compiler only
+             f"-Dlog4j2.configurationFile={self.cfg.compose / 'log4j2.yaml'}",
              f"-Dkafka.logs.dir={self.logs_dir}", "-cp", self.classpath(), main_class, *args],
             stdin=subprocess.DEVNULL, capture_output=True, text=True,
         )
 
     def after_ready(self) -> None:
-        # A storage formatted before the SASL_SSL listener existed has no SCRAM user: add it once.
-        if self._recorded_int("sasl_port") is None or self.sasl_user() is not None:
+        # A storage formatted before the SASL_SSL listener existed has no SCRAM user: add it once. The nodes'
+        # after_ready run one after another, and the first to add the user records it for the others.
+        if self.recorded_sasl_port() is None or self.sasl_user() is not None:
             return
         if not self.java:
             self.java, _ = find_java(17, "TASKQ_STACK_JAVA", self.cfg.java, self.cfg, prefer_path=True)
-        log(f"kafka: adding the SCRAM user {SASL_USERNAME} to the existing storage")
+        log(f"{self.name}: adding the SCRAM user {SASL_USERNAME} to the existing storage")
         password = secrets.token_urlsafe(18)
         r = self.tool(
             "kafka.admin.ConfigCommand", "--bootstrap-server", f"127.0.0.1:{self.recorded_port()}",
@@ -975,7 +1051,7 @@ class Kafka(Service):
         )
         if r.returncode != 0:
             raise StackError(
-                f"kafka: adding the SCRAM user failed (exit {r.returncode}):\n"
+                f"{self.name}: adding the SCRAM user failed (exit {r.returncode}):\n"
                 f"{_last_lines(r.stdout + r.stderr)}"
             )
         self.save_sasl_user(password)
@@ -986,8 +1062,13 @@ class Kafka(Service):
             self.log_offset = self.server_log.stat().st_size
         except FileNotFoundError:
             self.log_offset = 0
+        # A cluster's nodes share the machine with everything else: smaller heaps, and the quick compiler
+        # only, which about halves the CPU a node burns while it starts (a restart's length, under load).
+        jvm = ["-Xms128m", "-Xmx512m"]
+        if len(self.voters) > 1:
+            jvm = ["-Xms64m", "-Xmx256m", "-XX:TieredStopAtLevel=1"]
         self.spawn(
-            [self.java, "-Xms128m", "-Xmx512m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+            [self.java, *jvm, "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
              "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
              f"-Dtaskq.stack={self.cfg.state}",
              f"-Dkafka.logs.dir={self.logs_dir}",
@@ -1126,36 +1207,79 @@ class Registry(Service):
 # --------------------------------------------------------------------------------------------- stack
 
 
+def brokers_of(cfg: StackConfig, requested: int | None) -> int:
+    """How many Kafka nodes the stack runs: `requested` (--brokers), else what its state dir last ran."""
+    try:
+        recorded: int | None = int((cfg.state / "kafka.brokers").read_text())
+    except (OSError, ValueError):
+        recorded = None
+    formatted = sorted(cfg.state.glob("kafka*/data/meta.properties"))
+    if recorded is None and formatted:
+        recorded = 1  # a state dir from before clusters: its one broker
+    if requested is None:
+        return recorded or 1
+    if formatted and recorded not in (None, requested):
+        raise StackError(
+            f"{cfg.state} holds a {recorded}-broker Kafka, not {requested}; run `compose/stack down` and "
+            f"remove {cfg.state}/kafka* for another cluster size, or use another TASKQ_STACK_DIR"
+        )
+    return requested
+
+
 class Stack:
-    def __init__(self, cfg: StackConfig) -> None:
+    def __init__(self, cfg: StackConfig, brokers: int = 1) -> None:
         self.cfg = cfg
         self.postgres = Postgres(cfg)
-        self.kafka = Kafka(cfg)
+        self.kafkas = [Kafka(cfg, node, brokers) for node in kafka_nodes(cfg, brokers)]
         self.registry = Registry(cfg, self.postgres)
-        self.by_name: dict[str, Service] = {
-            "postgres": self.postgres, "kafka": self.kafka, "registry": self.registry,
-        }
+        services: list[Service] = [self.postgres, *self.kafkas, self.registry]  # start order; stop reversed
+        self.by_name = {s.name: s for s in services}
+        self.names = [s.name for s in services]
 
     def exports(self) -> list[str]:
+        bootstrap = ",".join(f"127.0.0.1:{k.recorded_port()}" for k in self.kafkas)
         return [
-            f"export TASKQ_BOOTSTRAP_SERVERS=127.0.0.1:{self.kafka.recorded_port()}",
+            f"export TASKQ_BOOTSTRAP_SERVERS={bootstrap}",
             f"export TASKQ_SCHEMA_REGISTRY_URL={self.registry.url(self.registry.recorded_port())}",
             f"export TASKQ_DATABASE_URL="
             f"postgresql://{PG_SUPERUSER}@127.0.0.1:{self.postgres.recorded_port()}/taskq",
-            *self.kafka.sasl_exports(),
+            *self.sasl_exports(),
         ]
+
+    def sasl_exports(self) -> list[str]:
+        """The SASL_SSL listener's connection facts, every node's address, when the running Kafka has one."""
+        recorded = [k.recorded_sasl_port() for k in self.kafkas]
+        user = self.kafkas[0].sasl_user()
+        if not any(recorded) or user is None:
+            return []
+        # Like TASKQ_BOOTSTRAP_SERVERS, a node that is down is listed with the port it starts on.
+        bootstrap = ",".join(
+            f"127.0.0.1:{port or k.sasl_port}" for port, k in zip(recorded, self.kafkas, strict=True)
+        )
+        return [
+            f"export TASKQ_STACK_SASL_BOOTSTRAP={bootstrap}",
+            f"export TASKQ_STACK_SASL_CA={shlex.quote(str(self.kafkas[0].tls / 'ca.pem'))}",
+            f"export TASKQ_STACK_SASL_USERNAME={user[0]}",
+            f"export TASKQ_STACK_SASL_PASSWORD={user[1]}",
+        ]
+
+    def expand(self, names: list[str]) -> list[str]:
+        """Service names, with `kafka` standing for every Kafka node."""
+        return [m for n in names for m in ([k.name for k in self.kafkas] if n == "kafka" else [n])]
 
     def closure(self, names: list[str]) -> list[str]:
         want: set[str] = set()
-        for n in names:
+        for n in self.expand(names):
             want.add(n)
             want.update(DEPENDS.get(n, ()))
-        return [n for n in SERVICES if n in want]
+        return [n for n in self.names if n in want]
 
     def up(self, names: list[str]) -> None:
         self.cfg.state.mkdir(parents=True, exist_ok=True)
         os.chmod(self.cfg.state, 0o755)
         names = self.closure(names)
+        if any(k.name in names for k in self.kafkas):
+            (self.cfg.state / "kafka.brokers").write_text(f"{len(self.kafkas)}\n")
         t0 = time.monotonic()
         todo: list[Service] = []
         for n in names:
@@ -1206,10 +1330,11 @@ class Stack:
                 log(f"error: {e}")
             raise errors[0]
 
-        # Kafka and the registry start together, then we wait for each.
+        # Kafka's nodes and the registry start together (a cluster's nodes wait for each other's quorum),
+        # then we wait for each.
         started = [s for s in todo if s is not self.postgres]
         for s in started:
-            extra = f" (+ controller {self.kafka.controller_port})" if s is self.kafka else ""
+            extra = f" (+ controller {s.controller_port})" if isinstance(s, Kafka) else ""
             log(f"{s.name}: starting on 127.0.0.1:{s.port}{extra}")
             s.launch()
         for s in started:
@@ -1234,7 +1359,7 @@ class Stack:
                 code = svc.proc.returncode if svc.proc is not None else "?"
                 svc.clear_record()
                 if isinstance(svc, Kafka) and logfile != svc.log_path:
-                    log(f"kafka stdout/stderr ({svc.log_path}):\n{tail(svc.log_path, 15)}")
+                    log(f"{svc.name} stdout/stderr ({svc.log_path}):\n{tail(svc.log_path, 15)}")
                 raise svc.fail(f"exited during start-up (exit code {code})", logfile)
             if time.monotonic() > deadline:
                 err = svc.fail(f"did not answer within {self.cfg.timeout:.0f}s; stopping it", logfile)
@@ -1244,13 +1369,27 @@ class Stack:
             time.sleep(0.5)
 
     def down(self, names: list[str]) -> None:
-        for n in reversed(SERVICES):
-            if n in names:
-                self.by_name[n].stop()
+        names = self.expand(names)
+        # A cluster's nodes stop together: one by one, the last would wait for a controller quorum that
+        # the others took away.
+        kafkas = [k for k in self.kafkas if k.name in names]
+        stoppers = [threading.Thread(target=k.stop, daemon=True) for k in kafkas]
+        if "registry" in names:
+            self.registry.stop()
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
+        if "postgres" in names:
+            self.postgres.stop()
+
+    def kill(self, names: list[str]) -> None:
+        for n in self.expand(names):
+            self.by_name[n].kill()
 
     def status(self) -> int:
         ok = True
-        for n in SERVICES:
+        for n in self.names:
             svc = self.by_name[n]
             pid = svc.ours_alive()
             port = svc.recorded_port()
@@ -1265,24 +1404,45 @@ class Stack:
         return 0 if ok else 3
 
 
+def _split_brokers(cmd: str, args: list[str]) -> tuple[int | None, list[str]]:
+    """`--brokers N` (or `--brokers=N`) taken out of `args`: (N or None, the other arguments)."""
+    brokers: int | None = None
+    rest: list[str] = []
+    it = iter(args)
+    for a in it:
+        if a != "--brokers" and not a.startswith("--brokers="):
+            rest.append(a)
+            continue
+        if cmd not in ("up", "start", "restart"):
+            die(f"`{cmd}` takes no --brokers (only up, start and restart do)", 2)
+        raw = a.partition("=")[2] if "=" in a else next(it, "")
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_BROKERS:
+            die(f"--brokers takes a number of Kafka nodes from 1 to {MAX_BROKERS}, got {raw!r}", 2)
+        brokers = int(raw)
+    return brokers, rest
+
+
 def main(argv: list[str], environ: Mapping[str, str] | None = None) -> int:
     """Run one command; the environment (`environ`, default os.environ) is read here, once."""
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(__doc__, file=sys.stderr)
         return 0 if argv else 2
-    cmd, rest = argv[0], argv[1:]
+    cmd = argv[0]
+    brokers, rest = _split_brokers(cmd, argv[1:])
     try:
-        stack = Stack(StackConfig.from_env(os.environ if environ is None else environ))
-        if cmd in ("start", "stop", "restart"):
-            if len(rest) != 1 or rest[0] not in SERVICES:
-                die(f"usage: compose/stack {cmd} {{{'|'.join(SERVICES)}}}", 2)
+        cfg = StackConfig.from_env(os.environ if environ is None else environ)
+        stack = Stack(cfg, brokers_of(cfg, brokers))
+        if cmd in ("start", "stop", "restart", "kill"):
+            choices = ["kafka", *stack.names] if len(stack.kafkas) > 1 else stack.names
+            if len(rest) != 1 or rest[0] not in choices:
+                die(f"usage: compose/stack {cmd} {{{'|'.join(choices)}}}", 2)
         elif rest:
             die(f"`{cmd}` takes no arguments", 2)
         if cmd == "up":
-            stack.up(list(SERVICES))
+            stack.up(stack.names)
             print("\n".join(stack.exports()), flush=True)
         elif cmd == "down":
-            stack.down(list(SERVICES))
+            stack.down(stack.names)
             log("down: stopped")
         elif cmd == "status":
             return stack.status()
@@ -1293,6 +1453,8 @@ def main(argv: list[str], environ: Mapping[str, str] | None = None) -> int:
             print("\n".join(stack.exports()), flush=True)
         elif cmd == "stop":
             stack.down(rest)
+        elif cmd == "kill":
+            stack.kill(rest)
         elif cmd == "restart":
             stack.down(rest)
             stack.up(rest)

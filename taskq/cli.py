@@ -683,7 +683,13 @@ def build_parser() -> argparse.ArgumentParser:
         topics, "create", cmd_topics_create, "create the priority, delay-tier and DLQ topics (idempotent)"
     )
     sp.add_argument("--partitions", type=int, default=6)
-    sp.add_argument("--replication", type=int, default=1)
+    sp.add_argument(
+        "--replication",
+        type=int,
+        default=None,
+        help="copies of each partition (default: the broker's default.replication.factor, with its "
+        "min.insync.replicas; given: min.insync.replicas is 2, or 1 below 3 copies)",
+    )
 
     schemas = sub.add_parser("schemas", help="task type schemas").add_subparsers(dest="sub", required=True)
     sp = leaf(schemas, "register", cmd_schemas_register, "register .avsc files under their record names")

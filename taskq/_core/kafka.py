@@ -554,7 +554,7 @@ class TopicSpec:
 
     name: str
     partitions: int
-    replication: int = 1
+    replication: int | None = None  # None: the broker's default.replication.factor
     config: Mapping[str, str] | None = None
 
 
@@ -580,7 +580,7 @@ class Admin:
                 NewTopic(
                     s.name,
                     num_partitions=s.partitions,
-                    replication_factor=s.replication,
+                    replication_factor=-1 if s.replication is None else s.replication,
                     config=dict(s.config or {}),
                 )
                 for s in specs

@@ -114,10 +114,11 @@ def test_config_comes_from_the_mapping_given(tmp_path: Path, stack: ModuleType) 
 
     # The services take their ports and paths from it.
     s = stack.Stack(cfg)
-    assert [s.postgres.port, s.kafka.port, s.registry.port] == [25432, 29092, 28081]
-    assert s.kafka.ports() == [29092, 29093, 29102] and s.registry.ports() == [28081, 28082]
+    [kafka] = s.kafkas
+    assert [s.postgres.port, kafka.port, s.registry.port] == [25432, 29092, 28081]
+    assert kafka.ports() == [29092, 29093, 29102] and s.registry.ports() == [28081, 28082]
     assert s.postgres.record_path == cfg.state / "run" / "postgres.json"
-    assert s.kafka.libs.is_relative_to(tmp_path / "xdg" / "kafka-taskq")
+    assert kafka.libs.is_relative_to(tmp_path / "xdg" / "kafka-taskq")
     assert s.registry.home.parent == tmp_path / "xdg" / "kafka-taskq"
 
 
@@ -164,11 +165,109 @@ def test_main_reads_the_environ_it_is_given(
     ]
 
 
+def _props(kafka: object) -> dict[str, str]:
+    kafka.write_props()  # type: ignore[attr-defined]
+    lines = kafka.props.read_text().splitlines()  # type: ignore[attr-defined]
+    return dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+
+
+def test_one_broker_keeps_its_names_and_one_copy_of_everything(tmp_path: Path, stack: ModuleType) -> None:
+    cfg = stack.StackConfig.from_env({**PORTS, "HOME": str(tmp_path), "TASKQ_STACK_DIR": str(tmp_path)})
+    [kafka] = stack.Stack(cfg).kafkas
+    assert (kafka.name, kafka.base, kafka.log_path) == (
+        "kafka",
+        tmp_path / "kafka",
+        tmp_path / "logs/kafka.out",
+    )
+    props = _props(kafka)
+    assert props["node.id"] == "1" and props["controller.quorum.voters"] == "1@127.0.0.1:29093"
+    assert props["default.replication.factor"] == props["offsets.topic.replication.factor"] == "1"
+    assert props["min.insync.replicas"] == props["transaction.state.log.min.isr"] == "1"
+
+
+def test_three_brokers_take_consecutive_ports_and_replicate_everything_three_times(
+    tmp_path: Path, stack: ModuleType
+) -> None:
+    env = {"HOME": str(tmp_path), "TASKQ_STACK_DIR": str(tmp_path)}
+    s = stack.Stack(stack.StackConfig.from_env(env), 3)
+    # The default controller port (19093) is among the client ports: the controllers come after them.
+    assert [(k.name, k.ports()) for k in s.kafkas] == [
+        ("kafka-1", [19092, 19095, 19102]),
+        ("kafka-2", [19093, 19096, 19103]),
+        ("kafka-3", [19094, 19097, 19104]),
+    ]
+    assert s.names == ["postgres", "kafka-1", "kafka-2", "kafka-3", "registry"]
+    assert s.closure(["kafka"]) == ["kafka-1", "kafka-2", "kafka-3"]
+    assert s.closure(["registry"]) == ["postgres", "registry"]
+    assert s.exports()[0] == "export TASKQ_BOOTSTRAP_SERVERS=127.0.0.1:19092,127.0.0.1:19093,127.0.0.1:19094"
+    props = _props(s.kafkas[1])
+    assert props["node.id"] == "2"
+    assert props["controller.quorum.voters"] == "1@127.0.0.1:19095,2@127.0.0.1:19096,3@127.0.0.1:19097"
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:19093,CONTROLLER://127.0.0.1:19096"
+    assert props["log.dirs"] == str(tmp_path / "kafka-2" / "data")
+    for name in ("default", "offsets.topic", "transaction.state.log", "share.coordinator.state.topic"):
+        assert props[f"{name}.replication.factor"] == "3", name
+    for name in (
+        "min.insync.replicas",
+        "transaction.state.log.min.isr",
+        "share.coordinator.state.topic.min.isr",
+    ):
+        assert props[name] == "2", name
+
+    # A controller port clear of the client ports is kept.
+    cfg = stack.StackConfig.from_env({**env, **PORTS, "TASKQ_STACK_KAFKA_CONTROLLER_PORT": "39000"})
+    assert [k.ports() for k in stack.Stack(cfg, 3).kafkas] == [
+        [29092, 39000, 29102],
+        [29093, 39001, 29103],
+        [29094, 39002, 29104],
+    ]
+
+
+def test_the_state_dir_remembers_its_cluster_size(
+    tmp_path: Path, stack: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    environ = {**os.environ, **PORTS, "TASKQ_STACK_DIR": str(tmp_path)}
+    cfg = stack.StackConfig.from_env(environ)
+    assert stack.brokers_of(cfg, None) == 1
+    (tmp_path / "kafka.brokers").write_text("3\n")
+    assert stack.brokers_of(cfg, None) == 3
+    assert stack.main(["env"], environ) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "export TASKQ_BOOTSTRAP_SERVERS=127.0.0.1:29092,127.0.0.1:29093,127.0.0.1:29094"
+    )
+    # Another size is refused once Kafka's storage is formatted for this one.
+    assert stack.brokers_of(cfg, 1) == 1
+    (tmp_path / "kafka-1" / "data").mkdir(parents=True)
+    (tmp_path / "kafka-1" / "data" / "meta.properties").write_text("")
+    with pytest.raises(stack.StackError, match="holds a 3-broker Kafka, not 1; run `compose/stack down`"):
+        stack.brokers_of(cfg, 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["up", "--brokers", "0"], "--brokers takes a number of Kafka nodes from 1 to 5, got '0'"),
+        (["up", "--brokers=many"], "--brokers takes a number of Kafka nodes from 1 to 5, got 'many'"),
+        (["up", "--brokers"], "--brokers takes a number of Kafka nodes from 1 to 5, got ''"),
+        (["status", "--brokers", "3"], "`status` takes no --brokers (only up, start and restart do)"),
+        (["kill", "kafka-2"], "usage: compose/stack kill {postgres|kafka|registry}"),
+    ],
+)
+def test_a_bad_cluster_command_is_one_line(
+    tmp_path: Path, stack: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        stack.main(argv, {**os.environ, "TASKQ_STACK_DIR": str(tmp_path)})
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"stack: error: {message}\n"
+
+
 def test_the_sasl_ssl_listener_is_configured_and_exported_once_it_runs(
     tmp_path: Path, stack: ModuleType, capsys: pytest.CaptureFixture[str]
 ) -> None:
     environ = {**os.environ, **PORTS, "TASKQ_STACK_DIR": str(tmp_path / "state")}
-    kafka = stack.Stack(stack.StackConfig.from_env(environ)).kafka
+    [kafka] = stack.Stack(stack.StackConfig.from_env(environ)).kafkas
+    assert kafka.tls == tmp_path / "state" / "kafka" / "tls"  # one broker: where it always was
     kafka.write_props()
     assert "SASL_SSL" not in kafka.props.read_text()  # without openssl: PLAINTEXT only
 
@@ -235,3 +334,93 @@ def test_the_broker_certificate_verifies_for_127_0_0_1_against_the_ca(
             assert tls_socket.version() is not None  # the handshake verified the chain and the address
         t.join(10)
     assert not served
+
+
+def test_every_node_of_a_cluster_has_its_own_sasl_ssl_listener_and_all_are_exported(
+    tmp_path: Path, stack: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    environ = {**os.environ, **PORTS, "TASKQ_STACK_DIR": str(tmp_path)}
+    s = stack.Stack(stack.StackConfig.from_env(environ), 3)
+    assert [k.sasl_port for k in s.kafkas] == [29102, 29103, 29104]  # the SASL port + k - 1
+    for k in s.kafkas:
+        k.sasl = True
+        props = _props(k)
+        c = k.controller_port
+        assert props["listeners"] == (
+            f"PLAINTEXT://127.0.0.1:{k.port},CONTROLLER://127.0.0.1:{c},SASL_SSL://127.0.0.1:{k.sasl_port}"
+        )
+        assert props["advertised.listeners"] == (
+            f"PLAINTEXT://127.0.0.1:{k.port},SASL_SSL://127.0.0.1:{k.sasl_port}"
+        )
+        assert props["listener.security.protocol.map"] == (
+            "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL"
+        )
+        # One CA and broker certificate and one SCRAM user, beside the nodes, for the whole cluster.
+        keystore = props["listener.name.sasl_ssl.ssl.keystore.location"]
+        assert keystore == str(tmp_path / "kafka-tls" / "broker.pem")
+        assert (k.tls, k.credentials) == (tmp_path / "kafka-tls", tmp_path / "kafka-sasl-user.json")
+
+    (tmp_path / "kafka.brokers").write_text("3\n")
+    for k in s.kafkas:
+        k.write_record()
+    s.kafkas[0].save_sasl_user("s3cret")
+    assert stack.main(["env"], environ) == 0
+    assert capsys.readouterr().out.splitlines()[3:] == [
+        "export TASKQ_STACK_SASL_BOOTSTRAP=127.0.0.1:29102,127.0.0.1:29103,127.0.0.1:29104",
+        f"export TASKQ_STACK_SASL_CA={tmp_path / 'kafka-tls' / 'ca.pem'}",
+        "export TASKQ_STACK_SASL_USERNAME=taskq",
+        "export TASKQ_STACK_SASL_PASSWORD=s3cret",
+    ]
+
+
+def _formats(
+    stack: ModuleType, kafkas: list[object], monkeypatch: pytest.MonkeyPatch
+) -> dict[str, list[str]]:
+    """Prepare `kafkas` together as `up` does, StorageTool stubbed: the arguments each node formats with."""
+    formats: dict[str, list[str]] = {}
+
+    def tool(self: object, main_class: str, *args: str) -> object:
+        formats[self.name] = list(args)  # type: ignore[attr-defined]
+        (self.data / "meta.properties").write_text("")  # type: ignore[attr-defined]
+        return stack.subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(stack.Kafka, "tool", tool)
+    monkeypatch.setattr(stack.Kafka, "ensure_libs", lambda self: None)
+    monkeypatch.setattr(stack, "find_java", lambda *args, **kwargs: ("java", 17))
+    monkeypatch.setattr(stack, "which", lambda *args, **kwargs: None)  # no openssl: no certificates to make
+    threads = [threading.Thread(target=k.prepare) for k in kafkas]  # type: ignore[attr-defined]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return formats
+
+
+def test_a_new_cluster_formats_every_node_with_one_cluster_id_and_one_scram_password(
+    tmp_path: Path, stack: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = stack.StackConfig.from_env({**PORTS, "HOME": str(tmp_path), "TASKQ_STACK_DIR": str(tmp_path)})
+    s = stack.Stack(cfg, 3)
+    formats = _formats(stack, s.kafkas, monkeypatch)
+    assert sorted(formats) == ["kafka-1", "kafka-2", "kafka-3"]
+    username, password = s.kafkas[0].sasl_user()
+    cluster_id = (tmp_path / "kafka-cluster.id").read_text().strip()
+    for name, args in formats.items():
+        assert args[:3] == ["format", "-t", cluster_id], name
+        assert args[-2:] == ["--add-scram", f"SCRAM-SHA-512=[name={username},password={password}]"], name
+    assert (tmp_path / "kafka-sasl-user.json").stat().st_mode & 0o077 == 0
+
+
+def test_a_node_joining_older_storage_leaves_the_scram_user_to_after_ready(
+    tmp_path: Path, stack: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # kafka-1 and kafka-3 were formatted before the SASL_SSL listener existed; kafka-2's data was removed.
+    cfg = stack.StackConfig.from_env({**PORTS, "HOME": str(tmp_path), "TASKQ_STACK_DIR": str(tmp_path)})
+    s = stack.Stack(cfg, 3)
+    for k in (s.kafkas[0], s.kafkas[2]):
+        k.data.mkdir(parents=True)
+        (k.data / "meta.properties").write_text("")
+    formats = _formats(stack, s.kafkas, monkeypatch)
+    assert list(formats) == ["kafka-2"]
+    assert "--add-scram" not in formats["kafka-2"]  # the quorum's metadata decides; a password here would lie
+    assert s.kafkas[1].sasl_user() is None  # so after_ready adds the user once the nodes answer
