@@ -933,7 +933,9 @@ def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> No
     for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # Refused credentials end the command with one line (taskq: error: ...), not a line per retry.
-    logging.getLogger("taskq.librdkafka").addFilter(_RefusalEcho())
+    librdkafka = logging.getLogger("taskq.librdkafka")
+    if not any(isinstance(f, _RefusalEcho) for f in librdkafka.filters):  # once, however often main runs
+        librdkafka.addFilter(_RefusalEcho())
     if not verbose and command not in _LONG_RUNNING:
         # A short-lived command reports what failed in one line; librdkafka's retries and the producer's
         # per-task delivery log would only repeat it.

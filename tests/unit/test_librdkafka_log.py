@@ -66,16 +66,25 @@ def test_repeats_of_a_kind_are_held_back_and_summed_up_at_most_every_window() ->
     assert len(handler.lines) == 4
 
 
-def test_a_real_client_with_the_broker_away_logs_each_kind_once(lines: Lines) -> None:
-    sink = Sink(Settings(bootstrap_servers="127.0.0.1:1"))
-    assert RepeatFilter in {type(f) for f in LIBRDKAFKA_LOG.filters}
+def test_a_real_client_with_the_broker_away_logs_each_kind_once(
+    lines: Lines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A filter of this test's own: the process's one has counted other tests' clients, and a kind it shows
+    # again after its window starts its count over.
+    fresh = RepeatFilter()
+    monkeypatch.setattr(kafka, "_REPEATS", fresh)  # what every client's configuration installs
+    others = [f for f in LIBRDKAFKA_LOG.filters if not isinstance(f, RepeatFilter)]
+    monkeypatch.setattr(LIBRDKAFKA_LOG, "filters", others)
+    # librdkafka doubles its reconnect backoff up to reconnect.backoff.max.ms: keep it short, so it repeats.
+    sink = Sink(Settings(bootstrap_servers="127.0.0.1:1", kafka={"reconnect.backoff.max.ms": "200"}))
+    assert [f for f in LIBRDKAFKA_LOG.filters if isinstance(f, RepeatFilter)] == [fresh]
 
     def held() -> int:
-        return sum(n for _, n in kafka._REPEATS._kinds.values())
+        return sum(n for _, n in fresh._kinds.values())
 
-    before, deadline = held(), time.monotonic() + 15
-    while held() - before < 20 and time.monotonic() < deadline:  # librdkafka retries about every 50 ms
+    deadline = time.monotonic() + 30
+    while held() < 10 and time.monotonic() < deadline:
         sink.poll(0.1)
-    assert held() - before >= 20, "librdkafka did not repeat itself"
+    assert held() >= 10, "librdkafka did not repeat itself"
     failures = [line for line in lines.lines if "Connect to" in line]
     assert len(failures) == 1, lines.lines
