@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -118,3 +119,17 @@ class WorkerProcess:
             self.proc.kill()
             self.proc.wait(30)
         self._out.close()
+
+
+def port_free(port: int) -> bool:
+    """Whether nothing listens on a loopback port and it can be bound (for stacks of a test's own)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return True
+    return False

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import uuid
@@ -29,24 +28,11 @@ from taskq._core.settings import Settings
 from taskq.producer.admin import create_topics
 from taskq.schemas import Registry
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, all_committed, uncommitted, wait_until
+from tests.acceptance.helpers import WorkerProcess, all_committed, port_free, uncommitted, wait_until
 from tests.conftest import REPO
 
 STACK = REPO / "compose" / "stack"
 BROKERS = 3
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-    except OSError:
-        return True
-    return False
 
 
 class Cluster:
@@ -56,7 +42,7 @@ class Cluster:
         # 3 client ports, then 3 controller ports, then 3 SASL_SSL ports, all consecutive (compose/stack's
         # cluster layout).
         bases = random.sample(range(20000, 32000, 10), 50)
-        base = next((b for b in bases if all(_free(b + i) for i in range(3 * BROKERS))), None)
+        base = next((b for b in bases if all(port_free(b + i) for i in range(3 * BROKERS))), None)
         if base is None:
             pytest.fail("no 9 consecutive free ports for a 3-broker cluster")
         self.env = {

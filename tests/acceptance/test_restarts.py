@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,7 +27,7 @@ from taskq._core.settings import Settings
 from taskq.producer.admin import create_topics
 from taskq.schemas.errors import RegistryUnavailableError
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, all_committed, uncommitted, wait_until
+from tests.acceptance.helpers import WorkerProcess, all_committed, port_free, uncommitted, wait_until
 from tests.conftest import REPO
 
 STACK = REPO / "compose" / "stack"
@@ -43,27 +42,12 @@ _PORTS = {
 }
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-    except OSError:
-        return True
-    return False
-
-
 class PrivateStack:
     """A compose/stack of this module's own: its state dir, its ports, and its TASKQ_* exports."""
 
     def __init__(self, state_dir: Path) -> None:
-        base = next(
-            (b for b in (30000, 40000, 41000, 42000, 43000) if all(_free(b + o) for o in _PORTS.values())),
-            None,
-        )
+        bases = (30000, 40000, 41000, 42000, 43000)
+        base = next((b for b in bases if all(port_free(b + o) for o in _PORTS.values())), None)
         if base is None:
             pytest.fail("no free set of ports for a private stack (tried bases 30000, 40000-43000)")
         self.stack_env = {
