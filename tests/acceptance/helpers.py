@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from taskq._core.envelope import Topics
-from taskq._core.kafka import Admin, Source
+from taskq._core.kafka import Admin, Record, Source
 from taskq._core.settings import Settings
 
 T = TypeVar("T")
@@ -133,3 +133,21 @@ def port_free(port: int) -> bool:
     except OSError:
         return True
     return False
+
+
+def tier_records(settings: Settings) -> list[Record]:
+    """Every committed record on the namespace's priority topics, read from the start until idle."""
+    topics = Topics(settings.namespace).priority_topics
+    end = Admin(settings).end_offsets(topics)
+    source = Source(settings, group=f"{settings.namespace}.reader")  # read_committed, like every Source
+    source.assign([(t, p, 0) for (t, p) in end])
+    out: list[Record] = []
+    try:
+        idle = 0
+        while idle < 3:
+            records = source.poll(1000, 0.5)
+            idle = 0 if records else idle + 1
+            out += records
+    finally:
+        source.close()
+    return out

@@ -28,7 +28,14 @@ from taskq._core.settings import Settings
 from taskq.producer.admin import create_topics
 from taskq.schemas import Registry
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, all_committed, port_free, uncommitted, wait_until
+from tests.acceptance.helpers import (
+    WorkerProcess,
+    all_committed,
+    port_free,
+    tier_records,
+    uncommitted,
+    wait_until,
+)
 from tests.conftest import REPO
 
 STACK = REPO / "compose" / "stack"
@@ -163,20 +170,7 @@ def _alive(app: App) -> None:
 
 def _on_the_topics(app: App) -> Counter[str]:
     """Idempotency keys of every committed record on the priority topics, counted."""
-    admin = Admin(app.settings)
-    end = admin.end_offsets(Topics(app.ns).priority_topics)
-    source = Source(app.settings, group=f"{app.ns}.reader")  # read_committed, like every Source
-    source.assign([(t, p, 0) for (t, p) in end])
-    out: Counter[str] = Counter()
-    try:
-        idle = 0
-        while idle < 3:
-            records = source.poll(1000, 0.5)
-            idle = 0 if records else idle + 1
-            out.update(Envelope.from_headers(r.headers).idempotency_key for r in records)
-    finally:
-        source.close()
-    return out
+    return Counter(Envelope.from_headers(r.headers).idempotency_key for r in tier_records(app.settings))
 
 
 def test_topics_on_the_cluster_get_three_replicas_and_two_in_sync(cluster_app: App) -> None:

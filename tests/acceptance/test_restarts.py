@@ -21,13 +21,19 @@ from pathlib import Path
 import pytest
 
 from taskq._core.db import Database
-from taskq._core.envelope import PRIORITIES, Envelope
-from taskq._core.kafka import Admin, Source
+from taskq._core.envelope import Envelope
 from taskq._core.settings import Settings
 from taskq.producer.admin import create_topics
 from taskq.schemas.errors import RegistryUnavailableError
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, all_committed, port_free, uncommitted, wait_until
+from tests.acceptance.helpers import (
+    WorkerProcess,
+    all_committed,
+    port_free,
+    tier_records,
+    uncommitted,
+    wait_until,
+)
 from tests.conftest import REPO
 
 STACK = REPO / "compose" / "stack"
@@ -260,21 +266,7 @@ def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_ke
 
 def _released(app: App) -> Counter[str]:
     """Task ids of every committed record on the priority topics, counted."""
-    admin = Admin(app.settings)
-    topics = [app.producer.topics.tier(p) for p in PRIORITIES]
-    end = admin.end_offsets(topics)
-    source = Source(app.settings, group=f"{app.ns}.reader")  # read_committed, like every Source
-    source.assign([(t, p, 0) for (t, p) in end])
-    out: Counter[str] = Counter()
-    try:
-        idle = 0
-        while idle < 3:
-            records = source.poll(1000, 0.5)
-            idle = 0 if records else idle + 1
-            out.update(Envelope.from_headers(r.headers).task_id for r in records)
-    finally:
-        source.close()
-    return out
+    return Counter(Envelope.from_headers(r.headers).task_id for r in tier_records(app.settings))
 
 
 def test_the_forwarder_releases_each_delayed_task_once_across_a_broker_restart(
