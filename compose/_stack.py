@@ -752,6 +752,18 @@ authorityKeyIdentifier = keyid
 """
 
 
+def new_cluster_id() -> str:
+    """A random KRaft cluster id, as StorageTool's random-uuid makes it (made here: it saves a JVM start).
+
+    A base64url UUID, never one that starts with "-": as in Kafka's own Uuid.randomUuid, a command line would
+    take such an id for an option.
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 def make_tls(openssl: str, directory: Path) -> None:
     """A CA (`ca.pem`) and a broker key and certificate for 127.0.0.1/localhost signed by it, as one PEM
     keystore (`broker.pem`: the PKCS#8 key, then the chain), made once into `directory`; the CA's key is
@@ -1008,8 +1020,7 @@ class Kafka(Service):
             if cid_file.exists():
                 cluster_id = cid_file.read_text().strip()
             else:
-                # StorageTool random-uuid is a base64url UUID; generating it here saves a JVM start.
-                cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+                cluster_id = new_cluster_id()
                 cid_file.write_text(cluster_id + "\n")
             user = self.sasl_user()
             if user is None and not any((o / "meta.properties").exists() for o in others):
@@ -1022,7 +1033,9 @@ class Kafka(Service):
         self.data.mkdir(parents=True, exist_ok=True)
         # The SCRAM user is created with the storage: no extra JVM start, nothing to wait for.
         scram = ["--add-scram", f"{SASL_MECHANISM}=[name={user[0]},password={user[1]}]"] if user else []
-        r = self.tool("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(self.props), *scram)
+        # "--cluster-id=": an id of an older state directory may start with "-", which would read as an option.
+        args = ["format", f"--cluster-id={cluster_id}", "-c", str(self.props), *scram]
+        r = self.tool("kafka.tools.StorageTool", *args)
         if r.returncode != 0 or not (self.data / "meta.properties").exists():
             raise StackError(f"{self.name}: storage format failed:\n{r.stdout}\n{r.stderr}")
 

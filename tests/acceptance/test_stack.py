@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -74,3 +75,23 @@ def test_a_bad_setting_is_named(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "TASKQ_STACK_TIMEOUT='soon'" in done.stderr, done.stderr
     assert done.stdout == ""
+
+
+def test_kafka_storage_formats_with_a_cluster_id_that_starts_with_a_dash(tmp_path: Path) -> None:
+    # A base64url cluster id starts with "-" one time in 64. Kafka's StorageTool took such an id for an option
+    # ("argument --cluster-id/-t: expected one argument"), and `up` failed on a fresh state directory.
+    spec = importlib.util.spec_from_file_location("_stack_format_under_test", REPO / "compose" / "_stack.py")
+    assert spec is not None and spec.loader is not None
+    stack = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = stack  # dataclasses look the module up while building classes
+    try:
+        spec.loader.exec_module(stack)
+        cfg = stack.StackConfig.from_env({**os.environ, "TASKQ_STACK_DIR": str(tmp_path / "state")})
+        kafka = stack.Stack(cfg, 1).kafkas[0]
+        kafka.shared("cluster.id").parent.mkdir(parents=True)
+        kafka.shared("cluster.id").write_text("-mhQvkcHTcyJgyEyZ_YP8A\n")
+        kafka.prepare()  # the real StorageTool, from the jars the suite's stack runs on
+        meta = (kafka.data / "meta.properties").read_text()
+    finally:
+        del sys.modules[spec.name]
+    assert "cluster.id=-mhQvkcHTcyJgyEyZ_YP8A" in meta.splitlines()
