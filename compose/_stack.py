@@ -1033,7 +1033,7 @@ class Kafka(Service):
         self.data.mkdir(parents=True, exist_ok=True)
         # The SCRAM user is created with the storage: no extra JVM start, nothing to wait for.
         scram = ["--add-scram", f"{SASL_MECHANISM}=[name={user[0]},password={user[1]}]"] if user else []
-        # "--cluster-id=": an id of an older state directory may start with "-", which would read as an option.
+        # "--cluster-id=": an older state directory's id may start with "-", which would read as an option.
         args = ["format", f"--cluster-id={cluster_id}", "-c", str(self.props), *scram]
         r = self.tool("kafka.tools.StorageTool", *args)
         if r.returncode != 0 or not (self.data / "meta.properties").exists():
