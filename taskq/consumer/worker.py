@@ -8,6 +8,7 @@ by the broker (invariant 1).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import queue
@@ -29,6 +30,7 @@ from taskq._core.errors import ConfigurationError, StoreUnavailableError, TaskqE
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
+from taskq._core.tracing import tracer
 from taskq.consumer import metrics
 from taskq.consumer.completer import Completer
 from taskq.consumer.events import (
@@ -172,6 +174,7 @@ class _Task:
     claimed_at: float = 0.0
     grouped: bool = False  # runs in a group commit
     recorded: bool = False  # the completion was recorded inside the handler's transaction
+    span: Any = None  # the attempt's span, when tracing
 
 
 @dataclass(slots=True)
@@ -217,6 +220,7 @@ class Worker:
         self.worker_id = self.config.worker_id
         self.metrics = metrics.PrometheusHook()
         self._hooks: tuple[Hook, ...] = (self.metrics, *hooks)
+        self._tracer = tracer()  # None without the otel extra
         self._stop = threading.Event()
         self._outcomes: queue.SimpleQueue[tuple[_Task, Outcome]] = queue.SimpleQueue()
         self._scheduler: PriorityScheduler[_Task] = PriorityScheduler(
@@ -762,10 +766,25 @@ class Worker:
         timeout = task.spec.timeout or env.timeout
         self._running[id(task)] = task
         self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
+        trace = None
+        if self._tracer is not None and self._tracer.active():
+            task.span, trace = self._attempt_span(task)
         self.executor.submit(
-            Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call),
+            Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call, trace=trace),
             lambda outcome: self._outcomes.put((task, outcome)),
         )
+
+    def _attempt_span(self, task: _Task) -> tuple[Any, contextvars.Context]:
+        assert self._tracer is not None
+        record = task.record
+        return self._tracer.attempt(
+            task.envelope, record.topic, task.attempts, self.group, record.partition, record.offset
+        )
+
+    def _end_span(self, task: _Task, outcome: str, error: str | None = None) -> None:
+        if task.span is not None and self._tracer is not None:
+            self._tracer.finish(task.span, outcome, error)
+            task.span = None
 
     def _context(self, task: _Task) -> TaskContext:
         env = task.envelope
@@ -790,6 +809,9 @@ class Worker:
             def call(conn: Any) -> Any:
                 ctx.db = conn
                 ctx.deadline = time.monotonic() + timeout if timeout else None
+                if self._tracer is not None and self._tracer.active():
+                    task.span, trace = self._attempt_span(task)
+                    return trace.run(task.spec.fn, task.payload, ctx)
                 return task.spec.fn(task.payload, ctx)
 
             tp = task.record.tp
@@ -886,6 +908,7 @@ class Worker:
                 return
             self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
         if outcome.ok:
+            self._end_span(task, "completed")
             self._emit(
                 AttemptSucceeded(
                     env.task_type, env.task_id, env.idempotency_key, outcome.seconds, env.enqueued_at
@@ -904,6 +927,7 @@ class Worker:
             error = error.__cause__  # a process-isolated handler's own exception, when it survived pickling
         if isinstance(error, LeaseLostError):
             log.warning("task %s: %s", env.task_id, error)
+            self._end_span(task, "lease_lost", str(error))
             self._done(task)  # the worker that took the lease over decides this key
             return
         message = f"{outcome.error_type}: {outcome.message}"
@@ -916,8 +940,10 @@ class Worker:
             reason = (
                 "rejected by handler" if isinstance(error, Reject) else f"failed {task.attempts} attempt(s)"
             )
+            self._end_span(task, "dead_lettered", message)
             self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
             return
+        self._end_span(task, "retried", message)
         if spec.ordered:
             # Retried in place: its offset stays pending and its key stays held, so the key's later tasks
             # wait for it (what ordering means); a restart or rebalance redelivers it first.
