@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,9 @@ def _print(args: argparse.Namespace, data: Any, text: str) -> None:
 
 #: Commands that run until stopped: they wait out a broker that is away, the others report it.
 _LONG_RUNNING = ("worker", "forwarder", "relay")
+#: Commands that log as they run, and take --log-format after their name (any command takes it before).
+_LOGGING = (*_LONG_RUNNING, "chaos", "stats", "console")
+LOG_FORMATS = ("text", "json")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -371,7 +375,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
             _settings(args),
             config,
             processes=args.processes,
-            setup=functools.partial(_configure_logging, args.verbose, args.command, pids=True),
+            setup=functools.partial(
+                _configure_logging, args.verbose, args.command, pids=True, log_format=args.log_format
+            ),
         )
         return supervisor.run()
     worker = Worker(handlers, _settings(args), config)
@@ -384,8 +390,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_periodic_list(args: argparse.Namespace) -> int:
     """The periodic tasks of the namespace: schedule, last slot staged, next slot."""
-    from datetime import UTC, datetime
-
     from taskq._core.db import Database
     from taskq._core.store import Store
     from taskq.consumer.handlers import load
@@ -667,6 +671,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="taskq", description="A distributed task queue on Kafka.")
     p.add_argument("--namespace", help="topic prefix (default: TASKQ_NAMESPACE or 'taskq')")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    log_format: dict[str, Any] = {
+        "choices": LOG_FORMATS,
+        "help": "log lines as text, or as one JSON object each (default: TASKQ_LOG_FORMAT or text)",
+    }
+    p.add_argument("--log-format", **log_format)
     sub = p.add_subparsers(dest="command", required=True)
 
     def leaf(
@@ -910,6 +919,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--metrics-host", default="127.0.0.1", help="address /metrics listens on (default: loopback)"
     )
+    for name in _LOGGING:
+        if name in sub.choices:
+            # SUPPRESS: given before the command's name, the value stays unless given again after it.
+            sub.choices[name].add_argument("--log-format", default=argparse.SUPPRESS, **log_format)
     return p
 
 
@@ -921,14 +934,44 @@ class _RefusalEcho(logging.Filter):
         return "SASL authentication error" not in message and "SSL handshake failed" not in message
 
 
-def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> None:
+class _JsonLines(logging.Formatter):
+    """One JSON object per line: ts, level, logger, message, pid, and the fields the line's `extra` adds
+    (a task's lines carry task_id, idempotency_key, task_type, tier and attempt)."""
+
+    #: A LogRecord's own attributes; any other attribute of a record came from `extra`.
+    _OWN = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON."""
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+        }
+        for name, value in record.__dict__.items():
+            if name not in self._OWN and name not in line and not name.startswith("_"):
+                line[name] = value
+        if record.exc_info:
+            line["exc_info"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            line["stack_info"] = self.formatStack(record.stack_info)
+        return json.dumps(line, default=str)
+
+
+def _configure_logging(verbose: bool, command: str, *, pids: bool = False, log_format: str = "text") -> None:
     """Log to stderr: INFO for the long-running commands or with -v, else WARNING; `pids` puts the process
-    id in each line (the supervisor and the worker processes of `--processes N` share one stderr)."""
-    process = "[%(process)d]" if pids else ""
+    id in each line (the supervisor and the worker processes of `--processes N` share one stderr);
+    `log_format` json writes each line as a JSON object."""
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(_JsonLines())
+    else:
+        process = "[%(process)d]" if pids else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s"))
     logging.basicConfig(
-        level=logging.INFO if verbose or command in _LONG_RUNNING else logging.WARNING,
-        format=f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s",
-        stream=sys.stderr,
+        level=logging.INFO if verbose or command in _LONG_RUNNING else logging.WARNING, handlers=[handler]
     )
     for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -946,7 +989,17 @@ def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> No
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `taskq` console script."""
     args = build_parser().parse_args(argv)
-    _configure_logging(args.verbose, args.command, pids=getattr(args, "processes", 1) > 1)
+    # The flag wins over the environment; read here, where the command line is.
+    args.log_format = args.log_format or os.environ.get("TASKQ_LOG_FORMAT") or "text"
+    if args.log_format not in LOG_FORMATS:
+        print(
+            f"taskq: error: TASKQ_LOG_FORMAT must be text or json, not {args.log_format!r}",
+            file=sys.stderr,
+        )
+        return 2
+    _configure_logging(
+        args.verbose, args.command, pids=getattr(args, "processes", 1) > 1, log_format=args.log_format
+    )
     try:
         return int(args.fn(args))
     except (TaskqError, SchemaError) as exc:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,36 @@ class TaskContext:
     db: Any = None
     #: Set when the task is picked up; a handler may check it between steps of long work.
     deadline: float | None = None
+
+    @cached_property
+    def log(self) -> TaskLog:
+        """`logger`, each line carrying the task id, idempotency key, task type, tier and attempt."""
+        return TaskLog(
+            self.logger,
+            task_fields(self.task_id, self.idempotency_key, self.task_type, self.priority, self.attempt),
+        )
+
+
+def task_fields(
+    task_id: str, idempotency_key: str, task_type: str, tier: str, attempt: int
+) -> dict[str, Any]:
+    """What every log line about one attempt of a task carries (as `extra`: fields of the JSON log)."""
+    return {
+        "task_id": task_id,
+        "idempotency_key": idempotency_key,
+        "task_type": task_type,
+        "tier": tier,
+        "attempt": attempt,
+    }
+
+
+class TaskLog(logging.LoggerAdapter[logging.Logger]):
+    """A task's logger: the task's fields are added to each line's own `extra`."""
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        """Merge the task's fields into the line's `extra` (the task's win on a clash)."""
+        kwargs["extra"] = {**(kwargs.get("extra") or {}), **(self.extra or {})}
+        return msg, kwargs
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,7 @@ from taskq.consumer.events import (
 )
 from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
 from taskq.consumer.forwarder import Forwarder
-from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
+from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext, task_fields
 from taskq.consumer.liveness import Liveness
 from taskq.consumer.offsets import OffsetTracker
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
@@ -186,6 +186,12 @@ class _Held:
 def _key(task: _Task) -> tuple[TP, bytes | None]:
     """What an ordered task type serializes on: its partition and message key."""
     return task.record.tp, task.record.key
+
+
+def _fields(task: _Task) -> dict[str, Any]:
+    """The `extra` of a log line about a task: its id, idempotency key, type, tier and attempt."""
+    env = task.envelope
+    return task_fields(env.task_id, env.idempotency_key, env.task_type, env.priority, task.attempts)
 
 
 def _size(record: Record) -> int:
@@ -708,7 +714,11 @@ class Worker:
                 kept.append(task)
             else:
                 # Taken over while it waited: the worker holding the lease now decides this key.
-                log.warning("task %s: lease taken over while it waited for a slot", task.envelope.task_id)
+                log.warning(
+                    "task %s: lease taken over while it waited for a slot",
+                    task.envelope.task_id,
+                    extra=_fields(task),
+                )
                 self._done(task)
         return kept
 
@@ -926,7 +936,7 @@ class Worker:
         if isinstance(error, TaskFailed) and isinstance(error.__cause__, Exception):
             error = error.__cause__  # a process-isolated handler's own exception, when it survived pickling
         if isinstance(error, LeaseLostError):
-            log.warning("task %s: %s", env.task_id, error)
+            log.warning("task %s: %s", env.task_id, error, extra=_fields(task))
             self._end_span(task, "lease_lost", str(error))
             self._done(task)  # the worker that took the lease over decides this key
             return
@@ -944,6 +954,14 @@ class Worker:
             self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
             return
         self._end_span(task, "retried", message)
+        log.info(
+            "task %s: attempt %d failed, retrying in %.1fs: %s",
+            env.task_id,
+            task.attempts,
+            delay.total_seconds(),
+            message,
+            extra=_fields(task),
+        )
         if spec.ordered:
             # Retried in place: its offset stays pending and its key stays held, so the key's later tasks
             # wait for it (what ordering means); a restart or rebalance redelivers it first.
@@ -991,6 +1009,7 @@ class Worker:
             topics=self.topics,
         )
         env, record = task.envelope, task.record
+        log.warning("task %s dead-lettered: %s", env.task_id, reason, extra=_fields(task))
         self._emit(
             DeadLettered(reason, error_type, env.task_id, env.idempotency_key, record.topic, record.offset)
         )

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from taskq import Handlers, Reject, TaskContext
+from taskq import Handlers, Reject, RetryPolicy, TaskContext
 
 NS = os.environ.get("TASKQ_NAMESPACE", "taskq")
 handlers = Handlers()
@@ -34,6 +35,7 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Tick": [{"name": "note", "type": "string", "default": ""}],
         "Ordered": [{"name": "account", "type": "string"}, {"name": "seq", "type": "long"}],
         "Hold": [{"name": "key", "type": "string"}, {"name": "seconds", "type": "double"}],
+        "Noted": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
     }
     return {
         name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()
@@ -99,6 +101,15 @@ def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:
         "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
         (payload["key"], ctx.task_id, ctx.priority, os.getpid()),
     )
+
+
+@handlers.task(
+    f"{NS}.Noted", schema=S["Noted"], retry=RetryPolicy(max_attempts=3, base=timedelta(seconds=0.1))
+)
+def noted(payload: dict[str, Any], ctx: TaskContext) -> None:
+    ctx.log.info("noted %s", payload["key"], extra={"step": "note"})
+    if ctx.attempt <= payload["fail_times"]:
+        raise RuntimeError(f"noted failure on attempt {ctx.attempt}")
 
 
 @handlers.task(f"{NS}.Hold", schema=S["Hold"], transactional=True, max_attempts=1)
