@@ -14,13 +14,16 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from taskq import Handlers
+from taskq._core.db import Database
 from taskq._core.envelope import Topics
 from taskq._core.settings import Settings
 from taskq.consumer.events import TaskCompleted
 from taskq.consumer.retry import RetryPolicy
 from taskq.consumer.worker import Worker, WorkerConfig
+from taskq.producer.outbox import OutboxRelay
 from taskq.producer.producer import TaskProducer
 from taskq.testing import RecordingHook
+from tests.acceptance.helpers import tier_records
 
 pytestmark = pytest.mark.integration
 
@@ -106,3 +109,30 @@ def test_a_trace_runs_from_enqueue_through_a_retry_to_completion(
     # The handler's own spans are children of the attempt that ran them.
     work = [s for s in _named(spans, "handler work") if s.context.trace_id == trace_id]
     assert sorted(s.parent.span_id for s in work if s.parent) == sorted(s.context.span_id for s in attempts)
+
+
+def test_a_task_staged_in_the_outbox_keeps_the_context_of_its_enqueue(
+    settings: Settings, task_schema: Any, exporter: InMemorySpanExporter
+) -> None:
+    schema = task_schema("Staged", [{"name": "id", "type": "string"}])
+    task_type = f"{settings.namespace}.Staged"
+    database = Database(settings.database_url, schema=settings.database_schema)
+    try:
+        with TaskProducer(settings, schemas=[schema], auto_register=True) as producer:
+            with database.connect(autocommit=False) as conn:
+                receipt = producer.enqueue(task_type, {"id": "s"}, conn=conn)
+                conn.commit()
+        with OutboxRelay(settings) as relay:
+            assert relay.relay_once() == 1
+    finally:
+        database.close()
+    [send] = [
+        s for s in _named(exporter.get_finished_spans(), "send ")
+        if (s.attributes or {}).get("messaging.message.id") == receipt.task_id
+    ]  # fmt: skip
+    tier = Topics(settings.namespace, settings.delay_tiers).tier("normal")
+    [record] = [r for r in tier_records(settings) if r.topic == tier]
+    # The relay publishes what was staged: the enqueue's context, captured in the caller's transaction.
+    sc = send.context
+    expected = f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"
+    assert dict(record.headers)["traceparent"] == expected.encode()

@@ -86,3 +86,57 @@ def test_retries_and_dlq_replays_keep_the_enqueue_trace_context() -> None:
     assert len(runs[1]) == 2 and len(set(runs[1])) == 1 and runs[1][0].startswith("00-")
     assert len(runs[2]) == 2 and len(set(runs[2])) == 1 and runs[2][0].startswith("00-")
     assert runs[1][0] != runs[2][0]
+
+
+HANDLER_SPANS = textwrap.dedent(
+    """
+    import json
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    trace.set_tracer_provider(provider)
+    app = trace.get_tracer("app")
+
+    from taskq import Handlers
+    from taskq.testing import InMemoryQueue
+
+    def schema(name):
+        fields = [{"name": "n", "type": "long"}]
+        return {"type": "record", "name": name, "namespace": "unit", "fields": fields}
+
+    handlers = Handlers()
+
+    @handlers.task("unit.Sync", schema=schema("Sync"))
+    def sync(payload, ctx):
+        with app.start_as_current_span("sync work"):
+            pass
+
+    @handlers.task("unit.Async", schema=schema("Async"))
+    async def in_loop(payload, ctx):
+        with app.start_as_current_span("async work"):
+            pass
+
+    with InMemoryQueue(handlers) as q:
+        for n in range(3):
+            q.producer.enqueue("unit.Sync", {"n": n})
+            q.producer.enqueue("unit.Async", {"n": n})
+        q.run_until_idle()
+    spans = memory.get_finished_spans()
+    consumer = trace.SpanKind.CONSUMER
+    attempts = {s.context.span_id: s.attributes["taskq.task_type"] for s in spans if s.kind == consumer}
+    work = [(s.name, attempts.get(s.parent.span_id) if s.parent else None) for s in spans if "work" in s.name]
+    print(json.dumps(sorted(work)))
+    """
+)
+
+
+def test_a_handlers_spans_are_children_of_its_attempt_in_threads_and_in_the_event_loop() -> None:
+    out = subprocess.run([sys.executable, "-c", HANDLER_SPANS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    work = json.loads(out.stdout.strip().splitlines()[-1])
+    assert work == [["async work", "unit.Async"]] * 3 + [["sync work", "unit.Sync"]] * 3
