@@ -30,9 +30,14 @@ def test_a_json_worker_logs_task_fields_on_its_lines_and_the_handlers(app: App) 
     # A password in the database URL (the local cluster trusts loopback and ignores it) must never be logged.
     url = app.settings.database_url.replace("postgres@", "postgres:s3cret-pw@", 1)
     assert "s3cret-pw" in url
+    in_process = app.producer.enqueue(
+        app.type("NotedProc"), {"key": "p1"}, idempotency_key="noted:p1", wait=True
+    )
     worker = app.spawn("--log-format", "json", TASKQ_DATABASE_URL=url)
     handler_lines = lambda: [e for e in lines(worker.output()) if e["logger"] == f"taskq.task.{task_type}"]  # noqa: E731
+    process_lines = lambda: [e for e in lines(worker.output()) if e.get("task_id") == in_process.task_id]  # noqa: E731
     wait_until(lambda: len(handler_lines()) >= 2, timeout=60, what="two attempts' handler lines")
+    wait_until(process_lines, timeout=60, what="the line of a handler in a child process")
     worker.terminate()
     assert worker.wait(60) == 0, worker.output()[-3000:]
     output = worker.output()
@@ -54,3 +59,11 @@ def test_a_json_worker_logs_task_fields_on_its_lines_and_the_handlers(app: App) 
     [retry] = [e for e in entries if e["logger"] == "taskq.worker" and "retrying" in e["message"]]
     assert {k: retry[k] for k in expected} == expected and retry["attempt"] == 1
     assert all(set(TASK_FIELDS) <= e.keys() for e in entries if e.get("task_id") == receipt.task_id)
+    # A handler with isolation="process" logs from its child process, in the worker's format and fields.
+    [child] = process_lines()
+    assert (
+        child["message"] == "noted p1 in a process"
+        and child["logger"] == f"taskq.task.{app.type('NotedProc')}"
+    )
+    assert (child["idempotency_key"], child["attempt"], child["tier"]) == ("noted:p1", 1, "normal")
+    assert child["pid"] != worker.proc.pid

@@ -36,6 +36,7 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Ordered": [{"name": "account", "type": "string"}, {"name": "seq", "type": "long"}],
         "Hold": [{"name": "key", "type": "string"}, {"name": "seconds", "type": "double"}],
         "Noted": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
+        "NotedProc": [{"name": "key", "type": "string"}],
     }
     return {
         name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()
@@ -110,6 +111,11 @@ def noted(payload: dict[str, Any], ctx: TaskContext) -> None:
     ctx.log.info("noted %s", payload["key"], extra={"step": "note"})
     if ctx.attempt <= payload["fail_times"]:
         raise RuntimeError(f"noted failure on attempt {ctx.attempt}")
+
+
+@handlers.task(f"{NS}.NotedProc", schema=S["NotedProc"], isolation="process")
+def noted_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
+    ctx.log.info("noted %s in a process", payload["key"], extra={"step": "note"})
 
 
 @handlers.task(f"{NS}.Hold", schema=S["Hold"], transactional=True, max_attempts=1)
