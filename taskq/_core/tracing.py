@@ -11,7 +11,8 @@ children. Retry records and DLQ replays keep the header, so every attempt of a t
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 from taskq._core.envelope import Envelope
 
@@ -52,7 +53,7 @@ class Tracer:
             self._on = not isinstance(self._trace.get_tracer_provider(), self._trace.ProxyTracerProvider)
         return self._on
 
-    def send(self) -> Any:
+    def send(self) -> AbstractContextManager[Span]:
         """A context manager around one enqueue: the current `send` span (it records a raised error)."""
         return self._tracer.start_as_current_span("send", kind=self._trace.SpanKind.PRODUCER)
 
