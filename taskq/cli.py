@@ -10,7 +10,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,16 @@ from taskq.schemas.errors import SchemaError
 
 def _print(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, default=str) if args.json else text, flush=True)
+
+
+def _progress(args: argparse.Namespace, prefix: str, logger: str) -> Callable[[str], None]:
+    """Where a command reports its progress: stderr lines `PREFIX: ...`, or with --log-format json INFO lines
+    of `logger`, so that every line on stderr is JSON."""
+    if args.log_format == "json":
+        log = logging.getLogger(logger)
+        log.setLevel(logging.INFO)
+        return log.info
+    return lambda line: print(f"{prefix}: {line}", file=sys.stderr, flush=True)
 
 
 #: Commands that run until stopped: they wait out a broker that is away, the others report it.
@@ -317,7 +327,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         partitions=args.partitions,
         drain_timeout=args.drain_timeout,
         keep=args.keep,
-        progress=lambda line: print(f"chaos: {line}", file=sys.stderr, flush=True),
+        progress=_progress(args, "chaos", "taskq.chaos"),
     )
     _print(args, report.to_dict(), report.text())
     return 0 if report.passed else 1
@@ -574,7 +584,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     s = _settings(args)
     if args.metrics_port is not None:
-        return _serve_stats(s, args.metrics_port, args.interval, args.metrics_host)
+        progress = _progress(args, "taskq stats", "taskq.stats")
+        return _serve_stats(s, args.metrics_port, args.interval, args.metrics_host, progress)
     tiers = tier_depths(Admin(s), Topics(s.namespace, s.delay_tiers), s.worker_group)
     with DeadLetters(s) as dlq:
         dlq_depth = dlq.depth()
@@ -621,7 +632,7 @@ def _tier_depth_gauge() -> Any:
     )
 
 
-def _serve_stats(s: Settings, port: int, interval: float, host: str) -> int:
+def _serve_stats(s: Settings, port: int, interval: float, host: str, progress: Callable[[str], None]) -> int:
     """Serve tier and DLQ depths on /metrics, refreshed every `interval` seconds, until SIGTERM/SIGINT."""
     import signal
     import threading
@@ -653,7 +664,7 @@ def _serve_stats(s: Settings, port: int, interval: float, host: str) -> int:
         refresh()  # a wrong namespace or an unreachable broker fails here, before anything is served
         # Unhealthy once several refreshes in a row failed: the gauges are stale.
         server = serve(port, lambda: time.monotonic() - last_ok < max(3 * interval, 30.0), host=host)
-        print(f"taskq stats: serving /metrics on port {port}, refreshed every {interval:g}s", file=sys.stderr)
+        progress(f"serving /metrics on port {port}, refreshed every {interval:g}s")
         try:
             while not stop.wait(interval):
                 try:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import wait_until
+from tests.acceptance.helpers import WorkerProcess, wait_until
 
 TASK_FIELDS = ("task_id", "idempotency_key", "task_type", "tier", "attempt")
 
@@ -67,3 +68,20 @@ def test_a_json_worker_logs_task_fields_on_its_lines_and_the_handlers(app: App) 
     )
     assert (child["idempotency_key"], child["attempt"], child["tier"]) == ("noted:p1", 1, "normal")
     assert child["pid"] != worker.proc.pid
+
+
+def test_stats_serving_metrics_logs_only_json_lines(app: App) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stats = WorkerProcess.command(
+        app.env_of(TASKQ_LOG_FORMAT="json"), app.tmp_path / "stats.log", "stats", "--metrics-port", str(port)
+    )
+    try:
+        wait_until(lambda: "serving /metrics" in stats.output(), timeout=60, what="stats to serve /metrics")
+        stats.terminate()
+        assert stats.wait(60) == 0, stats.output()[-3000:]
+        [serving] = [e for e in lines(stats.output()) if "serving /metrics" in e["message"]]
+        assert serving["logger"] == "taskq.stats" and serving["level"] == "INFO"
+    finally:
+        stats.close()
