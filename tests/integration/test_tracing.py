@@ -12,6 +12,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
 
 from taskq import Handlers
 from taskq._core.db import Database
@@ -30,15 +31,18 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def exporter() -> Iterator[InMemorySpanExporter]:
-    """Spans of this process, kept in memory (the tracer provider is set once per process)."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
+    """Spans of this process, kept in memory, while this module's tests run."""
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider), "a tracer provider is set"
+    provider = TracerProvider()
     memory = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(memory))
+    trace.set_tracer_provider(provider)
     yield memory
-    memory.shutdown()
+    provider.shutdown()
+    # A process sets its provider once; OpenTelemetry's own tests unset it like this, so that the tests
+    # after these run untraced, as they would without the extra's tracer provider.
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace._TRACER_PROVIDER = None
 
 
 def _named(spans: tuple[ReadableSpan, ...], prefix: str) -> list[ReadableSpan]:
