@@ -1,41 +1,46 @@
 """OpenTelemetry spans of enqueues and attempts, with the `otel` extra (`pip install kafka-taskq[otel]`).
 
-Nothing here imports opentelemetry until a producer or a worker asks for a `Tracer`, and `tracer()` returns
-None when the extra is missing. Nothing is traced until the application sets a tracer provider: until then
-each task costs one check. Spans follow OpenTelemetry's messaging semantic conventions: a `send` span per
-enqueue, whose context travels in the `traceparent` header, and a `process` span per attempt, a child of
-the enqueue's span and linked to it, current while the handler runs so that the handler's spans are its
+Nothing is traced until the application sets a tracer provider, and nothing of opentelemetry is imported
+here: a provider can only be set by a process that imported `opentelemetry.trace`, so until it shows up in
+`sys.modules` each task costs one dict lookup, and a process without the extra, or one that does not trace,
+never loads it. Spans follow OpenTelemetry's messaging semantic conventions: a `send` span per enqueue,
+whose context travels in the `traceparent` header, and a `process` span per attempt, a child of the
+enqueue's span and linked to it, current while the handler runs so that the handler's spans are its
 children. Retry records and DLQ replays keep the header, so every attempt of a task is in one trace.
 """
 
 from __future__ import annotations
 
 import contextvars
+import sys
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from taskq._core.envelope import Envelope
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
+    from opentelemetry.trace import Tracer as OtelTracer
 
-__all__ = ["Tracer", "tracer"]
-
-
-def tracer() -> Tracer | None:
-    """The tracer of the process, or None when opentelemetry is not installed."""
-    try:
-        import opentelemetry.trace  # noqa: F401
-    except ImportError:
-        return None
-    return Tracer()
+__all__ = ["Tracer"]
 
 
 class Tracer:
     """Makes the spans of enqueues and attempts once a tracer provider is set; see the module docstring."""
 
     def __init__(self) -> None:
-        from opentelemetry import context, trace
+        self._on = False
+        self._trace: Any = None  # the opentelemetry.trace module, once a provider is set
+        self._tracer: OtelTracer | None = None
+
+    def active(self) -> bool:
+        """Whether a tracer provider is set (once set it stays: a process sets its provider once)."""
+        if self._on:
+            return True
+        trace = sys.modules.get("opentelemetry.trace")
+        if trace is None or isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+            return False
+        from opentelemetry import context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         from taskq import __version__
@@ -43,18 +48,13 @@ class Tracer:
         self._trace = trace
         self._attach = context.attach
         self._w3c = TraceContextTextMapPropagator()
-        # A proxy until the application sets a provider, which it then delegates to.
         self._tracer = trace.get_tracer("taskq", __version__)
-        self._on = False
-
-    def active(self) -> bool:
-        """Whether a tracer provider is set (once set it stays: a process sets its provider once)."""
-        if not self._on:
-            self._on = not isinstance(self._trace.get_tracer_provider(), self._trace.ProxyTracerProvider)
-        return self._on
+        self._on = True
+        return True
 
     def send(self) -> AbstractContextManager[Span]:
         """A context manager around one enqueue: the current `send` span (it records a raised error)."""
+        assert self._tracer is not None, "call only when active()"
         return self._tracer.start_as_current_span("send", kind=self._trace.SpanKind.PRODUCER)
 
     def sent(self, span: Span, topic: str, env: Envelope) -> str:
@@ -85,6 +85,7 @@ class Tracer:
             sc = self._trace.get_current_span(carried).get_span_context()
             if sc.is_valid:
                 parent, links = carried, [self._trace.Link(sc)]
+        assert self._tracer is not None, "call only when active()"
         span = self._tracer.start_span(
             f"process {topic}",
             context=parent,

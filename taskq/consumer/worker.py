@@ -30,7 +30,7 @@ from taskq._core.errors import ConfigurationError, StoreUnavailableError, TaskqE
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
-from taskq._core.tracing import tracer
+from taskq._core.tracing import Tracer
 from taskq.consumer import metrics
 from taskq.consumer.completer import Completer
 from taskq.consumer.events import (
@@ -226,7 +226,7 @@ class Worker:
         self.worker_id = self.config.worker_id
         self.metrics = metrics.PrometheusHook()
         self._hooks: tuple[Hook, ...] = (self.metrics, *hooks)
-        self._tracer = tracer()  # None without the otel extra
+        self._tracer = Tracer()
         self._stop = threading.Event()
         self._outcomes: queue.SimpleQueue[tuple[_Task, Outcome]] = queue.SimpleQueue()
         self._scheduler: PriorityScheduler[_Task] = PriorityScheduler(
@@ -777,7 +777,7 @@ class Worker:
         self._running[id(task)] = task
         self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
         trace = None
-        if self._tracer is not None and self._tracer.active():
+        if self._tracer.active():
             task.span, trace = self._attempt_span(task)
         self.executor.submit(
             Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call, trace=trace),
@@ -785,14 +785,13 @@ class Worker:
         )
 
     def _attempt_span(self, task: _Task) -> tuple[Any, contextvars.Context]:
-        assert self._tracer is not None
         record = task.record
         return self._tracer.attempt(
             task.envelope, record.topic, task.attempts, self.group, record.partition, record.offset
         )
 
     def _end_span(self, task: _Task, outcome: str, error: str | None = None) -> None:
-        if task.span is not None and self._tracer is not None:
+        if task.span is not None:
             self._tracer.finish(task.span, outcome, error)
             task.span = None
 
@@ -819,7 +818,7 @@ class Worker:
             def call(conn: Any) -> Any:
                 ctx.db = conn
                 ctx.deadline = time.monotonic() + timeout if timeout else None
-                if self._tracer is not None and self._tracer.active():
+                if self._tracer.active():
                     task.span, trace = self._attempt_span(task)
                     return trace.run(task.spec.fn, task.payload, ctx)
                 return task.spec.fn(task.payload, ctx)

@@ -48,7 +48,7 @@ from taskq._core.errors import (
 from taskq._core.kafka import Broker, KafkaBroker, Record
 from taskq._core.settings import Settings, redact
 from taskq._core.store import outbox_stage
-from taskq._core.tracing import tracer
+from taskq._core.tracing import Tracer
 from taskq.producer.backpressure import DepthMonitor
 from taskq.producer.metrics import producer_metrics
 from taskq.producer.ratelimit import RateLimit, RateLimiter
@@ -165,7 +165,7 @@ class TaskProducer:
         self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._metrics = producer_metrics()
-        self._tracer = tracer()  # None without the otel extra
+        self._tracer = Tracer()
         # Label children bound once per (task type, priority): labels() costs a lock and a tuple per call.
         self._enqueued: dict[tuple[str, str], Any] = {}
         self._sink = self.broker.sink(**dict(kafka_config or {}))
@@ -249,7 +249,7 @@ class TaskProducer:
     def _prepare(self, spec: TaskSpec, now: datetime) -> _Prepared:
         """Validate and encode one task, in a span of its own when tracing; raises before anything is sent."""
         tracer = self._tracer
-        if tracer is None or not tracer.active():
+        if not tracer.active():
             return self._encode(spec, now)
         with tracer.send() as span:
             topic, value, key, env = self._encode(spec, now)
