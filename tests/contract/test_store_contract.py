@@ -237,7 +237,9 @@ def test_a_key_gives_at_most_its_limit_of_slots_first_come_and_a_released_slot_g
     assert b.acquire_slots([slot("k5")]) == set()
 
 
-def test_slots_of_a_worker_whose_heartbeat_is_stale_or_whose_lease_ended_are_free(stores: tuple[Any, Any]) -> None:
+def test_slots_of_a_worker_whose_heartbeat_is_stale_or_whose_lease_ended_are_free(
+    stores: tuple[Any, Any],
+) -> None:
     a, b = stores
     a.enter(worker("a"), lambda pid: True)
     assert a.acquire_slots([slot("k1"), slot("k2", lease=0.05)]) == {"k1", "k2"}
@@ -258,4 +260,6 @@ def test_a_paused_bucket_grants_nothing_to_anyone_until_the_pause_ends(stores: t
     assert 25 < b.take_tokens(name, rate=10, capacity=5, want=1)[2] <= 30
     short = f"{a.namespace}:short"
     a.pause_tokens(short, rate=10, capacity=5, seconds=0.2)
-    wait_until(lambda: b.take_tokens(short, rate=10, capacity=5, want=1)[0] == 1, timeout=10, what="the pause")
+    wait_until(
+        lambda: b.take_tokens(short, rate=10, capacity=5, want=1)[0] == 1, timeout=10, what="the pause"
+    )

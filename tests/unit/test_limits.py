@@ -1,15 +1,16 @@
-"""Per-key concurrency caps and execution-time rate limits: declarations, and the worker's rules on the fakes."""
+"""Per-key concurrency caps and execution-time rate limits: declarations, and the worker's rules on fakes."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
 import pytest
 
 from taskq import Handlers, Retry, TaskContext
-from taskq._core.errors import ConfigurationError
 from taskq._core.durations import parse_rate
+from taskq._core.errors import ConfigurationError
 from taskq.testing import InMemoryQueue
 
 JOB = {
@@ -25,7 +26,9 @@ JOB = {
     [("100/s", 100.0, 100.0), ("10/m", 10 / 60, 10.0), ("5/h", 5 / 3600, 5.0), ("20/10s", 2.0, 20.0),
      (" 0.5 / s ", 0.5, 1.0)],
 )  # fmt: skip
-def test_a_rate_is_a_count_per_period_and_bursts_up_to_the_count(text: str, per_second: float, burst: float) -> None:
+def test_a_rate_is_a_count_per_period_and_bursts_up_to_the_count(
+    text: str, per_second: float, burst: float
+) -> None:
     rate = parse_rate(text)
     assert (rate.per_second, rate.burst) == (pytest.approx(per_second), burst)
 
@@ -55,7 +58,9 @@ def test_a_key_function_that_raises_dead_letters_the_task_with_the_reason_and_th
     handlers = Handlers()
     ran: list[int] = []
 
-    @handlers.task("unit.Call", schema=JOB, concurrency_limit=2, concurrency_key=lambda p: {"a": 1}[p["partner"]])
+    @handlers.task(
+        "unit.Call", schema=JOB, concurrency_limit=2, concurrency_key=lambda p: {"a": 1}[p["partner"]]
+    )
     def call(payload: dict[str, Any], ctx: TaskContext) -> None:
         ran.append(payload["n"])
 
@@ -124,5 +129,5 @@ def test_a_rate_limited_key_starts_at_its_rate_and_a_retry_delay_pauses_its_buck
         assert times[1] - first < 1
         assert all(t >= first + 30 for t in times[2:]), times
         later = sorted(times[2:])
-        assert all(b - a > 0.4 for a, b in zip(later, later[1:], strict=False)), later
+        assert all(b - a > 0.4 for a, b in itertools.pairwise(later)), later
         assert q.store.retries() == (1, 1)  # only the task told to retry used a second attempt
