@@ -12,6 +12,7 @@ from taskq import Handlers, Retry, TaskContext
 from taskq._core.durations import parse_rate
 from taskq._core.errors import ConfigurationError
 from taskq.testing import InMemoryQueue
+from tests.acceptance.helpers import wait_until
 
 JOB = {
     "type": "record",
@@ -131,3 +132,36 @@ def test_a_rate_limited_key_starts_at_its_rate_and_a_retry_delay_pauses_its_buck
         later = sorted(times[2:])
         assert all(b - a > 0.4 for a, b in itertools.pairwise(later)), later
         assert q.store.retries() == (1, 1)  # only the task told to retry used a second attempt
+
+
+def test_a_task_waiting_for_its_key_keeps_its_claim_renewed_and_its_attempt() -> None:
+    handlers = Handlers()
+    first_running, release = threading.Event(), threading.Event()
+
+    @handlers.task("unit.Call", schema=JOB, concurrency_limit=1)
+    def call(payload: dict[str, Any], ctx: TaskContext) -> None:
+        if payload["n"] == 0:
+            first_running.set()
+            assert release.wait(10)
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        for n in range(2):
+            q.producer.enqueue("unit.Call", {"partner": "a", "n": n}, idempotency_key=f"call-{n}")
+        runner = threading.Thread(target=q.run_until_idle, kwargs={"timeout": 30})
+        runner.start()
+        try:
+            assert first_running.wait(10)
+            waiting = q.store.rows["call-1"]
+            claimed_until = waiting.lease_expires_at or 0.0
+            # Far past its claim's lease (300 s run + 10 s wait): the loop renews it while it waits.
+            q.clock.advance(400)
+            wait_until(
+                lambda: (waiting.lease_expires_at or 0.0) > claimed_until + 390,
+                timeout=10,
+                what="the waiting task's claim to be renewed",
+            )
+        finally:
+            release.set()
+            runner.join(30)
+        assert len(q.completed) == 2
+        assert [q.store.rows[f"call-{n}"].attempts for n in range(2)] == [1, 1]
