@@ -30,6 +30,9 @@ log = logging.getLogger("taskq.worker")
 SLOT_RECHECK = 0.2
 #: How long limited tasks wait when Postgres cannot be asked (seconds).
 UNAVAILABLE_WAIT = 1.0
+#: Buckets a worker keeps, beyond which the least recently used is dropped: with a key per user, say, memory
+#: stays bounded. A dropped bucket forfeits the few tokens it had leased; it never grants more.
+MAX_BUCKETS = 10_000
 
 class KeyFailedError(TaskqError):
     """A task's concurrency_key or rate_key function raised: the task cannot be placed under its limit."""
@@ -116,6 +119,9 @@ class Limits:
         """Of (idempotency key, gate, slot lease seconds) tasks about to start, the keys of those that may:
         each took its bucket's token and its key's slot. The others wait, holding neither."""
         now = self._clock()
+        if len(self._slot_wait) + len(self._bucket_wait) > MAX_BUCKETS:  # forget the waits that are over
+            self._slot_wait = {k: t for k, t in self._slot_wait.items() if t > now}
+            self._bucket_wait = {k: t for k, t in self._bucket_wait.items() if t > now}
         admitted = {key for key, _, _ in tasks}
         tokens: list[tuple[str, SharedBucket]] = []
         for key, gate, _ in tasks:
@@ -198,9 +204,10 @@ class Limits:
         self._bucket_wait[gate.bucket] = max(self._bucket_wait.get(gate.bucket, 0.0), self._clock() + seconds)
 
     def _bucket(self, name: str, rate: Rate) -> SharedBucket:
-        bucket = self._buckets.get(name)
+        bucket = self._buckets.pop(name, None)
         if bucket is None:
-            bucket = self._buckets[name] = SharedBucket(
-                self._store, name, rate=rate.per_second, capacity=rate.burst
-            )
+            bucket = SharedBucket(self._store, name, rate=rate.per_second, capacity=rate.burst)
+        self._buckets[name] = bucket  # the most recently used last
+        if len(self._buckets) > MAX_BUCKETS:
+            del self._buckets[next(iter(self._buckets))]
         return bucket
