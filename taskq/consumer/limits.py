@@ -181,6 +181,10 @@ class Limits:
         self._slot_wait.pop(slot, None)
         self._to_release.append(idempotency_key)
 
+    def pending(self) -> int:
+        """Slots released and not yet given back."""
+        return len(self._to_release)
+
     def flush(self) -> None:
         """Give back the slots released since the last flush, in one round trip."""
         if not self._to_release:

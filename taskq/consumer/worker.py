@@ -387,10 +387,11 @@ class Worker:
         self._tick()
 
     def idle(self) -> bool:
-        """Nothing buffered, held, running or waiting to be recorded, acknowledged or committed."""
+        """Nothing buffered, held, running, or waiting to be recorded, acked, committed or given back."""
         return not (
             self._running
             or self._held
+            or self._limits.pending()
             or self._undecoded
             or self._completer.pending()
             or len(self._scheduler)
