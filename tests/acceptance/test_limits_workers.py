@@ -125,3 +125,22 @@ def test_a_retry_delay_pauses_its_partner_for_both_workers_while_another_partner
         app.type("Paced"),
     )
     assert {r["attempts"]: r["n"] for r in attempts} == {1: 79, 2: 1}  # only the task told to retry
+
+
+def test_a_capped_key_whose_slots_a_killed_worker_held_runs_again_elsewhere_within_15_s(app: App) -> None:
+    first = app.spawn("--concurrency", "4")
+    wait_until(lambda: " assigned " in first.output(), timeout=90, what=f"the first worker\n{app.logs()}")
+    # Both of p's slots, for 25 s each; leased for 50 s (timeout 30 s): far beyond the 15 s waited below.
+    enqueue(app, "Capped", [{"partner": "p", "seq": i, "seconds": 25.0} for i in range(2)])
+
+    def started_on(pid: int) -> int:
+        return int(app.scalar("SELECT count(*) FROM limit_runs WHERE partner = 'p' AND worker = %s", pid))
+
+    wait_until(lambda: started_on(first.proc.pid) == 2, timeout=60, what=f"p's two runs\n{app.logs()}")
+    second = app.spawn("--concurrency", "4")
+    wait_until(lambda: " assigned " in second.output(), timeout=90, what=f"the second worker\n{app.logs()}")
+    enqueue(app, "Capped", [{"partner": "p", "seq": 2, "seconds": 0.0}])
+    first.kill()
+    # p's slots are held by a dead worker, leased for 50 s. Once its heartbeat is stale (10 s) they count no
+    # more, and the runs taken over from it replace their own slots: the second worker runs p's tasks.
+    wait_until(lambda: started_on(second.proc.pid) >= 1, timeout=15, what=f"p to run again\n{app.logs()}")
