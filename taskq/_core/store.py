@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from psycopg import sql
 
-from taskq._core.db import Database, Row, Transaction, queries
+from taskq._core.db import Connection, Database, Row, Transaction, queries
 
 ClaimOutcome = Literal["claimed", "completed", "running", "duplicate"]
 
@@ -37,6 +37,17 @@ class Claim:
     attempts: int
     lease_left: float = 0.0
     interruptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRequest:
+    """A task of a type with `concurrency_limit` asking for one of its key's slots before it starts."""
+
+    idempotency_key: str
+    task_type: str
+    key: str
+    limit: int
+    lease_seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,10 +265,52 @@ class Store:
         return max(0, self.database.execute("workers_prune", older_than=older_than))
 
     # ------------------------------------------------------------------------------------- rate limits
-    def take_tokens(self, bucket: str, *, rate: float, capacity: float, want: float) -> tuple[float, float]:
-        """Refill a shared bucket and take up to `want` whole tokens: (tokens granted, tokens left)."""
+    def take_tokens(
+        self, bucket: str, *, rate: float, capacity: float, want: float
+    ) -> tuple[float, float, float]:
+        """Refill a shared bucket and take up to `want` whole tokens: (granted, tokens left, seconds the
+        bucket is still paused)."""
         (row,) = self.database.all("take_tokens", name=bucket, rate=rate, capacity=capacity, want=want)
-        return float(row["granted"]), float(row["tokens"])
+        return float(row["granted"]), float(row["tokens"]), float(row["paused"])
+
+    def pause_tokens(self, bucket: str, *, rate: float, capacity: float, seconds: float) -> None:
+        """Empty a shared bucket and grant nothing from it for `seconds`, for every process."""
+        self.database.execute("pause_tokens", name=bucket, rate=rate, capacity=capacity, seconds=seconds)
+
+    # ------------------------------------------------------------------------------- concurrency slots
+    def acquire_slots(
+        self,
+        namespace: str,
+        owner: str,
+        requests: Sequence[SlotRequest],
+        *,
+        stale_after: float,
+        conn: Connection | None = None,
+    ) -> set[str]:
+        """Take a slot for each request (unique keys) whose concurrency key has room, earlier requests of a
+        key first, in one transaction (on `conn` if given, kept by the caller); returns the idempotency keys
+        granted."""
+        params = {
+            "namespace": namespace,
+            "task_types": [r.task_type for r in requests],
+            "slot_keys": [r.key for r in requests],
+        }
+        with self.database.transaction(conn) as tx:
+            tx.all("slots_lock", **params)
+            rows = tx.all(
+                "slots_acquire",
+                **params,
+                keys=[r.idempotency_key for r in requests],
+                limits=[r.limit for r in requests],
+                leases=[r.lease_seconds for r in requests],
+                owner=owner,
+                stale_after=stale_after,
+            )
+        return {r["idempotency_key"] for r in rows}
+
+    def release_slots(self, namespace: str, owner: str, keys: Sequence[str]) -> None:
+        """Give back `owner`'s slots of these idempotency keys."""
+        self.database.execute("slots_release", namespace=namespace, owner=owner, keys=list(keys))
 
     # ------------------------------------------------------------------------------------- DLQ replays
     def dlq_replayed(self, topic: str) -> dict[int, tuple[datetime, int]]:

@@ -51,10 +51,11 @@ from taskq.consumer.events import (
 from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
 from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
+from taskq.consumer.limits import Gate, KeyFailedError, Limits
 from taskq.consumer.liveness import Liveness
 from taskq.consumer.offsets import OffsetTracker
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
-from taskq.consumer.retry import Reject
+from taskq.consumer.retry import Reject, Retry
 from taskq.consumer.routing import bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
 from taskq.consumer.store import (
@@ -171,6 +172,7 @@ class _Task:
     attempts: int = 0
     claimed_at: float = 0.0
     grouped: bool = False  # runs in a group commit
+    gate: Gate | None = None  # the concurrency slot and rate bucket of a limited task type
     recorded: bool = False  # the completion was recorded inside the handler's transaction
 
 
@@ -282,6 +284,7 @@ class Worker:
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)
+        self._limits = Limits(self.store, self.settings.namespace, clock=clock)
         self._source: RecordSource | None = None
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
         self._relay: tuple[OutboxRelay, threading.Thread] | None = None
@@ -384,10 +387,11 @@ class Worker:
         self._tick()
 
     def idle(self) -> bool:
-        """Nothing buffered, held, running or waiting to be recorded, acknowledged or committed."""
+        """Nothing buffered, held, running, or waiting to be recorded, acked, committed or given back."""
         return not (
             self._running
             or self._held
+            or self._limits.pending()
             or self._undecoded
             or self._completer.pending()
             or len(self._scheduler)
@@ -396,12 +400,16 @@ class Worker:
         )
 
     def waiting_until(self) -> float | None:
-        """When the worker has nothing to do but wait for held tasks: the clock time the first is due."""
-        if self._running or len(self._scheduler) or self._undecoded or self._completer.pending():
+        """When the worker has nothing to do but wait for held tasks, or for the slots and tokens of its
+        limited tasks' keys: the clock time the first may go on."""
+        if self._running or self._undecoded or self._completer.pending():
             return None
-        if not self._held:
-            return None
-        return min(h.due for h in self._held)
+        dues = [h.due for h in self._held]
+        if len(self._scheduler):
+            if any(t.gate is None or self._limits.ready(t.gate) for t in self._scheduler):
+                return None
+            dues += [self._limits.ready_at(t.gate) for t in self._scheduler if t.gate is not None]
+        return min(dues) if dues else None
 
     def close(self) -> None:
         """Leave the group and release every client (after `start`)."""
@@ -475,6 +483,7 @@ class Worker:
         self._release_held()
         self._dispatch()
         self._collect(block=0.0)
+        self._limits.flush()
         self._completer.flush(linger=0.005)
         self._completer.serve()
         if self._clock() - self._last_commit >= self.config.commit_interval:
@@ -547,8 +556,23 @@ class Worker:
                 error_type = f"{type(exc).__module__}.{type(exc).__name__}"
                 self._dead_letter_raw(record, f"upcaster failed: {exc}", error_type, 0)
                 return
+        gate = None
+        if spec.concurrency_limit is not None or spec.rate_limit is not None:
+            try:
+                gate = self._limits.gate(
+                    spec.task_type,
+                    payload,
+                    limit=spec.concurrency_limit,
+                    concurrency_key=spec.concurrency_key,
+                    rate=spec.rate_limit,
+                    rate_key=spec.rate_key,
+                )
+            except KeyFailedError as exc:  # the task cannot be placed under its limit: it never runs
+                self._dead_letter_raw(record, str(exc), "taskq.LimitKeyFailed", 0)
+                return
         generation = self._generation.get(record.tp, 0)
-        self._arrived.append(_Task(record, envelope, spec, payload, generation, tier or envelope.priority))
+        task = _Task(record, envelope, spec, payload, generation, tier or envelope.priority, gate=gate)
+        self._arrived.append(task)
 
     def _claim_arrived(self) -> None:
         """Claim the keys of the tasks decoded this tick, all in one round trip."""
@@ -615,12 +639,19 @@ class Worker:
         per_group = max(1, min(GROUP_MAX, len(self._scheduler) // (2 * free)))
         jobs: list[list[_Task]] = []
         group: list[_Task] = []
-        waiting: list[_Task] = []  # ordered tasks whose key is held by an earlier task: they keep their place
+        # Ordered tasks whose key is held by an earlier task, and limited tasks whose key has no slot or
+        # token now: they keep their place in the buffer, and the tasks behind them go by.
+        waiting: list[_Task] = []
+        popped: dict[int, int] = {}  # pop order, to put the waiting tasks back in place
         while len(jobs) < free or 0 < len(group) < per_group:
             task = self._scheduler.pop()
             if task is None:
                 break
+            popped[id(task)] = len(popped)
             if task.spec.ordered and self._key_holder.get(_key(task), id(task)) != id(task):
+                waiting.append(task)
+                continue
+            if task.gate is not None and not self._limits.ready(task.gate):
                 waiting.append(task)
                 continue
             if not (task.spec.transactional and task.spec.group_commit):
@@ -638,18 +669,38 @@ class Worker:
                 jobs.append(group)
             group.append(task)
             self._hold_key(task)
-        for task in reversed(waiting):
-            self._scheduler.push_front(task.tier, task)
+        gated = [t for job in jobs for t in job if t.gate is not None]
+        if gated:
+            # One round trip for the batch's slots, one per bucket whose leased tokens ran out: a task
+            # refused waits, claimed, and has used up no attempt.
+            admitted = self._limits.admit(
+                [(t.envelope.idempotency_key, t.gate, self._run_lease(t)) for t in gated if t.gate]
+            )
+            refused = {id(t) for t in gated if t.envelope.idempotency_key not in admitted}
+            if refused:
+                for job in jobs:
+                    for t in job:
+                        if id(t) in refused:
+                            self._free_key(t)
+                            waiting.append(t)
+                jobs = [[t for t in job if id(t) not in refused] for job in jobs]
         stale = self._clock() - self.config.claim_wait / 2
         waited = [t for job in jobs for t in job if t.claimed_at < stale]
-        if waited:
+        # Limited tasks waiting for their key keep their claims: renewed as they age, as the others at start.
+        parked = [t for t in waiting if t.gate is not None and t.claimed_at < stale]
+        if waited or parked:
             # One statement renews every long-waiting task of this dispatch; those not renewed are dropped.
-            lost = {id(t) for t in waited} - {id(t) for t in self._renew(waited)}
+            lost = {id(t) for t in waited + parked} - {id(t) for t in self._renew(waited, parked)}
             for job in jobs:
                 for t in job:
                     if id(t) in lost:
                         self._free_key(t)
+                        self._limits.release(t.envelope.idempotency_key)
             jobs = [[t for t in job if id(t) not in lost] for job in jobs]
+            waiting = [t for t in waiting if id(t) not in lost]
+        waiting.sort(key=lambda t: popped[id(t)])
+        for task in reversed(waiting):
+            self._scheduler.push_front(task.tier, task)
         for job in jobs:
             if job and job[0].spec.transactional and job[0].spec.group_commit:
                 self._start_group(job)
@@ -685,20 +736,22 @@ class Worker:
             task.claimed_at = now
             self._handle_claim(task, claim)
 
-    def _renew(self, waited: list[_Task]) -> list[_Task]:
-        """Extend the leases of tasks that waited long for a slot; those whose lease was lost are dropped."""
+    def _renew(self, waited: list[_Task], parked: Sequence[_Task] = ()) -> list[_Task]:
+        """Extend the leases of tasks that waited long for a slot (about to start: leased for their run) and
+        of `parked` ones (still waiting for their key: leased for a wait more); those lost are dropped."""
+        leases = [(t.envelope.idempotency_key, t.attempts, self._run_lease(t)) for t in waited]
+        wait = self.config.claim_wait
+        leases += [(t.envelope.idempotency_key, t.attempts, self._run_lease(t) + wait) for t in parked]
         try:
-            renewed = self.store.renew(
-                [(t.envelope.idempotency_key, t.attempts, self._run_lease(t)) for t in waited]
-            )
+            renewed = self.store.renew(leases)
         except StoreUnavailableError as exc:
-            log.warning("store unavailable, holding %d task(s): %s", len(waited), exc)
+            log.warning("store unavailable, holding %d task(s): %s", len(leases), exc)
             # Held tasks are claimed again: their own lease answers 'running' until it expires.
-            self._held.extend(_Held(t, self._clock() + 1.0) for t in waited)
+            self._held.extend(_Held(t, self._clock() + 1.0) for t in [*waited, *parked])
             return []
         now = self._clock()
         kept = []
-        for task in waited:
+        for task in [*waited, *parked]:
             if task.envelope.idempotency_key in renewed:
                 task.claimed_at = now
                 kept.append(task)
@@ -874,6 +927,8 @@ class Worker:
 
     def _outcome(self, task: _Task, outcome: Outcome) -> None:
         env, spec = task.envelope, task.spec
+        if task.gate is not None:
+            self._limits.release(env.idempotency_key)  # the attempt ended (or never started): its slot frees
         if task.grouped:
             task.grouped = False
             if isinstance(outcome.error, NotStarted):
@@ -906,6 +961,9 @@ class Worker:
             log.warning("task %s: %s", env.task_id, error)
             self._done(task)  # the worker that took the lease over decides this key
             return
+        if isinstance(error, Retry) and error.delay is not None and task.gate is not None:
+            # Told to back off (an HTTP 429's Retry-After, say): the key's bucket pauses for every worker.
+            self._limits.pause(task.gate, error.delay.total_seconds())
         message = f"{outcome.error_type}: {outcome.message}"
         self._emit(AttemptFailed(env.task_type, env.task_id, env.idempotency_key, outcome.seconds, message))
         policy = spec.policy
@@ -1113,6 +1171,7 @@ class Worker:
             if serve_group:
                 self._serve_group()
             self._collect(block=0.1)
+            self._limits.flush()
             self._completer.flush()
             self._completer.serve(0.01)
             self.heartbeat.beat()
@@ -1157,3 +1216,6 @@ class Worker:
                 )
             except StoreUnavailableError as exc:
                 log.warning("could not free unfinished keys (their leases will expire): %s", exc)
+            for t in abandoned:
+                self._limits.release(t.envelope.idempotency_key)
+            self._limits.flush()
