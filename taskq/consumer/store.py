@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from taskq._core.db import Connection, Database, Row, Transaction, in_transaction
 from taskq._core.errors import TaskqError
-from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Store, WorkerRecord
+from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Pauses, Store, WorkerRecord
 
 __all__ = [
     "Claim",
@@ -22,6 +22,7 @@ __all__ = [
     "LeaseLostError",
     "Member",
     "NotStarted",
+    "Pauses",
     "TaskStore",
     "WorkerRecord",
 ]
@@ -73,6 +74,7 @@ class TaskStore(Protocol):
     def finish(self, finished: Sequence[Finished]) -> set[str]: ...
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]: ...
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]: ...
+    def pauses(self) -> Pauses: ...
     def transaction(
         self, idempotency_key: str, attempts: int, result: Any = None
     ) -> AbstractContextManager[Any]: ...
@@ -140,6 +142,14 @@ class IdempotencyStore:
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]:
         """Extend (key, attempt, seconds from now) leases; returns the keys renewed (the others were lost)."""
         return self._store.renew(self.namespace, self.owner, leases) if leases else set()
+
+    def pauses(self) -> Pauses:
+        """What operators paused in the namespace (`taskq pause`): one query, read every few seconds."""
+        rows = self._store.pauses(self.namespace)
+        return Pauses(
+            tiers=frozenset(name for kind, name, _ in rows if kind == "tier"),
+            task_types=frozenset(name for kind, name, _ in rows if kind == "task_type"),
+        )
 
     @contextmanager
     def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Connection]:
