@@ -62,8 +62,8 @@ def test_paused_tier_and_type_hold_their_tasks_until_resumed_then_each_runs_once
     store.resume("task_type", "unit.Other")
     parts.clock.advance(1.0)
     run(worker, lambda: len(runs) == 9, "every task after the resume")
-    assert sorted(runs) == sorted(
-        [(kind, n, 1) for kind in ("job", "job", "other") for n in range(3)]
-    ), "each task ran once, on its first attempt"
+    assert sorted(runs) == sorted([(kind, n, 1) for kind in ("job", "job", "other") for n in range(3)]), (
+        "each task ran once, on its first attempt"
+    )
     run(worker, worker.idle, "the worker to settle")
     worker.close()
