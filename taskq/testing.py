@@ -528,6 +528,7 @@ class InMemoryStore:
         workers: dict[str, _Liveness] | None = None,
         stale_after: float = 10.0,
         connect: Callable[[], Any] | None = None,
+        paused: dict[tuple[str, str], datetime] | None = None,
     ) -> None:
         self.owner = owner
         self.namespace = namespace
@@ -540,8 +541,8 @@ class InMemoryStore:
         #: DLQ replays: (topic, offset) -> (when, how many times); one replay at a time, as in Postgres
         self.replays: dict[tuple[str, int], tuple[datetime, int]] = {}
         self._replay_lock = threading.Lock()
-        #: What operators paused: (kind, name) -> when; stores of a namespace share it: `b.paused = a.paused`
-        self.paused: dict[tuple[str, str], datetime] = {}
+        #: What operators paused, (kind, name) -> when; stores of one namespace share it: `paused=a.paused`
+        self.paused: dict[tuple[str, str], datetime] = {} if paused is None else paused
 
     def pause(self, kind: str, name: str) -> bool:
         """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""

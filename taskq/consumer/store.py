@@ -11,7 +11,16 @@ from typing import Any, Protocol
 
 from taskq._core.db import Connection, Database, Row, Transaction, in_transaction
 from taskq._core.errors import TaskqError
-from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Pauses, Store, WorkerRecord
+from taskq._core.store import (
+    Claim,
+    ClaimOutcome,
+    ClaimRequest,
+    Finished,
+    Pauses,
+    Store,
+    WorkerRecord,
+    pause_target,
+)
 
 __all__ = [
     "Claim",
@@ -142,6 +151,14 @@ class IdempotencyStore:
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]:
         """Extend (key, attempt, seconds from now) leases; returns the keys renewed (the others were lost)."""
         return self._store.renew(self.namespace, self.owner, leases) if leases else set()
+
+    def pause(self, kind: str, name: str) -> bool:
+        """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""
+        return self._store.pause(self.namespace, *pause_target(kind, name))
+
+    def resume(self, kind: str, name: str) -> bool:
+        """Resume a tier or a task type; False if it was not paused."""
+        return self._store.resume(self.namespace, *pause_target(kind, name))
 
     def pauses(self) -> Pauses:
         """What operators paused in the namespace (`taskq pause`): one query, read every few seconds."""

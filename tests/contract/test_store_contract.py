@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, WorkerRecord
+from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, Pauses, WorkerRecord
 from tests.acceptance.helpers import wait_until
 
 
@@ -215,3 +215,18 @@ def test_a_starting_worker_marks_dead_the_gone_processes_of_its_host_and_takes_t
     assert b.enter(worker("b", pid=222, later=1), lambda pid: pid == 222) == set()  # marked once
     a.beat(worker("a", pid=111), 0)  # a was alive after all: its record revives, its lost lease stays lost
     assert a.finish([Finished("k", 1, "completed")]) == {"k"}
+
+
+def test_a_pause_is_seen_by_every_store_of_its_namespace_until_resumed(
+    stores: tuple[Any, Any], namespaces: tuple[Any, Any]
+) -> None:
+    a, b = stores
+    assert b.pauses() == Pauses()
+    assert a.pause("tier", "low") is True and a.pause("tier", "low") is False
+    assert a.pause("task_type", "contract.Task") is True
+    assert b.pauses() == Pauses(tiers=frozenset({"low"}), task_types=frozenset({"contract.Task"}))
+    assert b.resume("tier", "low") is True and b.resume("tier", "low") is False
+    assert a.pauses() == Pauses(task_types=frozenset({"contract.Task"}))
+    x, y = namespaces  # another namespace's pauses are its own
+    assert x.pause("tier", "high") is True
+    assert y.pauses() == Pauses() and x.pauses() == Pauses(tiers=frozenset({"high"}))
