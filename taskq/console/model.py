@@ -1,8 +1,8 @@
 """What the console shows and does, over the library's own parts: no web framework in this module.
 
-Every figure comes from where the CLI takes it: tier depths from `tier_depths` (what `taskq stats` prints),
-the DLQ from `DeadLetters`, task records and liveness records from the Postgres store. One lock serialises
-the calls, as the Kafka clients and the store's connection serve one thread at a time.
+Every figure comes from where the CLI takes it: tier depths counted as `tier_depths` counts them (what
+`taskq stats` prints), the DLQ from `DeadLetters`, task records and liveness records from the Postgres store.
+One lock serialises the calls, as the Kafka clients and the store's connection serve one thread at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from taskq._core.kafka import TP, Admin, Source
 from taskq._core.settings import Settings
 from taskq._core.store import Store, pause_target
 from taskq.consumer.dlq import DeadLetters, DlqRecord, ReplayResult
-from taskq.producer.backpressure import tier_depths
+from taskq.producer.backpressure import backlog, depths_of
 
 #: A worker whose heartbeat is older than this (seconds) is not shown as alive (the workers' default).
 STALE_AFTER = 10.0
@@ -85,13 +85,11 @@ class Console:
         delay tiers' contents, the DLQ depth, the workers alive and what is paused."""
         with self._locked():
             s = self.settings
-            depths = tier_depths(self._admin, self.topics, s.worker_group)
-            names = self.topics.priority_topics
-            end = self._admin.end_offsets(names)
-            committed = self._admin.committed(s.worker_group, names)
-            start = self._admin.start_offsets(names)
-            done = {tp: committed[tp] if committed.get(tp, -1) >= 0 else start.get(tp, 0) for tp in end}
-            oldest = self._oldest_waiting({tp: o for tp, o in done.items() if end[tp] > o})
+            # The figures `taskq stats` prints, from the same offsets (tier_depths is depths_of(backlog)).
+            tiers_backlog = backlog(self._admin, self.topics.priority_topics, s.worker_group)
+            depths = depths_of(tiers_backlog, self.topics)
+            oldest = self._oldest_waiting({tp: b for tp, b in tiers_backlog.items() if b[1] > b[0]})
+            done = {tp: b[0] for tp, b in tiers_backlog.items()}
             now = time.monotonic()
             rates: dict[str, float | None] = dict.fromkeys(PRIORITIES, None)
             if self._last_done is not None and now > self._last_done[0]:
@@ -105,33 +103,33 @@ class Console:
             wall = datetime.now(UTC)
             tiers = []
             for tier in PRIORITIES:
-                tps = [tp for tp in end if self._tier(tp) == tier]
-                ages = [wall - oldest[tp] for tp in tps if tp in oldest]
+                mine = {tp: b for tp, b in tiers_backlog.items() if self._tier(tp) == tier}
+                ages = [wall - oldest[tp] for tp in mine if tp in oldest]
                 tiers.append(
                     {
                         "tier": tier,
                         "topic": self.topics.tier(tier),
                         "depth": depths[tier],
-                        "lag": max((max(0, end[tp] - done[tp]) for tp in tps), default=0),
-                        "partitions": len(tps),
+                        "lag": max((max(0, hw - first) for first, hw in mine.values()), default=0),
+                        "partitions": len(mine),
                         "oldest_seconds": max(ages).total_seconds() if ages else None,
                         "completed_per_s": rates[tier],
                     }
                 )
-            delay_end = self._admin.end_offsets(self.topics.delay_topics)
-            delay_done = self._admin.committed(f"{s.namespace}.forwarder", self.topics.delay_topics)
-            delay_start = self._admin.start_offsets(self.topics.delay_topics)
-            delays = []
-            for tier_delay in s.delay_tiers:
-                topic = self.topics.delay(tier_delay)
-                waiting = 0
-                for tp, hw in delay_end.items():
-                    if tp[0] == topic:
-                        base = delay_done.get(tp, -1)
-                        waiting += max(0, hw - (base if base >= 0 else delay_start.get(tp, 0)))
-                delays.append(
-                    {"topic": topic, "delay_seconds": tier_delay.total_seconds(), "waiting": waiting}
-                )
+            # The delay forwarder commits a delayed task once it forwarded it: its backlog is what waits.
+            delayed = backlog(self._admin, self.topics.delay_topics, f"{s.namespace}.forwarder")
+            delays = [
+                {
+                    "topic": self.topics.delay(d),
+                    "delay_seconds": d.total_seconds(),
+                    "waiting": sum(
+                        max(0, hw - first)
+                        for (t, _), (first, hw) in delayed.items()
+                        if t == self.topics.delay(d)
+                    ),
+                }
+                for d in s.delay_tiers
+            ]
             workers = [
                 {
                     "worker_id": w["worker_id"],
@@ -160,19 +158,24 @@ class Console:
     def _tier(self, tp: TP) -> str | None:
         return self.topics.priority_of(tp[0])
 
-    def _oldest_waiting(self, first: dict[TP, int]) -> dict[TP, datetime]:
-        """When the first record not yet committed of each partition reached it (its Kafka timestamp)."""
-        if not first:
+    def _oldest_waiting(self, waiting: dict[TP, tuple[int, int]]) -> dict[TP, datetime]:
+        """When the first record not yet consumed of each partition (first offset, end offset) reached it:
+        its Kafka timestamp. A partition holding only transaction markers past its first offset has none."""
+        if not waiting:
             return {}
         if self._reader is None:
             self._reader = Source(self.settings, group=f"{self.settings.namespace}.console")
-        self._reader.assign([(t, p, o) for (t, p), o in first.items()])
+        self._reader.assign([(t, p, first) for (t, p), (first, _) in waiting.items()])
         found: dict[TP, datetime] = {}
+        left = set(waiting)
         deadline = time.monotonic() + OLDEST_WAIT
-        while len(found) < len(first) and time.monotonic() < deadline:
-            for r in self._reader.poll(100, 0.2):
-                if r.tp not in found:
+        while left and time.monotonic() < deadline:
+            for r in self._reader.poll(100, 0.1):
+                if r.tp in left:
                     found[r.tp] = datetime.fromtimestamp(r.timestamp_ms / 1000, tz=UTC)
+                    left.discard(r.tp)
+            # Read to the end without a record: markers only (the reader sees committed records alone).
+            left = {tp for tp in left if self._reader.position(tp) < waiting[tp][1]}
         return found
 
     # ---------------------------------------------------------------------------------------------- tasks
@@ -242,4 +245,3 @@ class Console:
                 self._reader.close()
                 self._reader = None
             self._database.close()
-
