@@ -7,6 +7,7 @@ the console is served.
 from __future__ import annotations
 
 import ipaddress
+import sys
 
 from taskq._core.errors import ConfigurationError
 from taskq._core.settings import Settings
@@ -55,6 +56,12 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080, toke
     try:
         console.start()
         app = create_app(console, token=token)
+        shown = f"[{host}]" if ":" in host else host
+        print(
+            f"taskq console: namespace {settings.namespace} on http://{shown}:{port}/",
+            file=sys.stderr,
+            flush=True,
+        )
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         console.close()
