@@ -46,6 +46,7 @@ from taskq.consumer.store import (
     Member,
     NotStarted,
     SlotRequest,
+    Pauses,
     WorkerRecord,
 )
 from taskq.consumer.worker import Worker, WorkerConfig
@@ -547,6 +548,7 @@ class InMemoryStore:
         connect: Callable[[], Any] | None = None,
         slots: dict[str, _Slot] | None = None,
         buckets: dict[str, _Bucket] | None = None,
+        paused: dict[tuple[str, str], datetime] | None = None,
     ) -> None:
         self.owner = owner
         self.namespace = namespace
@@ -561,6 +563,29 @@ class InMemoryStore:
         #: DLQ replays: (topic, offset) -> (when, how many times); one replay at a time, as in Postgres
         self.replays: dict[tuple[str, int], tuple[datetime, int]] = {}
         self._replay_lock = threading.Lock()
+        #: What operators paused, (kind, name) -> when; stores of one namespace share it: `paused=a.paused`
+        self.paused: dict[tuple[str, str], datetime] = {} if paused is None else paused
+
+    def pause(self, kind: str, name: str) -> bool:
+        """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""
+        with self._lock:
+            if (kind, name) in self.paused:
+                return False
+            self.paused[(kind, name)] = datetime.now(UTC)
+            return True
+
+    def resume(self, kind: str, name: str) -> bool:
+        """Resume a tier or a task type; False if it was not paused."""
+        with self._lock:
+            return self.paused.pop((kind, name), None) is not None
+
+    def pauses(self) -> Pauses:
+        """What is paused, as the worker reads it every few seconds."""
+        with self._lock:
+            return Pauses(
+                tiers=frozenset(n for k, n in self.paused if k == "tier"),
+                task_types=frozenset(n for k, n in self.paused if k == "task_type"),
+            )
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim each key for one attempt; a key twice in one batch: 'duplicate' (as IdempotencyStore)."""

@@ -11,8 +11,26 @@ from typing import Any, Literal
 from psycopg import sql
 
 from taskq._core.db import Connection, Database, Row, Transaction, queries
+from taskq._core.envelope import PRIORITIES
+from taskq._core.errors import ConfigurationError
 
 ClaimOutcome = Literal["claimed", "completed", "running", "duplicate"]
+#: What an operator pauses: a tier (its partitions) or a task type (its tasks, held in the buffer).
+PauseKind = Literal["tier", "task_type"]
+
+
+def pause_target(kind: str, name: str) -> tuple[PauseKind, str]:
+    """A pause's kind and name, checked: a known tier, or a task type's full record name."""
+    name = name.strip()
+    if kind == "tier":
+        if name not in PRIORITIES:
+            raise ConfigurationError(f"tier must be one of {', '.join(PRIORITIES)}, got {name!r}")
+        return "tier", name
+    if kind == "task_type":
+        if not 0 < len(name) <= 300:
+            raise ConfigurationError("task type must be its record's full name (1 to 300 characters)")
+        return "task_type", name
+    raise ConfigurationError(f"pause kind must be tier or task_type, got {kind!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +79,14 @@ class WorkerRecord:
     pid: int
     concurrency: int
     started_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Pauses:
+    """What operators paused in a namespace: tiers (by priority) and task types."""
+
+    tiers: frozenset[str] = frozenset()
+    task_types: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +289,34 @@ class Store:
     def workers_prune(self, older_than: float) -> int:
         """Delete the liveness records silent for more than `older_than` seconds; how many."""
         return max(0, self.database.execute("workers_prune", older_than=older_than))
+
+    def workers_alive(self, namespace: str, stale_after: float) -> list[Row]:
+        """The liveness records of a namespace's workers that beat within `stale_after` seconds."""
+        return self.database.all("workers_alive", namespace=namespace, stale_after=stale_after)
+
+    # ------------------------------------------------------------------------------------------ lookups
+    def task_by_id(self, namespace: str, task_id: str) -> Row | None:
+        """The record of the task with this id (its columns), or None."""
+        return self.database.one("task_by_id", namespace=namespace, task_id=task_id)
+
+    def completed_since(self, namespace: str, seconds: float) -> int:
+        """How many tasks of a namespace completed in the last `seconds` seconds."""
+        row = self.database.one("completed_since", namespace=namespace, seconds=seconds)
+        return int(row["n"]) if row is not None else 0
+
+    # ------------------------------------------------------------------------------------------- pauses
+    def pause(self, namespace: str, kind: PauseKind, name: str) -> bool:
+        """Pause a tier or a task type; False if it was paused already."""
+        return self.database.one("pause", namespace=namespace, kind=kind, name=name) is not None
+
+    def resume(self, namespace: str, kind: PauseKind, name: str) -> bool:
+        """Resume a tier or a task type; False if it was not paused."""
+        return self.database.one("resume", namespace=namespace, kind=kind, name=name) is not None
+
+    def pauses(self, namespace: str) -> list[tuple[PauseKind, str, datetime]]:
+        """What is paused in a namespace: (kind, name, paused at)."""
+        rows = self.database.all("pauses", namespace=namespace)
+        return [(r["kind"], r["name"], r["paused_at"]) for r in rows]
 
     # ------------------------------------------------------------------------------------- rate limits
     def take_tokens(

@@ -16,9 +16,11 @@ from taskq._core.store import (
     ClaimOutcome,
     ClaimRequest,
     Finished,
+    Pauses,
     SlotRequest,
     Store,
     WorkerRecord,
+    pause_target,
 )
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "LeaseLostError",
     "Member",
     "NotStarted",
+    "Pauses",
     "SlotRequest",
     "TaskStore",
     "WorkerRecord",
@@ -82,6 +85,7 @@ class TaskStore(Protocol):
     def finish(self, finished: Sequence[Finished]) -> set[str]: ...
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]: ...
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]: ...
+    def pauses(self) -> Pauses: ...
     def transaction(
         self, idempotency_key: str, attempts: int, result: Any = None
     ) -> AbstractContextManager[Any]: ...
@@ -156,6 +160,22 @@ class IdempotencyStore:
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]:
         """Extend (key, attempt, seconds from now) leases; returns the keys renewed (the others were lost)."""
         return self._store.renew(self.namespace, self.owner, leases) if leases else set()
+
+    def pause(self, kind: str, name: str) -> bool:
+        """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""
+        return self._store.pause(self.namespace, *pause_target(kind, name))
+
+    def resume(self, kind: str, name: str) -> bool:
+        """Resume a tier or a task type; False if it was not paused."""
+        return self._store.resume(self.namespace, *pause_target(kind, name))
+
+    def pauses(self) -> Pauses:
+        """What operators paused in the namespace (`taskq pause`): one query, read every few seconds."""
+        rows = self._store.pauses(self.namespace)
+        return Pauses(
+            tiers=frozenset(name for kind, name, _ in rows if kind == "tier"),
+            task_types=frozenset(name for kind, name, _ in rows if kind == "task_type"),
+        )
 
     @contextmanager
     def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Connection]:

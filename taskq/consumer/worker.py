@@ -66,6 +66,7 @@ from taskq.consumer.store import (
     LeaseLostError,
     Member,
     NotStarted,
+    Pauses,
     TaskStore,
     WorkerRecord,
 )
@@ -133,6 +134,8 @@ class WorkerConfig:
     relay: bool = True
     #: Run the scheduler of the handlers' periodic tasks in this process (a thread).
     periodic: bool = True
+    #: What operators paused (`taskq pause`) is read this often (seconds): one query, never per task.
+    pause_interval: float = 2.0
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -151,6 +154,7 @@ class WorkerConfig:
             "default_lease",
             "claim_wait",
             "heartbeat_interval",
+            "pause_interval",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -231,6 +235,10 @@ class Worker:
         self._undecoded: list[Record] = []
         self._arrived: list[_Task] = []  # decoded this tick, to claim in one round trip
         self._unstarted: list[_Task] = []  # left out of a group that stopped early, to release
+        # Tasks of a paused task type, claimed and held out of the scheduler until the type is resumed.
+        self._on_hold: list[_Task] = []
+        self._pauses = Pauses()
+        self._pauses_read_at = -float("inf")
         # Ordered task types: the task that holds each (partition, key) while it runs or waits to retry.
         self._key_holder: dict[tuple[TP, bytes | None], int] = {}
         self._revoking: set[TP] = set()  # partitions whose revocation is being served
@@ -392,6 +400,7 @@ class Worker:
             self._running
             or self._held
             or self._limits.pending()
+            or self._on_hold
             or self._undecoded
             or self._completer.pending()
             or len(self._scheduler)
@@ -457,7 +466,7 @@ class Worker:
     def _tick(self) -> None:
         self.heartbeat.beat()
         assert self._source is not None
-        waiting = len(self._scheduler) + len(self._held) + len(self._undecoded)
+        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
         busy = bool(self._running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
         now = self._clock()
@@ -479,6 +488,7 @@ class Worker:
         for record in records:
             self._accept(record)
         self._claim_arrived()
+        self._read_pauses()
         self._flow_control()
         self._release_held()
         self._dispatch()
@@ -586,8 +596,9 @@ class Worker:
         to_pause, to_resume = [], []
         # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
-        full = len(self._scheduler) + len(self._held) >= self.config.buffer_capacity
+        full = len(self._scheduler) + len(self._held) + len(self._on_hold) >= self.config.buffer_capacity
         held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
+        held.update(t.tier for t in self._on_hold if full)
         # Over the byte bound every partition waits: what is buffered runs first, then fetching resumes.
         heavy = self._over_bytes()
         for tp in self._assigned:
@@ -596,7 +607,8 @@ class Worker:
                 continue
             depth = self._scheduler.depth(tier)
             over = full and held[tier] + depth >= self._scheduler.reserve(tier)
-            if self._scheduler.saturated(tier) or over or heavy or self._stop.is_set():
+            paused = tier in self._pauses.tiers  # by an operator: nothing more is fetched
+            if self._scheduler.saturated(tier) or over or heavy or paused or self._stop.is_set():
                 if tp not in self._paused:
                     to_pause.append(tp)
                     self._resume_at[tier] = depth // 2
@@ -613,12 +625,62 @@ class Worker:
 
     def _over_bytes(self) -> bool:
         """Whether the buffered records (waiting, held, undecoded) take more than `buffer_bytes`."""
-        waiting = len(self._scheduler) + len(self._held) + len(self._undecoded)
+        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
         if waiting * self._largest < self.config.buffer_bytes:
             return False  # cannot be over whatever their sizes: no need to add them up (the usual case)
-        total = sum(_size(t.record) for t in self._scheduler)
+        total = sum(_size(t.record) for t in self._scheduler) + sum(_size(t.record) for t in self._on_hold)
         total += sum(_size(h.task.record) for h in self._held) + sum(_size(r) for r in self._undecoded)
         return total >= self.config.buffer_bytes
+
+    def _read_pauses(self) -> None:
+        """Every `pause_interval` seconds: read what operators paused, give resumed tasks back to the
+        scheduler, and renew the leases of paused tasks that wait long, so no other worker takes them over."""
+        now = self._clock()
+        if now - self._pauses_read_at < self.config.pause_interval:
+            return
+        self._pauses_read_at = now
+        try:
+            pauses = self.store.pauses()
+        except StoreUnavailableError as exc:  # the last known state holds meanwhile
+            log.warning("cannot read pauses: %s", exc)
+            return
+        if pauses != self._pauses:
+            log.info(
+                "paused tiers: %s; paused task types: %s",
+                ", ".join(sorted(pauses.tiers)) or "none",
+                ", ".join(sorted(pauses.task_types)) or "none",
+            )
+            self._pauses = pauses
+        resumed = [t for t in self._on_hold if t.envelope.task_type not in pauses.task_types]
+        if resumed:
+            self._on_hold = [t for t in self._on_hold if t.envelope.task_type in pauses.task_types]
+            for task in reversed(resumed):  # first in line again, in their order
+                self._scheduler.push_front(task.tier, task)
+        stale = now - self.config.claim_wait / 2
+        waiting = [t for t in self._on_hold if t.claimed_at < stale]
+        waiting += [t for t in self._scheduler if t.tier in pauses.tiers and t.claimed_at < stale]
+        if not waiting:
+            return
+        # A paused task keeps its claim: its lease is renewed while it waits, and no attempt is counted.
+        try:
+            renewed = self.store.renew(
+                [(t.envelope.idempotency_key, t.attempts, self._run_lease(t) + self.config.claim_wait)
+                 for t in waiting]
+            )
+        except StoreUnavailableError as exc:
+            log.warning("could not renew the leases of %d paused task(s): %s", len(waiting), exc)
+            return
+        lost = {id(t) for t in waiting if t.envelope.idempotency_key not in renewed}
+        for task in waiting:
+            if id(task) in lost:
+                # Taken over while paused: the worker holding the lease now decides this key.
+                log.warning("task %s: lease taken over while paused", task.envelope.task_id)
+                self._done(task)
+            else:
+                task.claimed_at = now
+        if lost:
+            self._on_hold = [t for t in self._on_hold if id(t) not in lost]
+            self._scheduler.remove_if(lambda t: id(t) in lost)
 
     def _release_held(self) -> None:
         now = self._clock()
@@ -644,9 +706,12 @@ class Worker:
         waiting: list[_Task] = []
         popped: dict[int, int] = {}  # pop order, to put the waiting tasks back in place
         while len(jobs) < free or 0 < len(group) < per_group:
-            task = self._scheduler.pop()
+            task = self._scheduler.pop(skip=self._pauses.tiers)
             if task is None:
                 break
+            if task.envelope.task_type in self._pauses.task_types:
+                self._on_hold.append(task)  # claimed, and held until its type is resumed
+                continue
             popped[id(task)] = len(popped)
             if task.spec.ordered and self._key_holder.get(_key(task), id(task)) != id(task):
                 waiting.append(task)
@@ -1131,6 +1196,8 @@ class Worker:
         revoked = set(tps)
         self._revoking = revoked
         dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
+        dropped += [t for t in self._on_hold if t.record.tp in revoked]
+        self._on_hold = [t for t in self._on_hold if t.record.tp not in revoked]
         # Claimed ahead and never started: the partition's new owner claims them at once, same attempt.
         self._release(dropped)
         self._held = [h for h in self._held if h.task.record.tp not in revoked]
@@ -1184,7 +1251,8 @@ class Worker:
         assert self._source is not None
         self._source.pause(list(self._assigned))
         # Claimed ahead and never started: whoever reads these partitions next claims them at once.
-        self._release(self._scheduler.remove_if(lambda t: True))
+        self._release(self._scheduler.remove_if(lambda t: True) + self._on_hold)
+        self._on_hold = []
         self._drain(
             lambda: bool(self._running),
             timeout=self.config.shutdown_timeout,

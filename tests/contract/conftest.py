@@ -52,7 +52,7 @@ def stores(kind: str, request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any
     if kind == "memory":
         a = InMemoryStore(owner="a")
         yield a, InMemoryStore(
-            owner="b", rows=a.rows, workers=a.workers, slots=a.slots, buckets=a.buckets
+            owner="b", rows=a.rows, workers=a.workers, slots=a.slots, buckets=a.buckets, paused=a.paused
         )
         return
     s = _settings(request)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, SlotRequest, WorkerRecord
+from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, Pauses, WorkerRecord
 from tests.acceptance.helpers import wait_until
 
 
@@ -263,3 +264,18 @@ def test_a_paused_bucket_grants_nothing_to_anyone_until_the_pause_ends(stores: t
     wait_until(
         lambda: b.take_tokens(short, rate=10, capacity=5, want=1)[0] == 1, timeout=10, what="the pause"
     )
+
+
+def test_a_pause_is_seen_by_every_store_of_its_namespace_until_resumed(
+    stores: tuple[Any, Any], namespaces: tuple[Any, Any]
+) -> None:
+    a, b = stores
+    assert b.pauses() == Pauses()
+    assert a.pause("tier", "low") is True and a.pause("tier", "low") is False
+    assert a.pause("task_type", "contract.Task") is True
+    assert b.pauses() == Pauses(tiers=frozenset({"low"}), task_types=frozenset({"contract.Task"}))
+    assert b.resume("tier", "low") is True and b.resume("tier", "low") is False
+    assert a.pauses() == Pauses(task_types=frozenset({"contract.Task"}))
+    x, y = namespaces  # another namespace's pauses are its own
+    assert x.pause("tier", "high") is True
+    assert y.pauses() == Pauses() and x.pauses() == Pauses(tiers=frozenset({"high"}))

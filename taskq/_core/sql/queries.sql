@@ -320,3 +320,40 @@ RETURNING s.idempotency_key;
 -- Give back the slots of tasks whose attempts ended (or never started); only the owner's own slots.
 DELETE FROM taskq_slots WHERE namespace = %(namespace)s AND idempotency_key = ANY(%(keys)s::text[])
   AND owner = %(owner)s;
+
+-- name: pause
+-- Pause a tier or a task type; pausing what is paused already keeps its first time (no row returned).
+INSERT INTO taskq_pauses (namespace, kind, name) VALUES (%(namespace)s, %(kind)s, %(name)s)
+ON CONFLICT (namespace, kind, name) DO NOTHING
+RETURNING paused_at;
+
+-- name: resume
+-- Resume a tier or a task type; no row returned if it was not paused.
+DELETE FROM taskq_pauses WHERE namespace = %(namespace)s AND kind = %(kind)s AND name = %(name)s
+RETURNING paused_at;
+
+-- name: pauses
+-- What is paused in a namespace: a few rows, read by every worker every couple of seconds, never per task.
+SELECT kind, name, paused_at FROM taskq_pauses WHERE namespace = %(namespace)s ORDER BY kind, name;
+
+-- name: workers_alive
+-- The liveness records of a namespace whose heartbeat is recent and that nobody marked dead, for the console.
+SELECT worker_id, worker_group, host, pid, concurrency, in_flight, started_at, heartbeat_at
+FROM taskq_workers
+WHERE namespace = %(namespace)s AND dead_at IS NULL
+  AND heartbeat_at >= clock_timestamp() - %(stale_after)s * interval '1 second'
+ORDER BY started_at;
+
+-- name: task_by_id
+-- The record of the task with this id (the console's lookup). A scan of the namespace's records: task ids
+-- carry no index, kept off the claim's hot path; an operator's lookup can afford it.
+SELECT idempotency_key, task_id, task_type, state, attempts, interruptions, lease_owner, lease_expires_at,
+       last_error, result, created_at, updated_at, completed_at
+FROM taskq_tasks WHERE namespace = %(namespace)s AND task_id = %(task_id)s;
+
+-- name: completed_since
+-- Tasks of a namespace completed in the last `seconds` seconds: the console's completion rate.
+SELECT count(*) AS n FROM taskq_tasks
+WHERE namespace = %(namespace)s AND state = 'completed'
+  AND updated_at >= clock_timestamp() - %(seconds)s * interval '1 second'  -- the indexed column, never later
+  AND completed_at >= clock_timestamp() - %(seconds)s * interval '1 second';
