@@ -45,8 +45,8 @@ from taskq.consumer.store import (
     LeaseLostError,
     Member,
     NotStarted,
-    SlotRequest,
     Pauses,
+    SlotRequest,
     WorkerRecord,
 )
 from taskq.consumer.worker import Worker, WorkerConfig
