@@ -620,6 +620,46 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------- pause, console
+def cmd_pause(args: argparse.Namespace) -> int:
+    """Pause or resume a tier or a task type (workers honour it within seconds); with neither, list."""
+    from taskq._core.db import Database
+    from taskq._core.store import Store, pause_target
+
+    s = _settings(args)
+    database = Database(s.database_url, schema=s.database_schema)
+    try:
+        database.migrate(namespace=s.namespace)
+        store = Store(database)
+        if args.tier or args.task_type:
+            kind, name = pause_target(*(("tier", args.tier) if args.tier else ("task_type", args.task_type)))
+            if args.command == "pause":
+                changed = store.pause(s.namespace, kind, name)
+                text = f"paused {kind} {name}" if changed else f"{kind} {name} was paused already"
+            else:
+                changed = store.resume(s.namespace, kind, name)
+                text = f"resumed {kind} {name}" if changed else f"{kind} {name} was not paused"
+            _print(args, {"kind": kind, "name": name, "changed": changed}, text)
+            return 0
+        rows = [
+            {"kind": kind, "name": name, "paused_at": at.isoformat()}
+            for kind, name, at in store.pauses(s.namespace)
+        ]
+    finally:
+        database.close()
+    text = "\n".join(f"{r['kind']:<10} {r['name']:<40} since {r['paused_at']}" for r in rows)
+    _print(args, rows, text or "nothing paused")
+    return 0
+
+
+def cmd_console(args: argparse.Namespace) -> int:
+    """Serve the web console until SIGINT/SIGTERM."""
+    from taskq.console import serve
+
+    serve(_settings(args), host=args.host, port=args.port, token=os.environ.get("TASKQ_CONSOLE_TOKEN", ""))
+    return 0
+
+
 @functools.cache
 def _tier_depth_gauge() -> Any:
     # Created on first use, not at import: only `taskq stats --metrics-port` exports it.
@@ -917,6 +957,33 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--all", action="store_true", help="every record not yet replayed")
     sp.add_argument("--type", help="with --all: only this task type")
     sp.add_argument("--force", action="store_true", help="replay records that were replayed before")
+
+    for name, verb in (("pause", "stop starting"), ("resume", "start again")):
+        sp = leaf(
+            sub,
+            name,
+            cmd_pause,
+            f"{name} a tier or a task type: workers {verb} its tasks within seconds (no option: list "
+            "what is paused)",
+        )
+        what = sp.add_mutually_exclusive_group()
+        what.add_argument("--tier", choices=PRIORITIES, help="a priority tier (its partitions are paused)")
+        what.add_argument(
+            "--task-type", metavar="TYPE", help="a task type (its tasks wait in the workers' buffers)"
+        )
+    sp = leaf(
+        sub,
+        "console",
+        cmd_console,
+        "serve the web console: overview, task lookup, DLQ explorer, pause and resume",
+        json_flag=False,
+    )
+    sp.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: loopback; any other needs TASKQ_CONSOLE_TOKEN)",
+    )
+    sp.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
 
     sp = leaf(sub, "stats", cmd_stats, "tier depths, DLQ depth and idempotency records by state")
     sp.add_argument(

@@ -10,8 +10,18 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from taskq._core.db import Connection, Database, Row, Transaction, in_transaction
-from taskq._core.errors import TaskqError
-from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Store, WorkerRecord
+from taskq._core.errors import StoreUnavailableError, TaskqError
+from taskq._core.store import (
+    Claim,
+    ClaimOutcome,
+    ClaimRequest,
+    Finished,
+    Pauses,
+    SlotRequest,
+    Store,
+    WorkerRecord,
+    pause_target,
+)
 
 __all__ = [
     "Claim",
@@ -22,6 +32,8 @@ __all__ = [
     "LeaseLostError",
     "Member",
     "NotStarted",
+    "Pauses",
+    "SlotRequest",
     "TaskStore",
     "WorkerRecord",
 ]
@@ -73,6 +85,7 @@ class TaskStore(Protocol):
     def finish(self, finished: Sequence[Finished]) -> set[str]: ...
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]: ...
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]: ...
+    def pauses(self) -> Pauses: ...
     def transaction(
         self, idempotency_key: str, attempts: int, result: Any = None
     ) -> AbstractContextManager[Any]: ...
@@ -80,6 +93,12 @@ class TaskStore(Protocol):
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]: ...
     def beat(self, worker: WorkerRecord, in_flight: int) -> None: ...
     def leave(self, worker_id: str) -> None: ...
+    def acquire_slots(self, requests: Sequence[SlotRequest]) -> set[str]: ...
+    def release_slots(self, idempotency_keys: Sequence[str]) -> None: ...
+    def take_tokens(
+        self, bucket: str, *, rate: float, capacity: float, want: float
+    ) -> tuple[float, float, float]: ...
+    def pause_tokens(self, bucket: str, *, rate: float, capacity: float, seconds: float) -> None: ...
     def close(self) -> None: ...
 
 
@@ -98,6 +117,7 @@ class IdempotencyStore:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._thread_conns: list[Connection] = []
+        self._slots_conn: Connection | None = None
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim each key for one attempt; answers in request order. A key twice in one batch: 'duplicate'."""
@@ -140,6 +160,22 @@ class IdempotencyStore:
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]:
         """Extend (key, attempt, seconds from now) leases; returns the keys renewed (the others were lost)."""
         return self._store.renew(self.namespace, self.owner, leases) if leases else set()
+
+    def pause(self, kind: str, name: str) -> bool:
+        """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""
+        return self._store.pause(self.namespace, *pause_target(kind, name))
+
+    def resume(self, kind: str, name: str) -> bool:
+        """Resume a tier or a task type; False if it was not paused."""
+        return self._store.resume(self.namespace, *pause_target(kind, name))
+
+    def pauses(self) -> Pauses:
+        """What operators paused in the namespace (`taskq pause`): one query, read every few seconds."""
+        rows = self._store.pauses(self.namespace)
+        return Pauses(
+            tiers=frozenset(name for kind, name, _ in rows if kind == "tier"),
+            task_types=frozenset(name for kind, name, _ in rows if kind == "task_type"),
+        )
 
     @contextmanager
     def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Connection]:
@@ -214,6 +250,39 @@ class IdempotencyStore:
         """Remove the worker's liveness record (a clean stop)."""
         self._store.worker_leave(worker_id)
 
+    def acquire_slots(self, requests: Sequence[SlotRequest]) -> set[str]:
+        """Take a concurrency slot for each task whose key has room (earlier requests of a key first), in one
+        transaction; returns the idempotency keys granted. Slots of dead workers do not count."""
+        unique = list({r.idempotency_key: r for r in requests}.values())
+        if not unique:
+            return set()
+        conn = self._slots_conn
+        if conn is None or conn.closed or conn.broken:
+            # Kept between batches (a connect per dispatch would cost more than the acquire itself).
+            conn = self._slots_conn = self.database.connect(autocommit=False, keyed=True)
+        try:
+            return self._store.acquire_slots(
+                self.namespace, self.owner, unique, stale_after=self.stale_after, conn=conn
+            )
+        except StoreUnavailableError:
+            conn.close()
+            raise
+
+    def release_slots(self, idempotency_keys: Sequence[str]) -> None:
+        """Give back this worker's concurrency slots of these tasks."""
+        if idempotency_keys:
+            self._store.release_slots(self.namespace, self.owner, idempotency_keys)
+
+    def take_tokens(
+        self, bucket: str, *, rate: float, capacity: float, want: float
+    ) -> tuple[float, float, float]:
+        """Take up to `want` tokens of a shared bucket: (granted, tokens left, seconds still paused)."""
+        return self._store.take_tokens(bucket, rate=rate, capacity=capacity, want=want)
+
+    def pause_tokens(self, bucket: str, *, rate: float, capacity: float, seconds: float) -> None:
+        """Empty a shared bucket and grant nothing from it for `seconds`, for every worker."""
+        self._store.pause_tokens(bucket, rate=rate, capacity=capacity, seconds=seconds)
+
     def _check_in(self, conn: Connection) -> None:
         """After a handler's use: close a connection left in any state but idle (replaced next time)."""
         if conn.closed or in_transaction(conn):
@@ -258,6 +327,9 @@ class IdempotencyStore:
     def close(self) -> None:
         """Close the connections (the loop's, and the handler threads' idle ones)."""
         self.database.close()
+        if self._slots_conn is not None:
+            self._slots_conn.close()
+            self._slots_conn = None
         with self._lock:
             for conn in self._thread_conns:
                 if not conn.closed and not in_transaction(conn):

@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 
-from taskq import Handlers, Reject, RetryPolicy, TaskContext
+from taskq import Handlers, Reject, Retry, RetryPolicy, TaskContext
 
 NS = os.environ.get("TASKQ_NAMESPACE", "taskq")
 handlers = Handlers()
@@ -37,6 +37,16 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Hold": [{"name": "key", "type": "string"}, {"name": "seconds", "type": "double"}],
         "Noted": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
         "NotedProc": [{"name": "key", "type": "string"}],
+        "Capped": [
+            {"name": "partner", "type": "string"},
+            {"name": "seq", "type": "long"},
+            {"name": "seconds", "type": "double", "default": 0.0},
+        ],
+        "Paced": [
+            {"name": "partner", "type": "string"},
+            {"name": "seq", "type": "long"},
+            {"name": "pause", "type": "double", "default": 0.0},
+        ],
     }
     return {
         name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()
@@ -57,6 +67,14 @@ CREATE TABLE IF NOT EXISTS ordered_log (
 );
 CREATE TABLE IF NOT EXISTS attempt_log (
     key text NOT NULL, attempt int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS limit_runs (
+    id bigserial PRIMARY KEY, task_type text NOT NULL, partner text NOT NULL, seq bigint NOT NULL,
+    attempt int NOT NULL, worker int NOT NULL, started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    ended_at timestamptz
+);
+CREATE TABLE IF NOT EXISTS limit_pauses (
+    partner text PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""  # no unique constraint on key: a duplicate effect must be visible, not refused
 
 
@@ -167,3 +185,60 @@ def ordered(payload: dict[str, Any], ctx: TaskContext) -> None:
         "INSERT INTO ordered_log (account, seq, worker) VALUES (%s, %s, %s)",
         (payload["account"], payload["seq"], os.getpid()),
     )
+
+
+def _log() -> psycopg.Connection[Any]:
+    """A connection of the handler's own, outside any task transaction: every run leaves its trace."""
+    return psycopg.connect(
+        os.environ["TASKQ_DATABASE_URL"],
+        autocommit=True,
+        options=f"-c search_path={os.environ.get('TASKQ_DATABASE_SCHEMA', 'public')}",
+    )
+
+
+def _run_started(
+    log: psycopg.Connection[Any], task_type: str, payload: dict[str, Any], ctx: TaskContext
+) -> int:
+    row = log.execute(
+        "INSERT INTO limit_runs (task_type, partner, seq, attempt, worker) "
+        "VALUES (%s, %s, %s, %s, %s) RETURNING id",
+        (task_type, payload["partner"], payload["seq"], ctx.attempt, os.getpid()),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@handlers.task(
+    f"{NS}.Capped",
+    schema=S["Capped"],
+    timeout=30,
+    concurrency_limit=2,
+    concurrency_key=lambda p: p["partner"],
+)
+def capped(payload: dict[str, Any], ctx: TaskContext) -> None:
+    # Each run's start and end, on Postgres's clock: how many ran at once per partner is read from these.
+    with _log() as log:
+        run = _run_started(log, "Capped", payload, ctx)
+        time.sleep(payload["seconds"])
+        log.execute("UPDATE limit_runs SET ended_at = clock_timestamp() WHERE id = %s", (run,))
+
+
+@handlers.task(
+    f"{NS}.Paced",
+    schema=S["Paced"],
+    timeout=30,
+    max_attempts=3,
+    rate_limit=os.environ.get("TASKQ_TEST_RATE", "50/s"),
+    rate_key=lambda p: p["partner"],
+)
+def paced(payload: dict[str, Any], ctx: TaskContext) -> None:
+    with _log() as log:
+        _run_started(log, "Paced", payload, ctx)
+        if payload["pause"] and ctx.attempt == 1:
+            # The partner's first run gets a 429 with Retry-After: `pause` seconds.
+            told = log.execute(
+                "INSERT INTO limit_pauses (partner) VALUES (%s) ON CONFLICT DO NOTHING RETURNING at",
+                (payload["partner"],),
+            ).fetchone()
+            if told is not None:
+                raise Retry(delay=payload["pause"], reason="429 Too Many Requests")

@@ -171,7 +171,7 @@ def test_the_store_records_claims_and_outcomes_under_the_owners_lease(db: Databa
     assert (again.outcome, again.attempts) == ("claimed", 1)
     assert store.retries("ns") == (0, 0)
     assert store.purge("ns", -60, batch=10) == 1  # the completed key; b runs again
-    granted, left = store.take_tokens("ns:*:*", rate=10, capacity=5, want=3)
+    granted, left, _ = store.take_tokens("ns:*:*", rate=10, capacity=5, want=3)
     assert (granted, left) == (3, 2)
 
 
