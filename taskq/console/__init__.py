@@ -7,7 +7,9 @@ the console is served.
 from __future__ import annotations
 
 import ipaddress
-import sys
+import logging
+import signal
+from types import FrameType
 
 from taskq._core.errors import ConfigurationError
 from taskq._core.settings import Settings
@@ -15,6 +17,7 @@ from taskq._core.settings import Settings
 __all__ = ["INSTALL_HINT", "check_bind", "serve"]
 
 INSTALL_HINT = "taskq console needs its extra: pip install 'kafka-taskq[console]'"
+log = logging.getLogger("taskq.console")
 #: What the `console` extra installs.
 _WEB_MODULES = ("starlette", "jinja2", "uvicorn", "python_multipart")
 
@@ -38,6 +41,10 @@ def _loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
 def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080, token: str = "") -> None:
     """Serve the console until SIGINT/SIGTERM."""
     check_bind(host, token)
@@ -57,11 +64,15 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080, toke
         console.start()
         app = create_app(console, token=token)
         shown = f"[{host}]" if ":" in host else host
-        print(
-            f"taskq console: namespace {settings.namespace} on http://{shown}:{port}/",
-            file=sys.stderr,
-            flush=True,
-        )
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)  # a long-running command: its start line is shown
+        log.info("taskq console: namespace %s on http://%s:%d/", settings.namespace, shown, port)
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handlers it
+        # found. With this one the command ends with 0 like every other long-running one, not killed by the
+        # signal; and a signal before uvicorn listens ends it at once.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _exit_cleanly)
+        # log_config=None: uvicorn's own lines go through the command's logging, JSON when asked.
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, log_config=None)
     finally:
         console.close()

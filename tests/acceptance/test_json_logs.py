@@ -85,3 +85,20 @@ def test_stats_serving_metrics_logs_only_json_lines(app: App) -> None:
         assert serving["logger"] == "taskq.stats" and serving["level"] == "INFO"
     finally:
         stats.close()
+
+
+def test_the_console_logs_only_json_lines(app: App) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    console = WorkerProcess.command(
+        app.env_of(TASKQ_LOG_FORMAT="json"), app.tmp_path / "console.log", "console", "--port", str(port)
+    )
+    try:
+        wait_until(lambda: "http://" in console.output(), timeout=60, what="the console to start")
+        console.terminate()
+        assert console.wait(60) == 0, console.output()[-3000:]
+        [serving] = [e for e in lines(console.output()) if f"127.0.0.1:{port}" in e["message"]]
+        assert serving["logger"] == "taskq.console" and serving["level"] == "INFO"
+    finally:
+        console.close()
