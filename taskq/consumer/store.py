@@ -181,7 +181,8 @@ class IdempotencyStore:
         try:
             if not self._run_members(conn, members, answer_each=False):
                 for member in members:
-                    member.result, member.error, member.seconds = None, None, 0.0
+                    if not isinstance(member.error, NotStarted):  # one not started stays so
+                        member.result, member.error, member.seconds = None, None, 0.0
                 self._run_members(conn, members, answer_each=True)
         finally:
             self._check_in(conn)
@@ -192,8 +193,8 @@ class IdempotencyStore:
         with conn.transaction():  # the group's transaction, committed on a clean exit
             with conn.pipeline() as pipeline:
                 for i, member in enumerate(members):
-                    if member.skip():
-                        member.error = NotStarted(f"{member.idempotency_key}: not started")
+                    if isinstance(member.error, NotStarted) or member.skip():
+                        member.error = member.error or NotStarted(f"{member.idempotency_key}: not started")
                         continue
                     started = time.monotonic()
                     # A savepoint per member, so a failing member rolls back alone. Never released: a RELEASE

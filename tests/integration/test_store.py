@@ -363,6 +363,22 @@ def test_a_member_whose_statement_fails_at_the_server_fails_alone(db: Database) 
     store.close()
 
 
+def test_a_member_not_started_stays_so_when_its_group_runs_again(db: Database) -> None:
+    # Its partition was being revoked at its turn: the second pass (after a server-side failure) must not
+    # start it once the revocation is over.
+    store = _group_store(db)
+    turns = iter([True])
+
+    def bad(conn: Any) -> None:
+        conn.execute("INSERT INTO group_effects (k) VALUES ('a'::int::text)")
+
+    members = [Member("a", 1, bad), Member("b", 1, _insert("b"), skip=lambda: next(turns, False))]
+    store.run_group(members)
+    assert [type(m.error).__name__ for m in members] == ["InvalidTextRepresentation", "NotStarted"]
+    assert _group_effects(db) == [] and store.get("b")["state"] == "running"
+    store.close()
+
+
 def test_a_member_can_catch_its_own_statements_error_under_a_savepoint(db: Database) -> None:
     # The usual idempotent insert: a unique violation caught around a nested transaction block.
     with db.connection() as conn:
