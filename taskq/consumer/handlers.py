@@ -142,7 +142,8 @@ class Handlers:
         transactional=True: `ctx.db` is a connection in the transaction that records the completion, so the
         handler's writes there happen exactly once. Attempts ready together run in one transaction, each
         under a savepoint (group commit: their effects become visible together, and one that raises is
-        rolled back alone); group_commit=False commits each attempt alone.
+        rolled back alone). A group's statements are pipelined: errors surface at the group's end, a fetch or
+        a `ctx.db.transaction()` exit, and COPY needs group_commit=False, which commits each attempt alone.
         """
         if task_type in self._specs:
             raise ConfigurationError(f"a handler for {task_type!r} is already registered")

@@ -9,6 +9,9 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import psycopg
+from psycopg.pq import TransactionStatus
+
 from taskq._core.db import Connection, Database, Row, Transaction, in_transaction
 from taskq._core.errors import StoreUnavailableError, TaskqError
 from taskq._core.store import (
@@ -203,34 +206,72 @@ class IdempotencyStore:
         and its completion durable together, and a failed commit raises (the driver's error) and leaves
         none. If another worker took over a member's lease, the whole group is rolled back: LeaseLostError
         names the lost keys, and nothing of the group is recorded.
+
+        The members' statements are pipelined: sent as they are made, answered together at the end, so a
+        group costs a few round trips, not one per statement. A statement that fails at the server cannot
+        be told from the others' there: the group is then rolled back whole and run again with each
+        member answered before the next, so the failing member fails alone (its handler, and those of
+        the group's other members, are called twice in that attempt; only the second call's writes count).
         """
         conn = self._thread_connection()
         try:
-            with conn.transaction():  # the group's transaction, committed on a clean exit
+            if not self._run_members(conn, members, answer_each=False):
                 for member in members:
-                    if member.skip():
-                        member.error = NotStarted(f"{member.idempotency_key}: not started")
-                        continue
-                    started = time.monotonic()
-                    # A savepoint per member, so a failing member rolls back alone. Never released: a
-                    # RELEASE would be one more round trip per member, and the group commits them all.
-                    conn.execute("SAVEPOINT taskq_member")
-                    try:
-                        member.result = member.call(conn)
-                    except Exception as exc:
-                        member.error = exc
-                        conn.execute("ROLLBACK TO SAVEPOINT taskq_member")
-                    member.seconds = time.monotonic() - started
-                ok = [m for m in members if m.error is None]
-                done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]
-                tx = Transaction(self.database, conn)
-                recorded = self._store.complete(self.namespace, self.owner, done, tx=tx)
-                lost = frozenset(f.idempotency_key for f in done) - recorded
-                if lost:
-                    # Raised inside the transaction: every member's writes roll back with it.
-                    raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
+                    if not isinstance(member.error, NotStarted):  # one not started stays so
+                        member.result, member.error, member.seconds = None, None, 0.0
+                self._run_members(conn, members, answer_each=True)
         finally:
             self._check_in(conn)
+
+    def _run_members(self, conn: Connection, members: Sequence[Member], *, answer_each: bool) -> bool:
+        """One pass of `run_group`; False if it was rolled back for a statement that failed at the server
+        (only when not `answer_each`)."""
+        with conn.transaction():  # the group's transaction, committed on a clean exit
+            with conn.pipeline() as pipeline:
+                for i, member in enumerate(members):
+                    if isinstance(member.error, NotStarted) or member.skip():
+                        member.error = member.error or NotStarted(f"{member.idempotency_key}: not started")
+                        continue
+                    started = time.monotonic()
+                    # A savepoint per member, so a failing member rolls back alone. Never released: a RELEASE
+                    # would be one more statement per member, and the group commits them all. Each its own
+                    # name: a rollback to the savepoint of a member whose statements the server skipped fails,
+                    # where a shared name would roll back an earlier member's failed writes and hide them.
+                    savepoint = f"taskq_member_{i}"
+                    conn.execute(f"SAVEPOINT {savepoint}")
+                    try:
+                        member.result = member.call(conn)
+                        if answer_each:
+                            pipeline.sync()
+                            if conn.info.transaction_status == TransactionStatus.INERROR:
+                                # The handler swallowed its own statement's error: its writes are incomplete.
+                                raise psycopg.errors.InFailedSqlTransaction(
+                                    f"{member.idempotency_key}: a statement failed in the handler"
+                                )
+                    except Exception as exc:
+                        member.error = exc
+                        if answer_each:
+                            _answer(conn, pipeline)  # statements it left queued: their errors are its own
+                        conn.execute(f"ROLLBACK TO SAVEPOINT {savepoint}")
+                        if answer_each:
+                            pipeline.sync()
+                    member.seconds = time.monotonic() - started
+                if not answer_each and (
+                    not _answer(conn, pipeline) or any(isinstance(m.error, psycopg.Error) for m in members)
+                ):
+                    # Delivery guarantee: a server-side failure in an unanswered pipeline may belong to any
+                    # member, so nothing of this pass is kept; the caller runs the group one member at a time.
+                    raise psycopg.Rollback
+            ok = [m for m in members if m.error is None]
+            done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]
+            tx = Transaction(self.database, conn)
+            recorded = self._store.complete(self.namespace, self.owner, done, tx=tx)
+            lost = frozenset(f.idempotency_key for f in done) - recorded
+            if lost:
+                # Raised inside the transaction: every member's writes roll back with it.
+                raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
+            return True
+        return False
 
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]:
         """Write the worker's liveness record, and mark dead the workers of its host started before it whose
@@ -335,3 +376,12 @@ class IdempotencyStore:
                 if not conn.closed and not in_transaction(conn):
                     conn.close()
             self._thread_conns = []
+
+
+def _answer(conn: Connection, pipeline: psycopg.Pipeline) -> bool:
+    """Sync the pipeline; False if a statement failed or left the transaction failed."""
+    try:
+        pipeline.sync()
+    except psycopg.Error:
+        return False
+    return conn.info.transaction_status != TransactionStatus.INERROR
