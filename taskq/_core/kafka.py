@@ -599,6 +599,17 @@ class Admin:
                     created[name] = False
                 else:
                     raise self._wrap(f"creating topic {name}", exc) from exc
+        # Delivery guarantee: the broker answers CreateTopics before it has created each partition's log
+        # (seconds later for dozens of partitions on a busy broker), and a record produced in between was
+        # acknowledged, then missing from the log. Topics are handed out only once every partition has its
+        # leader: a ListOffsets answers NOT_LEADER_FOR_PARTITION until then.
+        req = {TopicPartition(s.name, p): OffsetSpec.latest() for s in specs for p in range(s.partitions)}  # type: ignore[no-untyped-call]
+
+        def leaders(left: float) -> None:
+            for future in self._a.list_offsets(req, request_timeout=left).values():
+                future.result()
+
+        self._answered("waiting for the partitions of new topics", leaders)
         return created
 
     def delete_topics(self, names: Sequence[str]) -> None:
