@@ -600,9 +600,10 @@ class Admin:
                 else:
                     raise self._wrap(f"creating topic {name}", exc) from exc
         # Delivery guarantee: the broker answers CreateTopics before it has created each partition's log
-        # (seconds later for dozens of partitions on a busy broker), and a record produced in between was
-        # acknowledged, then missing from the log. Topics are handed out only once every partition has its
-        # leader: a ListOffsets answers NOT_LEADER_FOR_PARTITION until then.
+        # (seconds later for dozens of partitions on a busy broker). A record produced in between is refused
+        # (NOT_LEADER_FOR_PARTITION), and librdkafka's idempotent producer (2.16) then reported it delivered
+        # once a later batch of that partition succeeded ("implicitly acked"): acknowledged, never in the
+        # log. Topics are handed out only once every partition has its leader, which ListOffsets tells.
         req = {TopicPartition(s.name, p): OffsetSpec.latest() for s in specs for p in range(s.partitions)}  # type: ignore[no-untyped-call]
 
         def leaders(left: float) -> None:

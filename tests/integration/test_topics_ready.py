@@ -2,8 +2,9 @@
 
 A broker answers CreateTopics once the controller has recorded the topic, and creates each partition's log
 a moment later, up to seconds later for a namespace's dozens of partitions on a busy broker. A record sent in
-between was acknowledged and then missing from the log (the task that `taskq chaos` lost in its first
-second, never claimed, its partition's committed offset later moving past where it should have been).
+between is refused (NOT_LEADER_FOR_PARTITION), and librdkafka's idempotent producer then reported it
+delivered once a later batch of its partition succeeded: the task that `taskq chaos` lost in its first
+second, acknowledged, never in the log, never claimed.
 """
 
 from __future__ import annotations
