@@ -56,7 +56,7 @@ bench: $(VENV)/.installed
 # The console's browser tests drive the system's Chromium through its chromedriver (Debian packages; CI runs
 # as root). Installed once: the step does nothing when the driver is there.
 browser:
-	@test -x /usr/bin/chromedriver || { apt-get update -q && apt-get install -y -q chromium chromium-driver; }
+	@test -x /usr/bin/chromedriver || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check taskq compose/_stack.py compose/stack
