@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from taskq._core.envelope import Headers, Topics
 from taskq._core.errors import KafkaUnavailableError, RecordTooLargeError, TaskqError
-from taskq._core.kafka import TP, DeliveryCallback, Record, RecordSource, TopicSpec
+from taskq._core.kafka import TP, TRANSACTION_TIMEOUT, DeliveryCallback, Record, RecordSource, TopicSpec
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import DeadLetters, DlqRecord, parse_record
 from taskq.consumer.events import Event, TaskCompleted
@@ -298,6 +298,11 @@ class _Source:
                 raise KafkaUnavailableError(f"committing offsets: {stale} are not assigned to this member")
             self._broker._group(self._group_name).committed.update(offsets)
 
+    def committed(self, tps: Iterable[TP], timeout: float = 10.0) -> dict[TP, int]:
+        with self._broker._lock:
+            group = self._broker._group(self._group_name)
+            return {tp: group.committed.get(tp, -1) for tp in tps}
+
     def lag(self) -> dict[TP, int]:
         with self._broker._lock:
             return {tp: len(self._broker._logs[tp[0]][tp[1]]) - pos for tp, pos in self._position.items()}
@@ -387,7 +392,7 @@ class _Sink:
     def __len__(self) -> int:
         return len(self._queued)
 
-    def init_transactions(self, timeout: float = 60.0) -> None:
+    def init_transactions(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
         if self._transactional_id is None:
             raise KafkaUnavailableError("initialising transactions: the producer has no transactional id")
         with self._broker._lock:
@@ -405,7 +410,9 @@ class _Sink:
             self._fenced()
             self._txn, self._txn_offsets = [], {}
 
-    def commit_offsets_in_transaction(self, source: RecordSource, offsets: Mapping[TP, int]) -> None:
+    def commit_offsets_in_transaction(
+        self, source: RecordSource, offsets: Mapping[TP, int], timeout: float = TRANSACTION_TIMEOUT
+    ) -> None:
         membership = source.group_metadata()
         if not isinstance(membership, _Membership):
             raise KafkaUnavailableError("adding offsets to the transaction: not a consumer of this broker")
@@ -418,7 +425,7 @@ class _Sink:
                 raise KafkaUnavailableError(f"adding offsets to the transaction: {stale} not assigned")
             self._txn_offsets.setdefault(group, {}).update(offsets)
 
-    def commit(self, timeout: float = 60.0) -> None:
+    def commit(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
         with self._broker._lock:
             self._fenced()
             if self._txn is None:
@@ -429,7 +436,7 @@ class _Sink:
                 self._broker._group(group).committed.update(offsets)
             self._txn, self._txn_offsets = None, {}
 
-    def abort(self, timeout: float = 60.0) -> None:
+    def abort(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
         with self._broker._lock:
             self._txn, self._txn_offsets = None, {}
 
