@@ -570,7 +570,9 @@ class InMemoryStore:
                 taken = (
                     running and row is not None and row.lease_owner != self.owner and row.lease_owner in dead
                 )
-                if row is None or row.state in ("failed", "dead") or expired or taken:
+                # A dead key is claimed by a new task of the key, not by the dead-lettered one redelivered.
+                again = row is not None and row.state == "dead" and row.task_id != r.task_id
+                if row is None or row.state == "failed" or again or expired or taken:
                     attempts = 1 if row is None else row.attempts + (0 if taken else 1)
                     interruptions = 0 if row is None else row.interruptions + (1 if taken else 0)
                     created = now if row is None else row.created_at
@@ -581,6 +583,8 @@ class InMemoryStore:
                     out.append(Claim(r.idempotency_key, "claimed", attempts, 0.0, interruptions))
                 elif row.state == "completed":
                     out.append(Claim(r.idempotency_key, "completed", row.attempts, 0.0, row.interruptions))
+                elif row.state == "dead":
+                    out.append(Claim(r.idempotency_key, "dead", row.attempts, 0.0, row.interruptions))
                 else:
                     left = (row.lease_expires_at or now) - now
                     out.append(Claim(r.idempotency_key, "running", row.attempts, left, row.interruptions))

@@ -12,7 +12,7 @@ from psycopg import sql
 
 from taskq._core.db import Database, Row, Transaction, queries
 
-ClaimOutcome = Literal["claimed", "completed", "running", "duplicate"]
+ClaimOutcome = Literal["claimed", "completed", "dead", "running", "duplicate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +27,8 @@ class ClaimRequest:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """The store's answer: run it (claimed, with its attempt number), skip it (completed), or hold it.
+    """The store's answer: run it (claimed, with its attempt number), skip it (completed, or dead-lettered
+    already as this very task), or hold it.
 
     `interruptions`: runs of the key taken over from workers that died (not counted in `attempts`).
     """
@@ -128,7 +129,7 @@ class Store:
         for r in requests:
             row = by_key[r.idempotency_key]
             outcome = row["outcome"]
-            if outcome not in ("claimed", "completed"):
+            if outcome not in ("claimed", "completed", "dead"):
                 outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
             out.append(
                 Claim(
