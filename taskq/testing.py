@@ -438,6 +438,7 @@ class _Sink:
 
     def abort(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
         with self._broker._lock:
+            self._fenced()  # a fenced producer cannot end its transaction (librdkafka: a fatal error)
             self._txn, self._txn_offsets = None, {}
 
 
