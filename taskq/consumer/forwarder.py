@@ -225,6 +225,7 @@ class Forwarder:
             for record in records:
                 first.setdefault(record.tp, record.offset)
             self._recover(sink, source, {tp: first[tp] for tp in offsets}, exc)
+            self._stop.wait(1.0)  # a backoff: what failed may fail again at once (a broker still away)
             return 0
         if self._on_event is not None:
             self._on_event("forwarded", {"count": len(out), "offsets": offsets})
