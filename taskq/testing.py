@@ -113,6 +113,7 @@ class InMemoryBroker:
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        raise_when_stuck: bool = False,  # an in-memory consumer never leaves a partition unfetched
     ) -> _Source:
         """A consumer in `group`."""
         return _Source(self, group, on_assign, on_revoke)

@@ -469,13 +469,16 @@ class Source:
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        raise_when_stuck: bool = False,
         **overrides: Any,
     ) -> None:
+        """`raise_when_stuck`: poll raises when the client reports partitions it will never fetch (below)."""
         conf = consumer_config(settings, group=group)
         conf.update(overrides)
         self._c = _client(Consumer, conf)
         self._on_assign = on_assign
         self._on_revoke = on_revoke
+        self._raise_when_stuck = raise_when_stuck
 
     def subscribe(self, topics: Sequence[str]) -> None:
         """Join the group for these topics."""
@@ -511,6 +514,11 @@ class Source:
                 continue
             elif err.fatal():
                 raise KafkaUnavailableError(f"fatal consumer error: {err}")
+            elif self._raise_when_stuck and err.code() in _NOT_READY and "committed offsets" in err.str():
+                # librdkafka (issue 5586): a coordinator that refuses the whole committed-offsets fetch of
+                # newly assigned partitions (after a broker restart) leaves them assigned and never fetched,
+                # and it never asks again; only a new consumer reads them.
+                raise KafkaUnavailableError(f"reading the committed offsets: {err.str()}")
             else:
                 log.warning("consumer error: %s", err)
         return out
@@ -811,6 +819,7 @@ class Broker(Protocol):
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        raise_when_stuck: bool = False,
     ) -> RecordSource: ...
     def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> RecordSink: ...
     def admin(self) -> TopicAdmin: ...
@@ -828,9 +837,17 @@ class KafkaBroker:
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        raise_when_stuck: bool = False,
     ) -> Source:
-        """A consumer in `group`."""
-        return Source(self.settings, group=group, on_assign=on_assign, on_revoke=on_revoke)
+        """A consumer in `group`; with `raise_when_stuck`, its poll raises when the client reports
+        partitions it will never fetch (its owner then starts a new consumer)."""
+        return Source(
+            self.settings,
+            group=group,
+            on_assign=on_assign,
+            on_revoke=on_revoke,
+            raise_when_stuck=raise_when_stuck,
+        )
 
     def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> Sink:
         """A producer (transactional with an id)."""

@@ -98,7 +98,11 @@ class Forwarder:
         self._held.clear()
         self._due.clear()
         self._fresh.clear()
-        source = self.broker.source(group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update)
+        # A consumer left with partitions it will never fetch (a broker restart can do that) raises from its
+        # poll, and `run` starts over with a new one: delayed tasks never stall behind it.
+        source = self.broker.source(
+            group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update, raise_when_stuck=True
+        )
         self._clients = (sink, source)
         source.subscribe(self.topics.delay_topics)
 
