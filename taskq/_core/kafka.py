@@ -368,7 +368,8 @@ class Sink:
             # In slices: an exception raised by a callback (refused credentials, see _on_error) surfaces
             # only when the call returns, and one flush call returns only once the queue is empty.
             left = deadline - time.monotonic() if deadline is not None else 0.5
-            queued = int(self._p.flush(max(0.0, min(0.5, left))))
+            with _errors("flushing"):  # a fenced transactional producer raises its fatal error here
+                queued = int(self._p.flush(max(0.0, min(0.5, left))))
             if not queued or (deadline is not None and time.monotonic() >= deadline):
                 return queued
 
@@ -599,7 +600,8 @@ class Source:
 
     def close(self) -> None:
         """Leave the group and release the client."""
-        self._c.close()
+        with _errors("closing the consumer"):
+            self._c.close()
 
 
 @dataclass(frozen=True, slots=True)

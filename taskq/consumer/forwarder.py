@@ -125,8 +125,12 @@ class Forwarder:
         if self._clients is not None:
             sink, source = self._clients
             self._clients = None
-            source.close()
-            sink.flush(10)
+            # Never raises: `run` calls it on its way to starting over, and the thread must live on.
+            for release in (source.close, lambda: sink.flush(10)):
+                try:
+                    release()
+                except TaskqError as exc:  # a fenced or given-up producer: its transaction ends elsewhere
+                    log.warning("forwarder closing: %s", exc)
 
     def _new_sink(self) -> RecordSink:
         # A transactional id per instance; the group metadata sent with the offsets fences zombie instances.
