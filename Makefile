@@ -10,14 +10,15 @@ STACK := compose/stack
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: help .venv venv stack-up stack-down stack-status test demo lint bench clean-venv
+.PHONY: help .venv venv stack-up stack-down stack-status test demo lint bench clean-venv browser
 
 help:
 	@echo "make venv          create .venv and install kafka-taskq[dev] (re-run when pyproject.toml changes)"
 	@echo "make stack-up      start Postgres, Kafka, schema registry (compose/stack up)"
 	@echo "make stack-down    stop them (data kept in .stack/)"
 	@echo "make stack-status  show what runs"
-	@echo "make test          venv + stack + pytest tests   (PYTEST_ARGS=... to pass more)"
+	@echo "make test          venv + stack + browser + pytest tests   (PYTEST_ARGS=... to pass more)"
+	@echo "make browser       install Debian's chromium and chromium-driver if missing (the console's tests)"
 	@echo "make demo          venv + stack + python -m taskq.demo"
 	@echo "make lint          ruff check + mypy over taskq and compose/_stack.py"
 	@echo "make bench         venv + stack + taskq bench produce"
@@ -43,7 +44,7 @@ stack-status:
 # `compose/stack up` prints only `export NAME=value` lines on stdout; evaluating them in the same shell
 # line hands the stack's addresses to the command that follows.
 # Lint first: the packages are held to ruff and mypy --strict (STYLE.md), and it takes seconds.
-test: $(VENV)/.installed lint
+test: $(VENV)/.installed lint browser
 	stack_env="$$($(STACK) up)"; eval "$$stack_env"; $(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
@@ -51,6 +52,11 @@ demo: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	stack_env="$$($(STACK) up)"; eval "$$stack_env"; $(VENV)/bin/taskq bench produce
+
+# The console's browser tests drive the system's Chromium through its chromedriver (Debian packages; CI runs
+# as root). Installed once: the step does nothing when the driver is there.
+browser:
+	@test -x /usr/bin/chromedriver || { apt-get update -q && apt-get install -y -q chromium chromium-driver; }
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check taskq compose/_stack.py compose/stack

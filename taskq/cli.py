@@ -10,7 +10,8 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,21 @@ def _print(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, default=str) if args.json else text, flush=True)
 
 
+def _progress(args: argparse.Namespace, prefix: str, logger: str) -> Callable[[str], None]:
+    """Where a command reports its progress: stderr lines `PREFIX: ...`, or with --log-format json INFO lines
+    of `logger`, so that every line on stderr is JSON."""
+    if args.log_format == "json":
+        log = logging.getLogger(logger)
+        log.setLevel(logging.INFO)
+        return log.info
+    return lambda line: print(f"{prefix}: {line}", file=sys.stderr, flush=True)
+
+
 #: Commands that run until stopped: they wait out a broker that is away, the others report it.
 _LONG_RUNNING = ("worker", "forwarder", "relay")
+#: Commands that log as they run, and take --log-format after their name (any command takes it before).
+_LOGGING = (*_LONG_RUNNING, "chaos", "stats", "console")
+LOG_FORMATS = ("text", "json")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -313,7 +327,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         partitions=args.partitions,
         drain_timeout=args.drain_timeout,
         keep=args.keep,
-        progress=lambda line: print(f"chaos: {line}", file=sys.stderr, flush=True),
+        progress=_progress(args, "chaos", "taskq.chaos"),
     )
     _print(args, report.to_dict(), report.text())
     return 0 if report.passed else 1
@@ -371,7 +385,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
             _settings(args),
             config,
             processes=args.processes,
-            setup=functools.partial(_configure_logging, args.verbose, args.command, pids=True),
+            setup=functools.partial(
+                _configure_logging, args.verbose, args.command, pids=True, log_format=args.log_format
+            ),
         )
         return supervisor.run()
     worker = Worker(handlers, _settings(args), config)
@@ -384,8 +400,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_periodic_list(args: argparse.Namespace) -> int:
     """The periodic tasks of the namespace: schedule, last slot staged, next slot."""
-    from datetime import UTC, datetime
-
     from taskq._core.db import Database
     from taskq._core.store import Store
     from taskq.consumer.handlers import load
@@ -570,7 +584,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     s = _settings(args)
     if args.metrics_port is not None:
-        return _serve_stats(s, args.metrics_port, args.interval, args.metrics_host)
+        progress = _progress(args, "taskq stats", "taskq.stats")
+        return _serve_stats(s, args.metrics_port, args.interval, args.metrics_host, progress)
     tiers = tier_depths(Admin(s), Topics(s.namespace, s.delay_tiers), s.worker_group)
     with DeadLetters(s) as dlq:
         dlq_depth = dlq.depth()
@@ -605,6 +620,46 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------- pause, console
+def cmd_pause(args: argparse.Namespace) -> int:
+    """Pause or resume a tier or a task type (workers honour it within seconds); with neither, list."""
+    from taskq._core.db import Database
+    from taskq._core.store import Store, pause_target
+
+    s = _settings(args)
+    database = Database(s.database_url, schema=s.database_schema)
+    try:
+        database.migrate(namespace=s.namespace)
+        store = Store(database)
+        if args.tier or args.task_type:
+            kind, name = pause_target(*(("tier", args.tier) if args.tier else ("task_type", args.task_type)))
+            if args.command == "pause":
+                changed = store.pause(s.namespace, kind, name)
+                text = f"paused {kind} {name}" if changed else f"{kind} {name} was paused already"
+            else:
+                changed = store.resume(s.namespace, kind, name)
+                text = f"resumed {kind} {name}" if changed else f"{kind} {name} was not paused"
+            _print(args, {"kind": kind, "name": name, "changed": changed}, text)
+            return 0
+        rows = [
+            {"kind": kind, "name": name, "paused_at": at.isoformat()}
+            for kind, name, at in store.pauses(s.namespace)
+        ]
+    finally:
+        database.close()
+    text = "\n".join(f"{r['kind']:<10} {r['name']:<40} since {r['paused_at']}" for r in rows)
+    _print(args, rows, text or "nothing paused")
+    return 0
+
+
+def cmd_console(args: argparse.Namespace) -> int:
+    """Serve the web console until SIGINT/SIGTERM."""
+    from taskq.console import serve
+
+    serve(_settings(args), host=args.host, port=args.port, token=os.environ.get("TASKQ_CONSOLE_TOKEN", ""))
+    return 0
+
+
 @functools.cache
 def _tier_depth_gauge() -> Any:
     # Created on first use, not at import: only `taskq stats --metrics-port` exports it.
@@ -617,7 +672,7 @@ def _tier_depth_gauge() -> Any:
     )
 
 
-def _serve_stats(s: Settings, port: int, interval: float, host: str) -> int:
+def _serve_stats(s: Settings, port: int, interval: float, host: str, progress: Callable[[str], None]) -> int:
     """Serve tier and DLQ depths on /metrics, refreshed every `interval` seconds, until SIGTERM/SIGINT."""
     import signal
     import threading
@@ -649,7 +704,7 @@ def _serve_stats(s: Settings, port: int, interval: float, host: str) -> int:
         refresh()  # a wrong namespace or an unreachable broker fails here, before anything is served
         # Unhealthy once several refreshes in a row failed: the gauges are stale.
         server = serve(port, lambda: time.monotonic() - last_ok < max(3 * interval, 30.0), host=host)
-        print(f"taskq stats: serving /metrics on port {port}, refreshed every {interval:g}s", file=sys.stderr)
+        progress(f"serving /metrics on port {port}, refreshed every {interval:g}s")
         try:
             while not stop.wait(interval):
                 try:
@@ -667,6 +722,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="taskq", description="A distributed task queue on Kafka.")
     p.add_argument("--namespace", help="topic prefix (default: TASKQ_NAMESPACE or 'taskq')")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    log_format: dict[str, Any] = {
+        "choices": LOG_FORMATS,
+        "help": "log lines as text, or as one JSON object each (default: TASKQ_LOG_FORMAT or text)",
+    }
+    p.add_argument("--log-format", **log_format)
     sub = p.add_subparsers(dest="command", required=True)
 
     def leaf(
@@ -898,6 +958,33 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--type", help="with --all: only this task type")
     sp.add_argument("--force", action="store_true", help="replay records that were replayed before")
 
+    for name, verb in (("pause", "stop starting"), ("resume", "start again")):
+        sp = leaf(
+            sub,
+            name,
+            cmd_pause,
+            f"{name} a tier or a task type: workers {verb} its tasks within seconds (no option: list "
+            "what is paused)",
+        )
+        what = sp.add_mutually_exclusive_group()
+        what.add_argument("--tier", choices=PRIORITIES, help="a priority tier (its partitions are paused)")
+        what.add_argument(
+            "--task-type", metavar="TYPE", help="a task type (its tasks wait in the workers' buffers)"
+        )
+    sp = leaf(
+        sub,
+        "console",
+        cmd_console,
+        "serve the web console: overview, task lookup, DLQ explorer, pause and resume",
+        json_flag=False,
+    )
+    sp.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: loopback; any other needs TASKQ_CONSOLE_TOKEN)",
+    )
+    sp.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+
     sp = leaf(sub, "stats", cmd_stats, "tier depths, DLQ depth and idempotency records by state")
     sp.add_argument(
         "--metrics-port",
@@ -910,6 +997,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--metrics-host", default="127.0.0.1", help="address /metrics listens on (default: loopback)"
     )
+    for name in _LOGGING:
+        if name in sub.choices:
+            # SUPPRESS: given before the command's name, the value stays unless given again after it.
+            sub.choices[name].add_argument("--log-format", default=argparse.SUPPRESS, **log_format)
     return p
 
 
@@ -921,14 +1012,44 @@ class _RefusalEcho(logging.Filter):
         return "SASL authentication error" not in message and "SSL handshake failed" not in message
 
 
-def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> None:
+class _JsonLines(logging.Formatter):
+    """One JSON object per line: ts, level, logger, message, pid, and the fields the line's `extra` adds
+    (a task's lines carry task_id, idempotency_key, task_type, tier and attempt)."""
+
+    #: A LogRecord's own attributes; any other attribute of a record came from `extra`.
+    _OWN = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON."""
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+        }
+        for name, value in record.__dict__.items():
+            if name not in self._OWN and name not in line and not name.startswith("_"):
+                line[name] = value
+        if record.exc_info:
+            line["exc_info"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            line["stack_info"] = self.formatStack(record.stack_info)
+        return json.dumps(line, default=str)
+
+
+def _configure_logging(verbose: bool, command: str, *, pids: bool = False, log_format: str = "text") -> None:
     """Log to stderr: INFO for the long-running commands or with -v, else WARNING; `pids` puts the process
-    id in each line (the supervisor and the worker processes of `--processes N` share one stderr)."""
-    process = "[%(process)d]" if pids else ""
+    id in each line (the supervisor and the worker processes of `--processes N` share one stderr);
+    `log_format` json writes each line as a JSON object."""
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(_JsonLines())
+    else:
+        process = "[%(process)d]" if pids else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s"))
     logging.basicConfig(
-        level=logging.INFO if verbose or command in _LONG_RUNNING else logging.WARNING,
-        format=f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s",
-        stream=sys.stderr,
+        level=logging.INFO if verbose or command in _LONG_RUNNING else logging.WARNING, handlers=[handler]
     )
     for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -946,7 +1067,17 @@ def _configure_logging(verbose: bool, command: str, *, pids: bool = False) -> No
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `taskq` console script."""
     args = build_parser().parse_args(argv)
-    _configure_logging(args.verbose, args.command, pids=getattr(args, "processes", 1) > 1)
+    # The flag wins over the environment; read here, where the command line is.
+    args.log_format = args.log_format or os.environ.get("TASKQ_LOG_FORMAT") or "text"
+    if args.log_format not in LOG_FORMATS:
+        print(
+            f"taskq: error: TASKQ_LOG_FORMAT must be text or json, not {args.log_format!r}",
+            file=sys.stderr,
+        )
+        return 2
+    _configure_logging(
+        args.verbose, args.command, pids=getattr(args, "processes", 1) > 1, log_format=args.log_format
+    )
     try:
         return int(args.fn(args))
     except (TaskqError, SchemaError) as exc:

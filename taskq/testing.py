@@ -45,6 +45,8 @@ from taskq.consumer.store import (
     LeaseLostError,
     Member,
     NotStarted,
+    Pauses,
+    SlotRequest,
     WorkerRecord,
 )
 from taskq.consumer.worker import Worker, WorkerConfig
@@ -504,6 +506,22 @@ class _Liveness:
     dead_at: float | None = None
 
 
+@dataclass
+class _Slot:
+    task_type: str
+    key: str
+    owner: str
+    lease_expires_at: float
+
+
+@dataclass
+class _Bucket:
+    rate: float
+    capacity: float
+    tokens: float
+    updated_at: float  # in the future while the bucket is paused
+
+
 class _NoDatabase:
     """What a transactional handler gets as ctx.db from an InMemoryStore made without `connect`."""
 
@@ -523,7 +541,8 @@ class InMemoryStore:
     of its own, as namespaces sharing a Postgres database keep their records apart. `workers` holds the
     liveness records, by worker id, shared by every store of one database (`workers=a.workers`): a key
     leased by a worker whose heartbeat is older than `stale_after` seconds on `clock`, or that was marked
-    dead, is taken over by the next claim, as an interruption rather than an attempt.
+    dead, is taken over by the next claim, as an interruption rather than an attempt. `slots` (concurrency
+    slots, by idempotency key) and `buckets` (shared token buckets, by name) are shared the same way.
     """
 
     def __init__(
@@ -536,11 +555,16 @@ class InMemoryStore:
         workers: dict[str, _Liveness] | None = None,
         stale_after: float = 10.0,
         connect: Callable[[], Any] | None = None,
+        slots: dict[str, _Slot] | None = None,
+        buckets: dict[str, _Bucket] | None = None,
+        paused: dict[tuple[str, str], datetime] | None = None,
     ) -> None:
         self.owner = owner
         self.namespace = namespace
         self.rows: dict[str, _Row] = {} if rows is None else rows
         self.workers: dict[str, _Liveness] = {} if workers is None else workers
+        self.slots: dict[str, _Slot] = {} if slots is None else slots
+        self.buckets: dict[str, _Bucket] = {} if buckets is None else buckets
         self.stale_after = stale_after
         self._clock = clock
         self._connect = connect
@@ -548,6 +572,29 @@ class InMemoryStore:
         #: DLQ replays: (topic, offset) -> (when, how many times); one replay at a time, as in Postgres
         self.replays: dict[tuple[str, int], tuple[datetime, int]] = {}
         self._replay_lock = threading.Lock()
+        #: What operators paused, (kind, name) -> when; stores of one namespace share it: `paused=a.paused`
+        self.paused: dict[tuple[str, str], datetime] = {} if paused is None else paused
+
+    def pause(self, kind: str, name: str) -> bool:
+        """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""
+        with self._lock:
+            if (kind, name) in self.paused:
+                return False
+            self.paused[(kind, name)] = datetime.now(UTC)
+            return True
+
+    def resume(self, kind: str, name: str) -> bool:
+        """Resume a tier or a task type; False if it was not paused."""
+        with self._lock:
+            return self.paused.pop((kind, name), None) is not None
+
+    def pauses(self) -> Pauses:
+        """What is paused, as the worker reads it every few seconds."""
+        with self._lock:
+            return Pauses(
+                tiers=frozenset(n for k, n in self.paused if k == "tier"),
+                task_types=frozenset(n for k, n in self.paused if k == "task_type"),
+            )
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim each key for one attempt; a key twice in one batch: 'duplicate' (as IdempotencyStore)."""
@@ -555,11 +602,7 @@ class InMemoryStore:
         answered: set[str] = set()
         with self._lock:
             now = self._clock()
-            dead = {
-                worker_id
-                for worker_id, w in self.workers.items()
-                if w.dead_at is not None or w.heartbeat_at < now - self.stale_after
-            }
+            dead = self._dead_workers(now)
             for r in requests:
                 row = self.rows.get(r.idempotency_key)
                 if r.idempotency_key in answered:
@@ -622,6 +665,69 @@ class InMemoryStore:
         """Remove the worker's liveness record (a clean stop)."""
         with self._lock:
             self.workers.pop(worker_id, None)
+
+    def _dead_workers(self, now: float) -> set[str]:
+        return {
+            worker_id
+            for worker_id, w in self.workers.items()
+            if w.dead_at is not None or w.heartbeat_at < now - self.stale_after
+        }
+
+    def acquire_slots(self, requests: Sequence[SlotRequest]) -> set[str]:
+        """Take a slot for each task whose key has fewer live slots than its limit, earlier requests of a key
+        first; a slot is live while its lease lasts and its owner's heartbeat is fresh (as in Postgres)."""
+        granted: set[str] = set()
+        with self._lock:
+            now = self._clock()
+            dead = self._dead_workers(now)
+            asked = {r.idempotency_key for r in requests}
+            live: dict[tuple[str, str], int] = {}
+            for key, slot in list(self.slots.items()):
+                if slot.lease_expires_at <= now or slot.owner in dead:
+                    if key not in asked:
+                        del self.slots[key]  # dead: freed for the key's next acquirer
+                elif key not in asked:
+                    live[(slot.task_type, slot.key)] = live.get((slot.task_type, slot.key), 0) + 1
+            for r in {r.idempotency_key: r for r in requests}.values():
+                held = live.get((r.task_type, r.key), 0)
+                if held < r.limit:
+                    live[(r.task_type, r.key)] = held + 1
+                    expires = now + r.lease_seconds
+                    self.slots[r.idempotency_key] = _Slot(r.task_type, r.key, self.owner, expires)
+                    granted.add(r.idempotency_key)
+        return granted
+
+    def release_slots(self, idempotency_keys: Sequence[str]) -> None:
+        """Give back this owner's slots of these tasks."""
+        with self._lock:
+            for key in idempotency_keys:
+                slot = self.slots.get(key)
+                if slot is not None and slot.owner == self.owner:
+                    del self.slots[key]
+
+    def take_tokens(
+        self, bucket: str, *, rate: float, capacity: float, want: float
+    ) -> tuple[float, float, float]:
+        """Refill a shared bucket and take up to `want` whole tokens: (granted, left, seconds paused)."""
+        with self._lock:
+            now = self._clock()
+            b = self.buckets.get(bucket)
+            if b is None:
+                granted = min(want, float(int(capacity)))
+                self.buckets[bucket] = _Bucket(rate, capacity, capacity - granted, now)
+                return granted, capacity - granted, 0.0
+            tokens = min(b.capacity, b.tokens + max(0.0, now - b.updated_at) * b.rate)
+            granted = min(want, float(int(tokens)))
+            b.rate, b.capacity, b.tokens = rate, capacity, tokens - granted
+            b.updated_at = max(b.updated_at, now)
+            return granted, b.tokens, max(0.0, b.updated_at - now)
+
+    def pause_tokens(self, bucket: str, *, rate: float, capacity: float, seconds: float) -> None:
+        """Empty a shared bucket and grant nothing from it for `seconds` (a longer pause set stays)."""
+        with self._lock:
+            now = self._clock()
+            b = self.buckets.setdefault(bucket, _Bucket(rate, capacity, 0.0, now))
+            b.tokens, b.updated_at = 0.0, max(b.updated_at, now + seconds)
 
     def _holds(self, key: str, attempts: int) -> _Row | None:
         row = self.rows.get(key)

@@ -1,15 +1,17 @@
-"""Durations as people write them ("250ms", "1h30m") and the delay tiers that retries and delays use."""
+"""Durations and rates as people write them ("250ms", "1h30m", "100/s"), and the delay tiers that retries
+and delays use."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Final
 
 from taskq._core.errors import ConfigurationError
 
-__all__ = ["DEFAULT_DELAY_TIERS", "parse_duration", "pick_delay_tier", "tier_name"]
+__all__ = ["DEFAULT_DELAY_TIERS", "Rate", "parse_duration", "parse_rate", "pick_delay_tier", "tier_name"]
 
 #: Delay tiers, one delay topic each (`<ns>.delay.<tier_name>`), shortest first.
 DEFAULT_DELAY_TIERS: Final[tuple[timedelta, ...]] = (
@@ -74,3 +76,31 @@ def pick_delay_tier(delay: timedelta, tiers: Sequence[timedelta]) -> timedelta:
     # forwarder of the largest tier holds the task until its not-before time, so it never runs early.
     fitting = [tier for tier in tiers if tier >= delay]
     return min(fitting) if fitting else max(tiers)
+
+
+_RATE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*/\s*(\S+)\s*")
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    """A rate limit: `per_second` tokens a second, and bursts of up to `burst` after a quiet spell."""
+
+    per_second: float
+    burst: float
+    text: str
+
+
+def parse_rate(text: str) -> Rate:
+    """Parse "100/s", "10/m", "5/h", "20/10s": N tasks per period, and bursts of up to N."""
+    match = _RATE.fullmatch(text) if isinstance(text, str) else None
+    if match is not None:
+        count, period = float(match.group(1)), match.group(2)
+        try:
+            seconds = parse_duration(period if period[0].isdigit() else f"1{period}").total_seconds()
+        except ConfigurationError:
+            seconds = 0.0
+        if count > 0 and seconds > 0:
+            return Rate(count / seconds, max(1.0, count), text.strip())
+    raise ConfigurationError(
+        f"rate_limit must be tasks per period, like '100/s', '10/m' or '20/10s' (a count > 0), got {text!r}"
+    )

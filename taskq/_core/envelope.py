@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Final, Literal, get_args
 
 from taskq._core.durations import tier_name
@@ -67,10 +68,12 @@ class Topics:
 
     def priority_of(self, topic: str) -> Priority | None:
         """The tier a priority topic carries, or None for any other topic."""
-        for p in PRIORITIES:
-            if topic == self.tier(p):
-                return p
-        return None
+        return self._tiers.get(topic)
+
+    @cached_property
+    def _tiers(self) -> dict[str, Priority]:
+        # Asked for every record and, each tick, for every assigned partition: a lookup, not four names built.
+        return {self.tier(p): p for p in PRIORITIES}
 
 
 def _ms(t: datetime) -> bytes:
@@ -88,6 +91,31 @@ def _shown(raw: bytes) -> str:
     """A header value for an error message: bounded, printable."""
     text = raw[:40].decode(errors="replace")
     return repr(text + ("..." if len(raw) > 40 else ""))
+
+
+def _text(h: dict[str, bytes], name: str) -> str:
+    raw = h.get(H + name)
+    if raw is None:
+        raise EnvelopeError(f"header {H + name!r} is missing")
+    return raw.decode()
+
+
+def _number(h: dict[str, bytes], name: str, low: int, high: int) -> int:
+    raw = h[H + name]
+    value = int(raw) if len(raw) <= 20 else high + 1
+    if not low <= value <= high:
+        raise EnvelopeError(f"header {H + name} is {_shown(raw)}, not an integer from {low} to {high}")
+    return value
+
+
+def _seconds(h: dict[str, bytes], name: str) -> float:
+    raw = h[H + name]
+    value = float(raw)
+    if not 0 < value <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
+        raise EnvelopeError(
+            f"header {H + name} is {_shown(raw)}, not a number of seconds in (0, {MAX_TIMEOUT_SECONDS:.0f}]"
+        )
+    return value
 
 
 def new_task_id() -> str:
@@ -146,51 +174,30 @@ class Envelope:
     def from_headers(cls, headers: Iterable[tuple[str, bytes | None]] | None) -> Envelope:
         """Parse an envelope; EnvelopeError names the missing or malformed header."""
         h = {k: v for k, v in headers or () if v is not None}
-        for k, v in h.items():
-            if (k.startswith(H) or k == "traceparent") and len(v) > MAX_HEADER_BYTES:
-                raise EnvelopeError(f"header {k} is {len(v)} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+        if h and max(map(len, h.values())) > MAX_HEADER_BYTES:  # the exact check only when one is that large
+            for k, v in h.items():
+                if (k.startswith(H) or k == "traceparent") and len(v) > MAX_HEADER_BYTES:
+                    raise EnvelopeError(
+                        f"header {k} is {len(v)} bytes, over the {MAX_HEADER_BYTES}-byte limit"
+                    )
         try:
-
-            def text(name: str) -> str:
-                raw = h.get(H + name)
-                if raw is None:
-                    raise EnvelopeError(f"header {H + name!r} is missing")
-                return raw.decode()
-
-            def number(name: str, low: int, high: int) -> int:
-                raw = h[H + name]
-                value = int(raw) if len(raw) <= 20 else high + 1
-                if not low <= value <= high:
-                    raise EnvelopeError(
-                        f"header {H + name} is {_shown(raw)}, not an integer from {low} to {high}"
-                    )
-                return value
-
-            def seconds(name: str) -> float:
-                raw = h[H + name]
-                value = float(raw)
-                if not 0 < value <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
-                    raise EnvelopeError(
-                        f"header {H + name} is {_shown(raw)}, "
-                        f"not a number of seconds in (0, {MAX_TIMEOUT_SECONDS:.0f}]"
-                    )
-                return value
-
-            priority = text("priority")
+            priority = _text(h, "priority")
             if priority not in PRIORITIES:
                 raise EnvelopeError(f"header {H}priority is {priority!r}, not one of {', '.join(PRIORITIES)}")
             return cls(
-                task_id=text("task-id"),
-                task_type=text("task-type"),
-                idempotency_key=text("idempotency-key"),
+                task_id=_text(h, "task-id"),
+                task_type=_text(h, "task-type"),
+                idempotency_key=_text(h, "idempotency-key"),
                 priority=priority,
-                attempt=number("attempt", 1, 1_000_000) if H + "attempt" in h else int(text("attempt")),
-                max_attempts=number("max-attempts", 1, MAX_ATTEMPTS) if H + "max-attempts" in h else None,
+                attempt=_number(h, "attempt", 1, 1_000_000)
+                if H + "attempt" in h
+                else int(_text(h, "attempt")),
+                max_attempts=_number(h, "max-attempts", 1, MAX_ATTEMPTS) if H + "max-attempts" in h else None,
                 enqueued_at=_from_ms("enqueued-at", h[H + "enqueued-at"])
                 if H + "enqueued-at" in h
                 else datetime.now(UTC),
                 not_before=_from_ms("not-before", h[H + "not-before"]) if H + "not-before" in h else None,
-                timeout=seconds("timeout") if H + "timeout" in h else None,
+                timeout=_seconds(h, "timeout") if H + "timeout" in h else None,
                 origin_topic=h.get(H + "origin-topic", b"").decode(),
                 traceparent=h["traceparent"].decode() if "traceparent" in h else None,
             )

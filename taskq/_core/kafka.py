@@ -117,7 +117,8 @@ def _headers(msg: Message) -> tuple[Headers, str | None]:
         if isinstance(cause, UnicodeError):
             return [], f"unreadable headers: a header key is not valid UTF-8 ({cause})"
         return [], f"unreadable headers: {str(exc)[:200]}"
-    return [(str(k), _bytes(v)) for k, v in raw], None
+    # Values come as bytes: those tuples are kept as they are (a conversion per header cost 2 us a record).
+    return [kv if type(kv[1]) is bytes else (str(kv[0]), _bytes(kv[1])) for kv in raw], None
 
 
 def _bytes(value: str | bytes | None) -> bytes:
@@ -655,6 +656,22 @@ class Admin:
                     created[name] = False
                 else:
                     raise self._wrap(f"creating topic {name}", exc) from exc
+        # Delivery guarantee: the broker answers CreateTopics before it has created each partition's log
+        # (seconds later for dozens of partitions on a busy broker). A record produced in between is refused
+        # (NOT_LEADER_FOR_PARTITION), and librdkafka's idempotent producer (2.16) then reported it delivered
+        # once a later batch of that partition succeeded ("implicitly acked"): acknowledged, never in the
+        # log. Topics are handed out only once every partition has its leader, which ListOffsets tells.
+        req = {TopicPartition(s.name, p): OffsetSpec.latest() for s in specs for p in range(s.partitions)}  # type: ignore[no-untyped-call]
+
+        def leaders(left: float) -> None:
+            for future in self._a.list_offsets(req, request_timeout=left).values():
+                future.result()
+
+        # Right after CreateTopics no partition may have a leader in the client's metadata yet: the whole
+        # request then fails with "No leaders found", a state to wait out like the others.
+        self._answered(
+            "waiting for the partitions of new topics", leaders, not_ready=_NOT_READY | {KafkaError._NOENT}
+        )
         return created
 
     def delete_topics(self, names: Sequence[str]) -> None:
@@ -734,7 +751,9 @@ class Admin:
         )
         return {(p.topic, p.partition): (p.offset if p.offset >= 0 else -1) for p in found}
 
-    def _answered(self, what: str, call: Callable[[float], R]) -> R:
+    def _answered(
+        self, what: str, call: Callable[[float], R], *, not_ready: frozenset[int] = _NOT_READY
+    ) -> R:
         """`call(seconds left)`, again while the broker answers that it is not ready yet (a leader or a
         group coordinator being elected or loading, as right after a topic or the broker starts), until
         the admin timeout; that is a state to wait out, not a failure to report."""
@@ -745,7 +764,7 @@ class Admin:
                 return call(max(0.1, deadline - time.monotonic()))
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else None
-                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in _NOT_READY)
+                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in not_ready)
                 if not transient or time.monotonic() + backoff > deadline:
                     raise self._wrap(what, exc) from exc
             time.sleep(backoff)

@@ -10,9 +10,27 @@ from typing import Any, Literal
 
 from psycopg import sql
 
-from taskq._core.db import Database, Row, Transaction, queries
+from taskq._core.db import Connection, Database, Row, Transaction, queries
+from taskq._core.envelope import PRIORITIES
+from taskq._core.errors import ConfigurationError
 
 ClaimOutcome = Literal["claimed", "completed", "dead", "running", "duplicate"]
+#: What an operator pauses: a tier (its partitions) or a task type (its tasks, held in the buffer).
+PauseKind = Literal["tier", "task_type"]
+
+
+def pause_target(kind: str, name: str) -> tuple[PauseKind, str]:
+    """A pause's kind and name, checked: a known tier, or a task type's full record name."""
+    name = name.strip()
+    if kind == "tier":
+        if name not in PRIORITIES:
+            raise ConfigurationError(f"tier must be one of {', '.join(PRIORITIES)}, got {name!r}")
+        return "tier", name
+    if kind == "task_type":
+        if not 0 < len(name) <= 300:
+            raise ConfigurationError("task type must be its record's full name (1 to 300 characters)")
+        return "task_type", name
+    raise ConfigurationError(f"pause kind must be tier or task_type, got {kind!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +59,17 @@ class Claim:
 
 
 @dataclass(frozen=True, slots=True)
+class SlotRequest:
+    """A task of a type with `concurrency_limit` asking for one of its key's slots before it starts."""
+
+    idempotency_key: str
+    task_type: str
+    key: str
+    limit: int
+    lease_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerRecord:
     """A worker's liveness record: who it is and where it runs (its heartbeat and load are written apart)."""
 
@@ -51,6 +80,14 @@ class WorkerRecord:
     pid: int
     concurrency: int
     started_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Pauses:
+    """What operators paused in a namespace: tiers (by priority) and task types."""
+
+    tiers: frozenset[str] = frozenset()
+    task_types: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,11 +291,81 @@ class Store:
         """Delete the liveness records silent for more than `older_than` seconds; how many."""
         return max(0, self.database.execute("workers_prune", older_than=older_than))
 
+    def workers_alive(self, namespace: str, stale_after: float) -> list[Row]:
+        """The liveness records of a namespace's workers that beat within `stale_after` seconds."""
+        return self.database.all("workers_alive", namespace=namespace, stale_after=stale_after)
+
+    # ------------------------------------------------------------------------------------------ lookups
+    def task_by_id(self, namespace: str, task_id: str) -> Row | None:
+        """The record of the task with this id (its columns), or None."""
+        return self.database.one("task_by_id", namespace=namespace, task_id=task_id)
+
+    def completed_since(self, namespace: str, seconds: float) -> int:
+        """How many tasks of a namespace completed in the last `seconds` seconds."""
+        row = self.database.one("completed_since", namespace=namespace, seconds=seconds)
+        return int(row["n"]) if row is not None else 0
+
+    # ------------------------------------------------------------------------------------------- pauses
+    def pause(self, namespace: str, kind: PauseKind, name: str) -> bool:
+        """Pause a tier or a task type; False if it was paused already."""
+        return self.database.one("pause", namespace=namespace, kind=kind, name=name) is not None
+
+    def resume(self, namespace: str, kind: PauseKind, name: str) -> bool:
+        """Resume a tier or a task type; False if it was not paused."""
+        return self.database.one("resume", namespace=namespace, kind=kind, name=name) is not None
+
+    def pauses(self, namespace: str) -> list[tuple[PauseKind, str, datetime]]:
+        """What is paused in a namespace: (kind, name, paused at)."""
+        rows = self.database.all("pauses", namespace=namespace)
+        return [(r["kind"], r["name"], r["paused_at"]) for r in rows]
+
     # ------------------------------------------------------------------------------------- rate limits
-    def take_tokens(self, bucket: str, *, rate: float, capacity: float, want: float) -> tuple[float, float]:
-        """Refill a shared bucket and take up to `want` whole tokens: (tokens granted, tokens left)."""
+    def take_tokens(
+        self, bucket: str, *, rate: float, capacity: float, want: float
+    ) -> tuple[float, float, float]:
+        """Refill a shared bucket and take up to `want` whole tokens: (granted, tokens left, seconds the
+        bucket is still paused)."""
         (row,) = self.database.all("take_tokens", name=bucket, rate=rate, capacity=capacity, want=want)
-        return float(row["granted"]), float(row["tokens"])
+        return float(row["granted"]), float(row["tokens"]), float(row["paused"])
+
+    def pause_tokens(self, bucket: str, *, rate: float, capacity: float, seconds: float) -> None:
+        """Empty a shared bucket and grant nothing from it for `seconds`, for every process."""
+        self.database.execute("pause_tokens", name=bucket, rate=rate, capacity=capacity, seconds=seconds)
+
+    # ------------------------------------------------------------------------------- concurrency slots
+    def acquire_slots(
+        self,
+        namespace: str,
+        owner: str,
+        requests: Sequence[SlotRequest],
+        *,
+        stale_after: float,
+        conn: Connection | None = None,
+    ) -> set[str]:
+        """Take a slot for each request (unique keys) whose concurrency key has room, earlier requests of a
+        key first, in one transaction (on `conn` if given, kept by the caller); returns the idempotency keys
+        granted."""
+        params = {
+            "namespace": namespace,
+            "task_types": [r.task_type for r in requests],
+            "slot_keys": [r.key for r in requests],
+        }
+        with self.database.transaction(conn) as tx:
+            tx.all("slots_lock", **params)
+            rows = tx.all(
+                "slots_acquire",
+                **params,
+                keys=[r.idempotency_key for r in requests],
+                limits=[r.limit for r in requests],
+                leases=[r.lease_seconds for r in requests],
+                owner=owner,
+                stale_after=stale_after,
+            )
+        return {r["idempotency_key"] for r in rows}
+
+    def release_slots(self, namespace: str, owner: str, keys: Sequence[str]) -> None:
+        """Give back `owner`'s slots of these idempotency keys."""
+        self.database.execute("slots_release", namespace=namespace, owner=owner, keys=list(keys))
 
     # ------------------------------------------------------------------------------------- DLQ replays
     def dlq_replayed(self, topic: str) -> dict[int, tuple[datetime, int]]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from taskq._core.durations import Rate, parse_rate
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError
 from taskq.consumer.periodic import CATCH_UPS, CatchUp, PeriodicSpec, schedule_of
@@ -19,6 +21,8 @@ from taskq.schemas.errors import PayloadValidationError
 
 Isolation = Literal["thread", "process"]
 Upcaster = Callable[[dict[str, Any], int], dict[str, Any]]
+#: A function of a task's payload naming the key it is limited under (a string, or anything str() names).
+KeyOf = Callable[[Any], Any]
 
 
 @dataclass(kw_only=True)
@@ -37,6 +41,36 @@ class TaskContext:
     db: Any = None
     #: Set when the task is picked up; a handler may check it between steps of long work.
     deadline: float | None = None
+
+    @cached_property
+    def log(self) -> TaskLog:
+        """`logger`, each line carrying the task id, idempotency key, task type, tier and attempt."""
+        return TaskLog(
+            self.logger,
+            task_fields(self.task_id, self.idempotency_key, self.task_type, self.priority, self.attempt),
+        )
+
+
+def task_fields(
+    task_id: str, idempotency_key: str, task_type: str, tier: str, attempt: int
+) -> dict[str, Any]:
+    """What every log line about one attempt of a task carries (as `extra`: fields of the JSON log)."""
+    return {
+        "task_id": task_id,
+        "idempotency_key": idempotency_key,
+        "task_type": task_type,
+        "tier": tier,
+        "attempt": attempt,
+    }
+
+
+class TaskLog(logging.LoggerAdapter[logging.Logger]):
+    """A task's logger: the task's fields are added to each line's own `extra`."""
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        """Merge the task's fields into the line's `extra` (the task's win on a clash)."""
+        kwargs["extra"] = {**(kwargs.get("extra") or {}), **(self.extra or {})}
+        return msg, kwargs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +91,12 @@ class HandlerSpec:
     is_async: bool = field(default=False)
     #: Tasks with the same key (the `key=` they were enqueued with) run one at a time, in enqueue order.
     ordered: bool = False
+    #: At most this many tasks of one concurrency key run at once, across every worker.
+    concurrency_limit: int | None = None
+    concurrency_key: KeyOf | None = None
+    #: Tasks of one rate key start at most at this rate, across every worker.
+    rate_limit: Rate | None = None
+    rate_key: KeyOf | None = None
 
 
 class Handlers:
@@ -82,6 +122,10 @@ class Handlers:
         non_retryable: tuple[type[BaseException], ...] = (),
         upcaster: Upcaster | None = None,
         ordered: bool = False,
+        concurrency_limit: int | None = None,
+        concurrency_key: KeyOf | None = None,
+        rate_limit: str | None = None,
+        rate_key: KeyOf | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register `fn(payload, ctx)` (or `async def`) as the handler of a task type.
 
@@ -89,10 +133,17 @@ class Handlers:
         A failing one is retried in place, holding its key's later tasks back until it succeeds or is
         dead-lettered.
 
+        concurrency_limit=N: at most N tasks of one key (`concurrency_key(payload)`, or the whole type
+        without one) run at once across every worker. rate_limit="100/s": tasks of one key
+        (`rate_key(payload)`) start at most at that rate across every worker, in bursts of up to the count;
+        `Retry(delay=...)` from such a handler pauses its key's bucket for every worker. A task over either
+        limit waits in the worker's buffer, claimed, without using up an attempt.
+
         transactional=True: `ctx.db` is a connection in the transaction that records the completion, so the
         handler's writes there happen exactly once. Attempts ready together run in one transaction, each
         under a savepoint (group commit: their effects become visible together, and one that raises is
-        rolled back alone); group_commit=False commits each attempt alone.
+        rolled back alone). A group's statements are pipelined: errors surface at the group's end, a fetch or
+        a `ctx.db.transaction()` exit, and COPY needs group_commit=False, which commits each attempt alone.
         """
         if task_type in self._specs:
             raise ConfigurationError(f"a handler for {task_type!r} is already registered")
@@ -110,6 +161,25 @@ class Handlers:
             if avro.full_name(loaded) != task_type:
                 raise ConfigurationError(f"schema for {task_type!r} is the record {avro.full_name(loaded)!r}")
         policy = retry or RetryPolicy(max_attempts=max_attempts, non_retryable=non_retryable)
+        limit = concurrency_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ConfigurationError(
+                f"{task_type}: concurrency_limit must be an int >= 1, got {concurrency_limit!r}"
+            )
+        try:
+            rate = parse_rate(rate_limit) if rate_limit is not None else None
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{task_type}: {exc}") from None
+        for name, fn, needs, given in (
+            ("concurrency_key", concurrency_key, "concurrency_limit", concurrency_limit),
+            ("rate_key", rate_key, "rate_limit", rate_limit),
+        ):
+            if fn is not None and not callable(fn):
+                raise ConfigurationError(
+                    f"{task_type}: {name} must be a function of the payload, got {type(fn).__name__}"
+                )
+            if fn is not None and given is None:
+                raise ConfigurationError(f"{task_type}: {name} needs {needs}")
 
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
             is_async = inspect.iscoroutinefunction(fn)
@@ -137,6 +207,10 @@ class Handlers:
                 upcaster=upcaster,
                 is_async=is_async,
                 ordered=ordered,
+                concurrency_limit=concurrency_limit,
+                concurrency_key=concurrency_key,
+                rate_limit=rate,
+                rate_key=rate_key,
             )
             return fn
 

@@ -21,6 +21,8 @@ from taskq.consumer.events import (
     Event,
     LoopSampled,
     TaskRetried,
+    WorkerStarted,
+    WorkerStopped,
 )
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -105,6 +107,12 @@ class PrometheusHook:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.workers = Gauge(
+            "taskq_workers",
+            "Worker processes running (1 per process, summed under --processes)",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.lag = Gauge(
             "taskq_consumer_lag",
             "Records of assigned partitions not yet consumed, by tier",
@@ -151,6 +159,10 @@ class PrometheusHook:
                     self.buffered.labels(tier).set(n)
                 for tier, n in (sample.lag or {}).items():
                     self.lag.labels(tier).set(n)
+            case WorkerStarted():
+                self.workers.set(1)
+            case WorkerStopped():
+                self.workers.set(0)
             case _:
                 pass
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Priority
@@ -87,14 +87,17 @@ class PriorityScheduler(Generic[T]):
         self._buffers[tier].appendleft(item)
         self._len += 1
 
-    def pop(self) -> T | None:
-        """Remove and return the next item by weighted round-robin over tiers, or None when all are empty."""
+    def pop(self, skip: Collection[str] = ()) -> T | None:
+        """Remove and return the next item by weighted round-robin over tiers, or None when all are empty.
+
+        Tiers in `skip` (paused by an operator) are passed over as if empty: their items stay buffered.
+        """
         if self._len == 0:
             return None
         best: Priority | None = None
         active_weight = 0
         for tier in PRIORITIES:
-            if not self._buffers[tier]:
+            if not self._buffers[tier] or tier in skip:
                 # An idle tier banks no credit: it rejoins on equal terms instead of bursting.
                 self._credit[tier] = 0
                 continue
@@ -103,7 +106,8 @@ class PriorityScheduler(Generic[T]):
             # Strict > keeps ties with the higher priority, as PRIORITIES is highest first.
             if best is None or self._credit[tier] > self._credit[best]:
                 best = tier
-        assert best is not None  # self._len > 0
+        if best is None:  # every non-empty tier is skipped
+            return None
         self._credit[best] -= active_weight
         self._len -= 1
         return self._buffers[best].popleft()

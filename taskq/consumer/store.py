@@ -9,9 +9,22 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import psycopg
+from psycopg.pq import TransactionStatus
+
 from taskq._core.db import Connection, Database, Row, Transaction, in_transaction
-from taskq._core.errors import TaskqError
-from taskq._core.store import Claim, ClaimOutcome, ClaimRequest, Finished, Store, WorkerRecord
+from taskq._core.errors import StoreUnavailableError, TaskqError
+from taskq._core.store import (
+    Claim,
+    ClaimOutcome,
+    ClaimRequest,
+    Finished,
+    Pauses,
+    SlotRequest,
+    Store,
+    WorkerRecord,
+    pause_target,
+)
 
 __all__ = [
     "Claim",
@@ -22,6 +35,8 @@ __all__ = [
     "LeaseLostError",
     "Member",
     "NotStarted",
+    "Pauses",
+    "SlotRequest",
     "TaskStore",
     "WorkerRecord",
 ]
@@ -73,6 +88,7 @@ class TaskStore(Protocol):
     def finish(self, finished: Sequence[Finished]) -> set[str]: ...
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]: ...
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]: ...
+    def pauses(self) -> Pauses: ...
     def transaction(
         self, idempotency_key: str, attempts: int, result: Any = None
     ) -> AbstractContextManager[Any]: ...
@@ -80,6 +96,12 @@ class TaskStore(Protocol):
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]: ...
     def beat(self, worker: WorkerRecord, in_flight: int) -> None: ...
     def leave(self, worker_id: str) -> None: ...
+    def acquire_slots(self, requests: Sequence[SlotRequest]) -> set[str]: ...
+    def release_slots(self, idempotency_keys: Sequence[str]) -> None: ...
+    def take_tokens(
+        self, bucket: str, *, rate: float, capacity: float, want: float
+    ) -> tuple[float, float, float]: ...
+    def pause_tokens(self, bucket: str, *, rate: float, capacity: float, seconds: float) -> None: ...
     def close(self) -> None: ...
 
 
@@ -98,6 +120,7 @@ class IdempotencyStore:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._thread_conns: list[Connection] = []
+        self._slots_conn: Connection | None = None
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim each key for one attempt; answers in request order. A key twice in one batch: 'duplicate'."""
@@ -141,6 +164,22 @@ class IdempotencyStore:
         """Extend (key, attempt, seconds from now) leases; returns the keys renewed (the others were lost)."""
         return self._store.renew(self.namespace, self.owner, leases) if leases else set()
 
+    def pause(self, kind: str, name: str) -> bool:
+        """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""
+        return self._store.pause(self.namespace, *pause_target(kind, name))
+
+    def resume(self, kind: str, name: str) -> bool:
+        """Resume a tier or a task type; False if it was not paused."""
+        return self._store.resume(self.namespace, *pause_target(kind, name))
+
+    def pauses(self) -> Pauses:
+        """What operators paused in the namespace (`taskq pause`): one query, read every few seconds."""
+        rows = self._store.pauses(self.namespace)
+        return Pauses(
+            tiers=frozenset(name for kind, name, _ in rows if kind == "tier"),
+            task_types=frozenset(name for kind, name, _ in rows if kind == "task_type"),
+        )
+
     @contextmanager
     def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Connection]:
         """A connection in a transaction that records the key's completion when the block exits cleanly.
@@ -167,34 +206,72 @@ class IdempotencyStore:
         and its completion durable together, and a failed commit raises (the driver's error) and leaves
         none. If another worker took over a member's lease, the whole group is rolled back: LeaseLostError
         names the lost keys, and nothing of the group is recorded.
+
+        The members' statements are pipelined: sent as they are made, answered together at the end, so a
+        group costs a few round trips, not one per statement. A statement that fails at the server cannot
+        be told from the others' there: the group is then rolled back whole and run again with each
+        member answered before the next, so the failing member fails alone (its handler, and those of
+        the group's other members, are called twice in that attempt; only the second call's writes count).
         """
         conn = self._thread_connection()
         try:
-            with conn.transaction():  # the group's transaction, committed on a clean exit
+            if not self._run_members(conn, members, answer_each=False):
                 for member in members:
-                    if member.skip():
-                        member.error = NotStarted(f"{member.idempotency_key}: not started")
-                        continue
-                    started = time.monotonic()
-                    # A savepoint per member, so a failing member rolls back alone. Never released: a
-                    # RELEASE would be one more round trip per member, and the group commits them all.
-                    conn.execute("SAVEPOINT taskq_member")
-                    try:
-                        member.result = member.call(conn)
-                    except Exception as exc:
-                        member.error = exc
-                        conn.execute("ROLLBACK TO SAVEPOINT taskq_member")
-                    member.seconds = time.monotonic() - started
-                ok = [m for m in members if m.error is None]
-                done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]
-                tx = Transaction(self.database, conn)
-                recorded = self._store.complete(self.namespace, self.owner, done, tx=tx)
-                lost = frozenset(f.idempotency_key for f in done) - recorded
-                if lost:
-                    # Raised inside the transaction: every member's writes roll back with it.
-                    raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
+                    if not isinstance(member.error, NotStarted):  # one not started stays so
+                        member.result, member.error, member.seconds = None, None, 0.0
+                self._run_members(conn, members, answer_each=True)
         finally:
             self._check_in(conn)
+
+    def _run_members(self, conn: Connection, members: Sequence[Member], *, answer_each: bool) -> bool:
+        """One pass of `run_group`; False if it was rolled back for a statement that failed at the server
+        (only when not `answer_each`)."""
+        with conn.transaction():  # the group's transaction, committed on a clean exit
+            with conn.pipeline() as pipeline:
+                for i, member in enumerate(members):
+                    if isinstance(member.error, NotStarted) or member.skip():
+                        member.error = member.error or NotStarted(f"{member.idempotency_key}: not started")
+                        continue
+                    started = time.monotonic()
+                    # A savepoint per member, so a failing member rolls back alone. Never released: a RELEASE
+                    # would be one more statement per member, and the group commits them all. Each its own
+                    # name: a rollback to the savepoint of a member whose statements the server skipped fails,
+                    # where a shared name would roll back an earlier member's failed writes and hide them.
+                    savepoint = f"taskq_member_{i}"
+                    conn.execute(f"SAVEPOINT {savepoint}")
+                    try:
+                        member.result = member.call(conn)
+                        if answer_each:
+                            pipeline.sync()
+                            if conn.info.transaction_status == TransactionStatus.INERROR:
+                                # The handler swallowed its own statement's error: its writes are incomplete.
+                                raise psycopg.errors.InFailedSqlTransaction(
+                                    f"{member.idempotency_key}: a statement failed in the handler"
+                                )
+                    except Exception as exc:
+                        member.error = exc
+                        if answer_each:
+                            _answer(conn, pipeline)  # statements it left queued: their errors are its own
+                        conn.execute(f"ROLLBACK TO SAVEPOINT {savepoint}")
+                        if answer_each:
+                            pipeline.sync()
+                    member.seconds = time.monotonic() - started
+                if not answer_each and (
+                    not _answer(conn, pipeline) or any(isinstance(m.error, psycopg.Error) for m in members)
+                ):
+                    # Delivery guarantee: a server-side failure in an unanswered pipeline may belong to any
+                    # member, so nothing of this pass is kept; the caller runs the group one member at a time.
+                    raise psycopg.Rollback
+            ok = [m for m in members if m.error is None]
+            done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]
+            tx = Transaction(self.database, conn)
+            recorded = self._store.complete(self.namespace, self.owner, done, tx=tx)
+            lost = frozenset(f.idempotency_key for f in done) - recorded
+            if lost:
+                # Raised inside the transaction: every member's writes roll back with it.
+                raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
+            return True
+        return False
 
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]:
         """Write the worker's liveness record, and mark dead the workers of its host started before it whose
@@ -213,6 +290,39 @@ class IdempotencyStore:
     def leave(self, worker_id: str) -> None:
         """Remove the worker's liveness record (a clean stop)."""
         self._store.worker_leave(worker_id)
+
+    def acquire_slots(self, requests: Sequence[SlotRequest]) -> set[str]:
+        """Take a concurrency slot for each task whose key has room (earlier requests of a key first), in one
+        transaction; returns the idempotency keys granted. Slots of dead workers do not count."""
+        unique = list({r.idempotency_key: r for r in requests}.values())
+        if not unique:
+            return set()
+        conn = self._slots_conn
+        if conn is None or conn.closed or conn.broken:
+            # Kept between batches (a connect per dispatch would cost more than the acquire itself).
+            conn = self._slots_conn = self.database.connect(autocommit=False, keyed=True)
+        try:
+            return self._store.acquire_slots(
+                self.namespace, self.owner, unique, stale_after=self.stale_after, conn=conn
+            )
+        except StoreUnavailableError:
+            conn.close()
+            raise
+
+    def release_slots(self, idempotency_keys: Sequence[str]) -> None:
+        """Give back this worker's concurrency slots of these tasks."""
+        if idempotency_keys:
+            self._store.release_slots(self.namespace, self.owner, idempotency_keys)
+
+    def take_tokens(
+        self, bucket: str, *, rate: float, capacity: float, want: float
+    ) -> tuple[float, float, float]:
+        """Take up to `want` tokens of a shared bucket: (granted, tokens left, seconds still paused)."""
+        return self._store.take_tokens(bucket, rate=rate, capacity=capacity, want=want)
+
+    def pause_tokens(self, bucket: str, *, rate: float, capacity: float, seconds: float) -> None:
+        """Empty a shared bucket and grant nothing from it for `seconds`, for every worker."""
+        self._store.pause_tokens(bucket, rate=rate, capacity=capacity, seconds=seconds)
 
     def _check_in(self, conn: Connection) -> None:
         """After a handler's use: close a connection left in any state but idle (replaced next time)."""
@@ -258,8 +368,20 @@ class IdempotencyStore:
     def close(self) -> None:
         """Close the connections (the loop's, and the handler threads' idle ones)."""
         self.database.close()
+        if self._slots_conn is not None:
+            self._slots_conn.close()
+            self._slots_conn = None
         with self._lock:
             for conn in self._thread_conns:
                 if not conn.closed and not in_transaction(conn):
                     conn.close()
             self._thread_conns = []
+
+
+def _answer(conn: Connection, pipeline: psycopg.Pipeline) -> bool:
+    """Sync the pipeline; False if a statement failed or left the transaction failed."""
+    try:
+        pipeline.sync()
+    except psycopg.Error:
+        return False
+    return conn.info.transaction_status != TransactionStatus.INERROR

@@ -27,7 +27,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from wsgiref.simple_server import WSGIServer
 
-from taskq._core.errors import ConfigurationError, TaskqError
+from taskq._core.errors import ConfigurationError, KafkaAuthenticationError, TaskqError
 from taskq._core.settings import Settings
 from taskq.consumer import metrics
 from taskq.consumer.executor._process import die_with_parent
@@ -41,6 +41,9 @@ log = logging.getLogger("taskq.supervisor")
 # spawn, never fork: the supervisor may run the metrics thread, and a worker process starts its own clients.
 _MP = multiprocessing.get_context("spawn")
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+# A worker process's exit code when restarting it cannot help (EX_CONFIG): its configuration is refused, by
+# Kafka (credentials, TLS) or by the project's own checks. The supervisor gives up at once, with its reason.
+REFUSED = 78
 
 
 class WorkerProcessesFailedError(TaskqError):
@@ -114,6 +117,7 @@ class Supervisor:
         self.config = config
         self.setup = setup
         self._slots = [_Slot(i, RestartBackoff()) for i in range(processes)]
+        self._refusals = _MP.SimpleQueue()  # a refused worker process's one-line reason, put before it exits
         self._stopping = False
         self._healthy = False  # read by /healthz
         self._metrics_dir: str | None = None
@@ -207,7 +211,8 @@ class Supervisor:
     def _start(self, slot: _Slot) -> None:
         process = _MP.Process(
             target=_worker_process,
-            args=(slot.index, self.handlers_path, self.settings, self.config, os.getpid(), self.setup),
+            args=(slot.index, self.handlers_path, self.settings, self.config, os.getpid(), self.setup,
+                  self._refusals),
             name=f"taskq-worker-{slot.index}",
         )
         # Blocked until the worker process installs its own handlers (it inherits the mask): a Ctrl-C or a
@@ -238,6 +243,13 @@ class Supervisor:
                 "worker process %d (pid %s) stopped: %s", slot.index, pid, _status(code)
             )
             return None
+        if code == REFUSED:
+            reason = f"worker process {slot.index} refused"
+            if not self._refusals.empty():
+                reason = self._refusals.get()
+            log.error("%s: restarting cannot help; stopping the others, then giving up", reason)
+            self._stop_all()
+            return f"{reason}; restarting cannot help: stopped the others and gave up"
         now = time.monotonic()
         delay = slot.backoff.died(now, now - slot.started)
         if delay is None:
@@ -330,6 +342,7 @@ def _worker_process(
     config: WorkerConfig,
     parent_pid: int,
     setup: Callable[[], None] | None,
+    refusals: multiprocessing.SimpleQueue[str],
 ) -> None:
     """Entry point of a worker process: one Worker, stopped gracefully by the supervisor's SIGTERM."""
     die_with_parent(parent_pid)
@@ -376,6 +389,10 @@ def _worker_process(
             ", with the outbox relay" if worker.config.relay else "",
         )
         worker.run()
+    except (ConfigurationError, KafkaAuthenticationError) as exc:
+        logging.getLogger("taskq.worker").error("worker process %d: %s", index, exc)
+        refusals.put(f"worker process {index}: {exc}")
+        sys.exit(REFUSED)
     except (TaskqError, SchemaError) as exc:
         # Like the command line: the project's own errors in one line; anything else keeps its traceback.
         logging.getLogger("taskq.worker").error("worker process %d: %s", index, exc)

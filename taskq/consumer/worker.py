@@ -8,6 +8,7 @@ by the broker (invariant 1).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import queue
@@ -29,6 +30,7 @@ from taskq._core.errors import ConfigurationError, StoreUnavailableError, TaskqE
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
+from taskq._core.tracing import Tracer
 from taskq.consumer import metrics
 from taskq.consumer.completer import Completer
 from taskq.consumer.events import (
@@ -50,11 +52,12 @@ from taskq.consumer.events import (
 )
 from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
 from taskq.consumer.forwarder import Forwarder
-from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
+from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext, task_fields
+from taskq.consumer.limits import Gate, KeyFailedError, Limits
 from taskq.consumer.liveness import Liveness
 from taskq.consumer.offsets import OffsetTracker
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
-from taskq.consumer.retry import Reject
+from taskq.consumer.retry import Reject, Retry
 from taskq.consumer.routing import bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
 from taskq.consumer.store import (
@@ -65,6 +68,7 @@ from taskq.consumer.store import (
     LeaseLostError,
     Member,
     NotStarted,
+    Pauses,
     TaskStore,
     WorkerRecord,
 )
@@ -132,6 +136,8 @@ class WorkerConfig:
     relay: bool = True
     #: Run the scheduler of the handlers' periodic tasks in this process (a thread).
     periodic: bool = True
+    #: What operators paused (`taskq pause`) is read this often (seconds): one query, never per task.
+    pause_interval: float = 2.0
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -150,6 +156,7 @@ class WorkerConfig:
             "default_lease",
             "claim_wait",
             "heartbeat_interval",
+            "pause_interval",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -171,7 +178,9 @@ class _Task:
     attempts: int = 0
     claimed_at: float = 0.0
     grouped: bool = False  # runs in a group commit
+    gate: Gate | None = None  # the concurrency slot and rate bucket of a limited task type
     recorded: bool = False  # the completion was recorded inside the handler's transaction
+    span: Any = None  # the attempt's span, when tracing
 
 
 @dataclass(slots=True)
@@ -183,6 +192,12 @@ class _Held:
 def _key(task: _Task) -> tuple[TP, bytes | None]:
     """What an ordered task type serializes on: its partition and message key."""
     return task.record.tp, task.record.key
+
+
+def _fields(task: _Task) -> dict[str, Any]:
+    """The `extra` of a log line about a task: its id, idempotency key, type, tier and attempt."""
+    env = task.envelope
+    return task_fields(env.task_id, env.idempotency_key, env.task_type, env.priority, task.attempts)
 
 
 def _size(record: Record) -> int:
@@ -217,6 +232,7 @@ class Worker:
         self.worker_id = self.config.worker_id
         self.metrics = metrics.PrometheusHook()
         self._hooks: tuple[Hook, ...] = (self.metrics, *hooks)
+        self._tracer = Tracer()
         self._stop = threading.Event()
         self._outcomes: queue.SimpleQueue[tuple[_Task, Outcome]] = queue.SimpleQueue()
         self._scheduler: PriorityScheduler[_Task] = PriorityScheduler(
@@ -229,6 +245,10 @@ class Worker:
         self._undecoded: list[Record] = []
         self._arrived: list[_Task] = []  # decoded this tick, to claim in one round trip
         self._unstarted: list[_Task] = []  # left out of a group that stopped early, to release
+        # Tasks of a paused task type, claimed and held out of the scheduler until the type is resumed.
+        self._on_hold: list[_Task] = []
+        self._pauses = Pauses()
+        self._pauses_read_at = -float("inf")
         # Ordered task types: the task that holds each (partition, key) while it runs or waits to retry.
         self._key_holder: dict[tuple[TP, bytes | None], int] = {}
         self._revoking: set[TP] = set()  # partitions whose revocation is being served
@@ -282,6 +302,7 @@ class Worker:
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)
+        self._limits = Limits(self.store, self.settings.namespace, clock=clock)
         self._source: RecordSource | None = None
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
         self._relay: tuple[OutboxRelay, threading.Thread] | None = None
@@ -384,10 +405,12 @@ class Worker:
         self._tick()
 
     def idle(self) -> bool:
-        """Nothing buffered, held, running or waiting to be recorded, acknowledged or committed."""
+        """Nothing buffered, held, running, or waiting to be recorded, acked, committed or given back."""
         return not (
             self._running
             or self._held
+            or self._limits.pending()
+            or self._on_hold
             or self._undecoded
             or self._completer.pending()
             or len(self._scheduler)
@@ -396,12 +419,16 @@ class Worker:
         )
 
     def waiting_until(self) -> float | None:
-        """When the worker has nothing to do but wait for held tasks: the clock time the first is due."""
-        if self._running or len(self._scheduler) or self._undecoded or self._completer.pending():
+        """When the worker has nothing to do but wait for held tasks, or for the slots and tokens of its
+        limited tasks' keys: the clock time the first may go on."""
+        if self._running or self._undecoded or self._completer.pending():
             return None
-        if not self._held:
-            return None
-        return min(h.due for h in self._held)
+        dues = [h.due for h in self._held]
+        if len(self._scheduler):
+            if any(t.gate is None or self._limits.ready(t.gate) for t in self._scheduler):
+                return None
+            dues += [self._limits.ready_at(t.gate) for t in self._scheduler if t.gate is not None]
+        return min(dues) if dues else None
 
     def close(self) -> None:
         """Leave the group and release every client (after `start`)."""
@@ -449,7 +476,7 @@ class Worker:
     def _tick(self) -> None:
         self.heartbeat.beat()
         assert self._source is not None
-        waiting = len(self._scheduler) + len(self._held) + len(self._undecoded)
+        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
         busy = bool(self._running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
         now = self._clock()
@@ -471,10 +498,12 @@ class Worker:
         for record in records:
             self._accept(record)
         self._claim_arrived()
+        self._read_pauses()
         self._flow_control()
         self._release_held()
         self._dispatch()
         self._collect(block=0.0)
+        self._limits.flush()
         self._completer.flush(linger=0.005)
         self._completer.serve()
         if self._clock() - self._last_commit >= self.config.commit_interval:
@@ -547,8 +576,23 @@ class Worker:
                 error_type = f"{type(exc).__module__}.{type(exc).__name__}"
                 self._dead_letter_raw(record, f"upcaster failed: {exc}", error_type, 0)
                 return
+        gate = None
+        if spec.concurrency_limit is not None or spec.rate_limit is not None:
+            try:
+                gate = self._limits.gate(
+                    spec.task_type,
+                    payload,
+                    limit=spec.concurrency_limit,
+                    concurrency_key=spec.concurrency_key,
+                    rate=spec.rate_limit,
+                    rate_key=spec.rate_key,
+                )
+            except KeyFailedError as exc:  # the task cannot be placed under its limit: it never runs
+                self._dead_letter_raw(record, str(exc), "taskq.LimitKeyFailed", 0)
+                return
         generation = self._generation.get(record.tp, 0)
-        self._arrived.append(_Task(record, envelope, spec, payload, generation, tier or envelope.priority))
+        task = _Task(record, envelope, spec, payload, generation, tier or envelope.priority, gate=gate)
+        self._arrived.append(task)
 
     def _claim_arrived(self) -> None:
         """Claim the keys of the tasks decoded this tick, all in one round trip."""
@@ -562,8 +606,9 @@ class Worker:
         to_pause, to_resume = [], []
         # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
-        full = len(self._scheduler) + len(self._held) >= self.config.buffer_capacity
+        full = len(self._scheduler) + len(self._held) + len(self._on_hold) >= self.config.buffer_capacity
         held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
+        held.update(t.tier for t in self._on_hold if full)
         # Over the byte bound every partition waits: what is buffered runs first, then fetching resumes.
         heavy = self._over_bytes()
         for tp in self._assigned:
@@ -572,7 +617,8 @@ class Worker:
                 continue
             depth = self._scheduler.depth(tier)
             over = full and held[tier] + depth >= self._scheduler.reserve(tier)
-            if self._scheduler.saturated(tier) or over or heavy or self._stop.is_set():
+            paused = tier in self._pauses.tiers  # by an operator: nothing more is fetched
+            if self._scheduler.saturated(tier) or over or heavy or paused or self._stop.is_set():
                 if tp not in self._paused:
                     to_pause.append(tp)
                     self._resume_at[tier] = depth // 2
@@ -589,12 +635,62 @@ class Worker:
 
     def _over_bytes(self) -> bool:
         """Whether the buffered records (waiting, held, undecoded) take more than `buffer_bytes`."""
-        waiting = len(self._scheduler) + len(self._held) + len(self._undecoded)
+        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
         if waiting * self._largest < self.config.buffer_bytes:
             return False  # cannot be over whatever their sizes: no need to add them up (the usual case)
-        total = sum(_size(t.record) for t in self._scheduler)
+        total = sum(_size(t.record) for t in self._scheduler) + sum(_size(t.record) for t in self._on_hold)
         total += sum(_size(h.task.record) for h in self._held) + sum(_size(r) for r in self._undecoded)
         return total >= self.config.buffer_bytes
+
+    def _read_pauses(self) -> None:
+        """Every `pause_interval` seconds: read what operators paused, give resumed tasks back to the
+        scheduler, and renew the leases of paused tasks that wait long, so no other worker takes them over."""
+        now = self._clock()
+        if now - self._pauses_read_at < self.config.pause_interval:
+            return
+        self._pauses_read_at = now
+        try:
+            pauses = self.store.pauses()
+        except StoreUnavailableError as exc:  # the last known state holds meanwhile
+            log.warning("cannot read pauses: %s", exc)
+            return
+        if pauses != self._pauses:
+            log.info(
+                "paused tiers: %s; paused task types: %s",
+                ", ".join(sorted(pauses.tiers)) or "none",
+                ", ".join(sorted(pauses.task_types)) or "none",
+            )
+            self._pauses = pauses
+        resumed = [t for t in self._on_hold if t.envelope.task_type not in pauses.task_types]
+        if resumed:
+            self._on_hold = [t for t in self._on_hold if t.envelope.task_type in pauses.task_types]
+            for task in reversed(resumed):  # first in line again, in their order
+                self._scheduler.push_front(task.tier, task)
+        stale = now - self.config.claim_wait / 2
+        waiting = [t for t in self._on_hold if t.claimed_at < stale]
+        waiting += [t for t in self._scheduler if t.tier in pauses.tiers and t.claimed_at < stale]
+        if not waiting:
+            return
+        # A paused task keeps its claim: its lease is renewed while it waits, and no attempt is counted.
+        try:
+            renewed = self.store.renew(
+                [(t.envelope.idempotency_key, t.attempts, self._run_lease(t) + self.config.claim_wait)
+                 for t in waiting]
+            )
+        except StoreUnavailableError as exc:
+            log.warning("could not renew the leases of %d paused task(s): %s", len(waiting), exc)
+            return
+        lost = {id(t) for t in waiting if t.envelope.idempotency_key not in renewed}
+        for task in waiting:
+            if id(task) in lost:
+                # Taken over while paused: the worker holding the lease now decides this key.
+                log.warning("task %s: lease taken over while paused", task.envelope.task_id)
+                self._done(task)
+            else:
+                task.claimed_at = now
+        if lost:
+            self._on_hold = [t for t in self._on_hold if id(t) not in lost]
+            self._scheduler.remove_if(lambda t: id(t) in lost)
 
     def _release_held(self) -> None:
         now = self._clock()
@@ -615,12 +711,22 @@ class Worker:
         per_group = max(1, min(GROUP_MAX, len(self._scheduler) // (2 * free)))
         jobs: list[list[_Task]] = []
         group: list[_Task] = []
-        waiting: list[_Task] = []  # ordered tasks whose key is held by an earlier task: they keep their place
+        # Ordered tasks whose key is held by an earlier task, and limited tasks whose key has no slot or
+        # token now: they keep their place in the buffer, and the tasks behind them go by.
+        waiting: list[_Task] = []
+        popped: dict[int, int] = {}  # pop order, to put the waiting tasks back in place
         while len(jobs) < free or 0 < len(group) < per_group:
-            task = self._scheduler.pop()
+            task = self._scheduler.pop(skip=self._pauses.tiers)
             if task is None:
                 break
+            if task.envelope.task_type in self._pauses.task_types:
+                self._on_hold.append(task)  # claimed, and held until its type is resumed
+                continue
+            popped[id(task)] = len(popped)
             if task.spec.ordered and self._key_holder.get(_key(task), id(task)) != id(task):
+                waiting.append(task)
+                continue
+            if task.gate is not None and not self._limits.ready(task.gate):
                 waiting.append(task)
                 continue
             if not (task.spec.transactional and task.spec.group_commit):
@@ -638,18 +744,38 @@ class Worker:
                 jobs.append(group)
             group.append(task)
             self._hold_key(task)
-        for task in reversed(waiting):
-            self._scheduler.push_front(task.tier, task)
+        gated = [t for job in jobs for t in job if t.gate is not None]
+        if gated:
+            # One round trip for the batch's slots, one per bucket whose leased tokens ran out: a task
+            # refused waits, claimed, and has used up no attempt.
+            admitted = self._limits.admit(
+                [(t.envelope.idempotency_key, t.gate, self._run_lease(t)) for t in gated if t.gate]
+            )
+            refused = {id(t) for t in gated if t.envelope.idempotency_key not in admitted}
+            if refused:
+                for job in jobs:
+                    for t in job:
+                        if id(t) in refused:
+                            self._free_key(t)
+                            waiting.append(t)
+                jobs = [[t for t in job if id(t) not in refused] for job in jobs]
         stale = self._clock() - self.config.claim_wait / 2
         waited = [t for job in jobs for t in job if t.claimed_at < stale]
-        if waited:
+        # Limited tasks waiting for their key keep their claims: renewed as they age, as the others at start.
+        parked = [t for t in waiting if t.gate is not None and t.claimed_at < stale]
+        if waited or parked:
             # One statement renews every long-waiting task of this dispatch; those not renewed are dropped.
-            lost = {id(t) for t in waited} - {id(t) for t in self._renew(waited)}
+            lost = {id(t) for t in waited + parked} - {id(t) for t in self._renew(waited, parked)}
             for job in jobs:
                 for t in job:
                     if id(t) in lost:
                         self._free_key(t)
+                        self._limits.release(t.envelope.idempotency_key)
             jobs = [[t for t in job if id(t) not in lost] for job in jobs]
+            waiting = [t for t in waiting if id(t) not in lost]
+        waiting.sort(key=lambda t: popped[id(t)])
+        for task in reversed(waiting):
+            self._scheduler.push_front(task.tier, task)
         for job in jobs:
             if job and job[0].spec.transactional and job[0].spec.group_commit:
                 self._start_group(job)
@@ -685,26 +811,32 @@ class Worker:
             task.claimed_at = now
             self._handle_claim(task, claim)
 
-    def _renew(self, waited: list[_Task]) -> list[_Task]:
-        """Extend the leases of tasks that waited long for a slot; those whose lease was lost are dropped."""
+    def _renew(self, waited: list[_Task], parked: Sequence[_Task] = ()) -> list[_Task]:
+        """Extend the leases of tasks that waited long for a slot (about to start: leased for their run) and
+        of `parked` ones (still waiting for their key: leased for a wait more); those lost are dropped."""
+        leases = [(t.envelope.idempotency_key, t.attempts, self._run_lease(t)) for t in waited]
+        wait = self.config.claim_wait
+        leases += [(t.envelope.idempotency_key, t.attempts, self._run_lease(t) + wait) for t in parked]
         try:
-            renewed = self.store.renew(
-                [(t.envelope.idempotency_key, t.attempts, self._run_lease(t)) for t in waited]
-            )
+            renewed = self.store.renew(leases)
         except StoreUnavailableError as exc:
-            log.warning("store unavailable, holding %d task(s): %s", len(waited), exc)
+            log.warning("store unavailable, holding %d task(s): %s", len(leases), exc)
             # Held tasks are claimed again: their own lease answers 'running' until it expires.
-            self._held.extend(_Held(t, self._clock() + 1.0) for t in waited)
+            self._held.extend(_Held(t, self._clock() + 1.0) for t in [*waited, *parked])
             return []
         now = self._clock()
         kept = []
-        for task in waited:
+        for task in [*waited, *parked]:
             if task.envelope.idempotency_key in renewed:
                 task.claimed_at = now
                 kept.append(task)
             else:
                 # Taken over while it waited: the worker holding the lease now decides this key.
-                log.warning("task %s: lease taken over while it waited for a slot", task.envelope.task_id)
+                log.warning(
+                    "task %s: lease taken over while it waited for a slot",
+                    task.envelope.task_id,
+                    extra=_fields(task),
+                )
                 self._done(task)
         return kept
 
@@ -764,10 +896,24 @@ class Worker:
         timeout = task.spec.timeout or env.timeout
         self._running[id(task)] = task
         self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
+        trace = None
+        if self._tracer.active():
+            task.span, trace = self._attempt_span(task)
         self.executor.submit(
-            Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call),
+            Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call, trace=trace),
             lambda outcome: self._outcomes.put((task, outcome)),
         )
+
+    def _attempt_span(self, task: _Task) -> tuple[Any, contextvars.Context]:
+        record = task.record
+        return self._tracer.attempt(
+            task.envelope, record.topic, task.attempts, self.group, record.partition, record.offset
+        )
+
+    def _end_span(self, task: _Task, outcome: str, error: str | None = None) -> None:
+        if task.span is not None:
+            self._tracer.finish(task.span, outcome, error)
+            task.span = None
 
     def _context(self, task: _Task) -> TaskContext:
         env = task.envelope
@@ -792,6 +938,9 @@ class Worker:
             def call(conn: Any) -> Any:
                 ctx.db = conn
                 ctx.deadline = time.monotonic() + timeout if timeout else None
+                if self._tracer.active():
+                    task.span, trace = self._attempt_span(task)
+                    return trace.run(task.spec.fn, task.payload, ctx)
                 return task.spec.fn(task.payload, ctx)
 
             tp = task.record.tp
@@ -876,6 +1025,8 @@ class Worker:
 
     def _outcome(self, task: _Task, outcome: Outcome) -> None:
         env, spec = task.envelope, task.spec
+        if task.gate is not None:
+            self._limits.release(env.idempotency_key)  # the attempt ended (or never started): its slot frees
         if task.grouped:
             task.grouped = False
             if isinstance(outcome.error, NotStarted):
@@ -888,6 +1039,7 @@ class Worker:
                 return
             self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
         if outcome.ok:
+            self._end_span(task, "completed")
             self._emit(
                 AttemptSucceeded(
                     env.task_type, env.task_id, env.idempotency_key, outcome.seconds, env.enqueued_at
@@ -905,9 +1057,13 @@ class Worker:
         if isinstance(error, TaskFailed) and isinstance(error.__cause__, Exception):
             error = error.__cause__  # a process-isolated handler's own exception, when it survived pickling
         if isinstance(error, LeaseLostError):
-            log.warning("task %s: %s", env.task_id, error)
+            log.warning("task %s: %s", env.task_id, error, extra=_fields(task))
+            self._end_span(task, "lease_lost", str(error))
             self._done(task)  # the worker that took the lease over decides this key
             return
+        if isinstance(error, Retry) and error.delay is not None and task.gate is not None:
+            # Told to back off (an HTTP 429's Retry-After, say): the key's bucket pauses for every worker.
+            self._limits.pause(task.gate, error.delay.total_seconds())
         message = f"{outcome.error_type}: {outcome.message}"
         self._emit(AttemptFailed(env.task_type, env.task_id, env.idempotency_key, outcome.seconds, message))
         policy = spec.policy
@@ -918,8 +1074,18 @@ class Worker:
             reason = (
                 "rejected by handler" if isinstance(error, Reject) else f"failed {task.attempts} attempt(s)"
             )
+            self._end_span(task, "dead_lettered", message)
             self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
             return
+        self._end_span(task, "retried", message)
+        log.info(
+            "task %s: attempt %d failed, retrying in %.1fs: %s",
+            env.task_id,
+            task.attempts,
+            delay.total_seconds(),
+            message,
+            extra=_fields(task),
+        )
         if spec.ordered:
             # Retried in place: its offset stays pending and its key stays held, so the key's later tasks
             # wait for it (what ordering means); a restart or rebalance redelivers it first.
@@ -967,6 +1133,7 @@ class Worker:
             topics=self.topics,
         )
         env, record = task.envelope, task.record
+        log.warning("task %s dead-lettered: %s", env.task_id, reason, extra=_fields(task))
         self._emit(
             DeadLettered(reason, error_type, env.task_id, env.idempotency_key, record.topic, record.offset)
         )
@@ -1081,6 +1248,8 @@ class Worker:
         revoked = set(tps)
         self._revoking = revoked
         dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
+        dropped += [t for t in self._on_hold if t.record.tp in revoked]
+        self._on_hold = [t for t in self._on_hold if t.record.tp not in revoked]
         # Claimed ahead and never started: the partition's new owner claims them at once, same attempt.
         self._release(dropped)
         self._held = [h for h in self._held if h.task.record.tp not in revoked]
@@ -1121,6 +1290,7 @@ class Worker:
             if serve_group:
                 self._serve_group()
             self._collect(block=0.1)
+            self._limits.flush()
             self._completer.flush()
             self._completer.serve(0.01)
             self.heartbeat.beat()
@@ -1135,7 +1305,8 @@ class Worker:
         assert self._source is not None
         self._source.pause(list(self._assigned))
         # Claimed ahead and never started: whoever reads these partitions next claims them at once.
-        self._release(self._scheduler.remove_if(lambda t: True))
+        self._release(self._scheduler.remove_if(lambda t: True) + self._on_hold)
+        self._on_hold = []
         self._drain(
             lambda: bool(self._running),
             timeout=self.config.shutdown_timeout,
@@ -1167,3 +1338,6 @@ class Worker:
                 )
             except StoreUnavailableError as exc:
                 log.warning("could not free unfinished keys (their leases will expire): %s", exc)
+            for t in abandoned:
+                self._limits.release(t.envelope.idempotency_key)
+            self._limits.flush()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import threading
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
@@ -105,7 +106,10 @@ class AsyncTaskProducer:
         if conn is not None:
             producer._check_stageable(wait)
         if producer._may_block(specs):
-            prepared = await loop.run_in_executor(None, producer._accept, specs)
+            # In the caller's context, so an enqueue's span is a child of the caller's current span.
+            prepared = await loop.run_in_executor(
+                None, contextvars.copy_context().run, producer._accept, specs
+            )
         else:
             prepared = producer._accept(specs)
         if conn is not None:

@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from taskq._core.envelope import PRIORITIES, Priority, Topics
 from taskq._core.errors import ConfigurationError, QueueFullError, TaskqError
-from taskq._core.kafka import TopicAdmin
+from taskq._core.kafka import TP, TopicAdmin
 
 log = logging.getLogger("taskq.backpressure")
+
+
+def backlog(admin: TopicAdmin, topics: Sequence[str], group: str) -> dict[TP, tuple[int, int]]:
+    """Per partition of `topics`: (the group's committed offset, or the log start if none; the end offset).
+
+    What lies between is what the group has not consumed yet: records, and transaction markers (the
+    forwarder's transactions leave one in each partition they wrote to).
+    """
+    end = admin.end_offsets(topics)
+    committed = admin.committed(group, topics)
+    start = admin.start_offsets(topics) if any(o < 0 for o in committed.values()) or not committed else {}
+    out: dict[TP, tuple[int, int]] = {}
+    for tp, hw in end.items():
+        done = committed.get(tp, -1)
+        out[tp] = (done if done >= 0 else start.get(tp, 0), hw)
+    return out
 
 
 def tier_depths(admin: TopicAdmin, topics: Topics, group: str) -> dict[Priority, int]:
@@ -18,15 +34,13 @@ def tier_depths(admin: TopicAdmin, topics: Topics, group: str) -> dict[Priority,
 
     An estimate of the tasks waiting, a little high: the forwarder's transaction markers take offsets too.
     """
-    names = topics.priority_topics
-    end = admin.end_offsets(names)
-    committed = admin.committed(group, names)
-    start = admin.start_offsets(names) if any(o < 0 for o in committed.values()) or not committed else {}
+    return depths_of(backlog(admin, topics.priority_topics, group), topics)
+
+
+def depths_of(partitions: Mapping[TP, tuple[int, int]], topics: Topics) -> dict[Priority, int]:
+    """Per tier, the sum of its partitions' backlogs (from `backlog`)."""
     depths: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)
-    for tp, hw in end.items():
-        done = committed.get(tp, -1)
-        if done < 0:
-            done = start.get(tp, 0)
+    for tp, (done, hw) in partitions.items():
         priority = topics.priority_of(tp[0])
         if priority is not None:
             depths[priority] += max(0, hw - done)

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from functools import partial
@@ -48,6 +48,7 @@ from taskq._core.errors import (
 from taskq._core.kafka import Broker, KafkaBroker, Record
 from taskq._core.settings import Settings, redact
 from taskq._core.store import outbox_stage
+from taskq._core.tracing import Tracer
 from taskq.producer.backpressure import DepthMonitor
 from taskq.producer.metrics import producer_metrics
 from taskq.producer.ratelimit import RateLimit, RateLimiter
@@ -164,6 +165,7 @@ class TaskProducer:
         self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._metrics = producer_metrics()
+        self._tracer = Tracer()
         # Label children bound once per (task type, priority): labels() costs a lock and a tuple per call.
         self._enqueued: dict[tuple[str, str], Any] = {}
         self._sink = self.broker.sink(**dict(kafka_config or {}))
@@ -245,6 +247,16 @@ class TaskProducer:
         return priority
 
     def _prepare(self, spec: TaskSpec, now: datetime) -> _Prepared:
+        """Validate and encode one task, in a span of its own when tracing; raises before anything is sent."""
+        tracer = self._tracer
+        if not tracer.active():
+            return self._encode(spec, now)
+        with tracer.send() as span:
+            topic, value, key, env = self._encode(spec, now)
+            # The context travels with the task: its attempts, retries and replays join this trace.
+            return topic, value, key, replace(env, traceparent=tracer.sent(span, topic, env))
+
+    def _encode(self, spec: TaskSpec, now: datetime) -> _Prepared:
         """Validate and encode one task; raises before anything is sent."""
         if self._closed:
             raise ProducerClosedError()

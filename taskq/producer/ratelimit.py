@@ -9,13 +9,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from taskq._core.db import Database
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError, RateLimitedError, StoreUnavailableError
 from taskq._core.store import Store
 
-__all__ = ["RateLimit", "RateLimiter", "SharedBucket", "TokenBucket"]
+__all__ = ["RateLimit", "RateLimiter", "SharedBucket", "TokenBucket", "Tokens"]
 
 log = logging.getLogger("taskq.ratelimit")
 
@@ -111,6 +112,15 @@ class RateLimit:
         return (self.task_type in (None, task_type)) and (self.priority in (None, priority))
 
 
+class Tokens(Protocol):
+    """Where shared buckets live: the Postgres `Store`, a worker's `TaskStore`, or the in-memory fake."""
+
+    def take_tokens(
+        self, bucket: str, *, rate: float, capacity: float, want: float
+    ) -> tuple[float, float, float]: ...
+    def pause_tokens(self, bucket: str, *, rate: float, capacity: float, seconds: float) -> None: ...
+
+
 class SharedBucket:
     """A token bucket in Postgres, leased in small batches so most takes cost no round trip.
 
@@ -119,28 +129,37 @@ class SharedBucket:
     """
 
     def __init__(
-        self, database: Database, name: str, *, rate: float, capacity: float, lease: int | None = None
+        self,
+        database: Database | Tokens,
+        name: str,
+        *,
+        rate: float,
+        capacity: float,
+        lease: int | None = None,
     ):
+        """`database`: a Database (the bucket keeps a connection of its own) or a store that has buckets."""
         self.name = name
         self.rate = rate
         self.capacity = capacity
         # A lease of ~1/20 s of tokens: a lone producer pays one round trip per 50 ms of full-rate traffic.
         self.lease = lease or max(1, min(int(capacity), math.ceil(rate / 20)))
-        self._store = Store(database)
+        self._database = database if isinstance(database, Database) else None
+        self._tokens: Tokens = Store(database) if isinstance(database, Database) else database
         self._lock = threading.Lock()
         self._stash = 0.0
         self._db_tokens = 0.0
+        self._db_paused = 0.0
 
     def _take_from_db(self, want: float) -> float:
         take = functools.partial(
-            self._store.take_tokens, self.name, rate=self.rate, capacity=self.capacity, want=want
+            self._tokens.take_tokens, self.name, rate=self.rate, capacity=self.capacity, want=want
         )
         try:
-            granted, self._db_tokens = take()
+            granted, self._db_tokens, self._db_paused = take()
         except StoreUnavailableError:
             # Once more, on a new connection: the kept one may have died with a Postgres restart, and a take
             # that went through after all only forfeits tokens, never grants too many.
-            granted, self._db_tokens = take()
+            granted, self._db_tokens, self._db_paused = take()
         return granted
 
     def try_take(self, n: int = 1) -> float:
@@ -151,17 +170,24 @@ class SharedBucket:
             if self._stash >= n:
                 self._stash -= n
                 return 0.0
-            return max(0.001, (n - self._stash - self._db_tokens) / self.rate)
+            return max(0.001, self._db_paused + (n - self._stash - self._db_tokens) / self.rate)
 
     def add(self, n: float) -> None:
         """Keep tokens taken but not used for the next take."""
         with self._lock:
             self._stash += n
 
+    def pause(self, seconds: float) -> None:
+        """Grant nothing for `seconds`, in every process sharing the bucket (tokens stashed here are lost)."""
+        with self._lock:
+            self._stash = 0.0
+            self._tokens.pause_tokens(self.name, rate=self.rate, capacity=self.capacity, seconds=seconds)
+
     def close(self) -> None:
         """Release the connection (leased tokens not yet used are forfeited, never over-granted)."""
         with self._lock:
-            self._store.database.close()
+            if self._database is not None:
+                self._database.close()
 
 
 class RateLimiter:

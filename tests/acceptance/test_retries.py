@@ -44,7 +44,9 @@ def test_a_task_failing_twice_then_succeeding_runs_three_times_with_backoff(app:
     assert (json.loads(stats.stdout)["retries"], json.loads(stats.stdout)["retried_tasks"]) == (2, 1)
 
 
-def test_a_delayed_task_starts_after_its_delay_and_soon_after(app: App) -> None:
+def test_a_delayed_task_starts_after_its_delay(app: App) -> None:
+    # That it starts on time, not a tier later, is test_a_delayed_task_runs_at_its_due_time_not_a_tier_later
+    # on the in-memory queue's clock: a wall-clock bound here failed whenever the machine was loaded.
     app.spawn("--concurrency", "2")
     enqueued = datetime.now(UTC)
     app.producer.enqueue(
@@ -59,7 +61,6 @@ def test_a_delayed_task_starts_after_its_delay_and_soon_after(app: App) -> None:
     started = app.scalar("SELECT at FROM attempt_log WHERE key = 'd1'")
     waited = (started - enqueued).total_seconds()
     assert waited >= 5.0, f"started {waited:.3f}s after enqueue, before its 5 s delay"
-    assert waited <= 7.5, f"started {waited:.3f}s after enqueue, long after its 5 s delay"
 
 
 def _released(app: App) -> list[tuple[Envelope, int]]:

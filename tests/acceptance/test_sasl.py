@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -169,3 +170,18 @@ def test_an_async_producer_with_a_wrong_password_raises_to_who_waits(
             await producer.close(timeout=5)
 
     asyncio.run(enqueue_and_wait())
+
+
+def test_a_supervisor_whose_workers_are_refused_gives_up_at_once(
+    app: App, secured: Callable[[str], dict[str, str]]
+) -> None:
+    # Refused credentials do not heal by restarting: the supervisor stops on the first refusal instead of
+    # restarting its processes five times over about 40 s, and says why in one line.
+    password = f"wrong-{uuid.uuid4().hex}"
+    supervisor = WorkerProcess(secured(password), app.tmp_path / "supervisor-refused.log", "--processes", "2")
+    app.workers.append(supervisor)
+    assert supervisor.wait(60) == 2, supervisor.output()[-3000:]
+    output = supervisor.output()
+    assert "restarting it" not in output, output[-3000:]
+    assert len(re.findall(r"worker process \d started", output)) <= 2, output[-3000:]  # none restarted
+    _refused_in_one_line(output, password)

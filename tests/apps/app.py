@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from taskq import Handlers, Reject, TaskContext
+from taskq import Handlers, Reject, Retry, RetryPolicy, TaskContext
 
 NS = os.environ.get("TASKQ_NAMESPACE", "taskq")
 handlers = Handlers()
@@ -34,6 +35,18 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "Tick": [{"name": "note", "type": "string", "default": ""}],
         "Ordered": [{"name": "account", "type": "string"}, {"name": "seq", "type": "long"}],
         "Hold": [{"name": "key", "type": "string"}, {"name": "seconds", "type": "double"}],
+        "Noted": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
+        "NotedProc": [{"name": "key", "type": "string"}],
+        "Capped": [
+            {"name": "partner", "type": "string"},
+            {"name": "seq", "type": "long"},
+            {"name": "seconds", "type": "double", "default": 0.0},
+        ],
+        "Paced": [
+            {"name": "partner", "type": "string"},
+            {"name": "seq", "type": "long"},
+            {"name": "pause", "type": "double", "default": 0.0},
+        ],
     }
     return {
         name: {"type": "record", "name": name, "namespace": ns, "fields": f} for name, f in fields.items()
@@ -54,6 +67,14 @@ CREATE TABLE IF NOT EXISTS ordered_log (
 );
 CREATE TABLE IF NOT EXISTS attempt_log (
     key text NOT NULL, attempt int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS limit_runs (
+    id bigserial PRIMARY KEY, task_type text NOT NULL, partner text NOT NULL, seq bigint NOT NULL,
+    attempt int NOT NULL, worker int NOT NULL, started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    ended_at timestamptz
+);
+CREATE TABLE IF NOT EXISTS limit_pauses (
+    partner text PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""  # no unique constraint on key: a duplicate effect must be visible, not refused
 
 
@@ -99,6 +120,20 @@ def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:
         "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
         (payload["key"], ctx.task_id, ctx.priority, os.getpid()),
     )
+
+
+@handlers.task(
+    f"{NS}.Noted", schema=S["Noted"], retry=RetryPolicy(max_attempts=3, base=timedelta(seconds=0.1))
+)
+def noted(payload: dict[str, Any], ctx: TaskContext) -> None:
+    ctx.log.info("noted %s", payload["key"], extra={"step": "note"})
+    if ctx.attempt <= payload["fail_times"]:
+        raise RuntimeError(f"noted failure on attempt {ctx.attempt}")
+
+
+@handlers.task(f"{NS}.NotedProc", schema=S["NotedProc"], isolation="process")
+def noted_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
+    ctx.log.info("noted %s in a process", payload["key"], extra={"step": "note"})
 
 
 @handlers.task(f"{NS}.Hold", schema=S["Hold"], transactional=True, max_attempts=1)
@@ -150,3 +185,60 @@ def ordered(payload: dict[str, Any], ctx: TaskContext) -> None:
         "INSERT INTO ordered_log (account, seq, worker) VALUES (%s, %s, %s)",
         (payload["account"], payload["seq"], os.getpid()),
     )
+
+
+def _log() -> psycopg.Connection[Any]:
+    """A connection of the handler's own, outside any task transaction: every run leaves its trace."""
+    return psycopg.connect(
+        os.environ["TASKQ_DATABASE_URL"],
+        autocommit=True,
+        options=f"-c search_path={os.environ.get('TASKQ_DATABASE_SCHEMA', 'public')}",
+    )
+
+
+def _run_started(
+    log: psycopg.Connection[Any], task_type: str, payload: dict[str, Any], ctx: TaskContext
+) -> int:
+    row = log.execute(
+        "INSERT INTO limit_runs (task_type, partner, seq, attempt, worker) "
+        "VALUES (%s, %s, %s, %s, %s) RETURNING id",
+        (task_type, payload["partner"], payload["seq"], ctx.attempt, os.getpid()),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@handlers.task(
+    f"{NS}.Capped",
+    schema=S["Capped"],
+    timeout=30,
+    concurrency_limit=2,
+    concurrency_key=lambda p: p["partner"],
+)
+def capped(payload: dict[str, Any], ctx: TaskContext) -> None:
+    # Each run's start and end, on Postgres's clock: how many ran at once per partner is read from these.
+    with _log() as log:
+        run = _run_started(log, "Capped", payload, ctx)
+        time.sleep(payload["seconds"])
+        log.execute("UPDATE limit_runs SET ended_at = clock_timestamp() WHERE id = %s", (run,))
+
+
+@handlers.task(
+    f"{NS}.Paced",
+    schema=S["Paced"],
+    timeout=30,
+    max_attempts=3,
+    rate_limit=os.environ.get("TASKQ_TEST_RATE", "50/s"),
+    rate_key=lambda p: p["partner"],
+)
+def paced(payload: dict[str, Any], ctx: TaskContext) -> None:
+    with _log() as log:
+        _run_started(log, "Paced", payload, ctx)
+        if payload["pause"] and ctx.attempt == 1:
+            # The partner's first run gets a 429 with Retry-After: `pause` seconds.
+            told = log.execute(
+                "INSERT INTO limit_pauses (partner) VALUES (%s) ON CONFLICT DO NOTHING RETURNING at",
+                (payload["partner"],),
+            ).fetchone()
+            if told is not None:
+                raise Retry(delay=payload["pause"], reason="429 Too Many Requests")

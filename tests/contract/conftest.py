@@ -51,7 +51,9 @@ def stores(kind: str, request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any
     """Two stores over one table, as two workers (owners 'a' and 'b') see it."""
     if kind == "memory":
         a = InMemoryStore(owner="a")
-        yield a, InMemoryStore(owner="b", rows=a.rows, workers=a.workers)
+        yield a, InMemoryStore(
+            owner="b", rows=a.rows, workers=a.workers, slots=a.slots, buckets=a.buckets, paused=a.paused
+        )
         return
     s = _settings(request)
     db = Database(s.database_url, schema=s.database_schema)

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, WorkerRecord
+from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, SlotRequest, WorkerRecord
+from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, Pauses, WorkerRecord
 from tests.acceptance.helpers import wait_until
 
 
@@ -227,3 +228,66 @@ def test_a_starting_worker_marks_dead_the_gone_processes_of_its_host_and_takes_t
     assert b.enter(worker("b", pid=222, later=1), lambda pid: pid == 222) == set()  # marked once
     a.beat(worker("a", pid=111), 0)  # a was alive after all: its record revives, its lost lease stays lost
     assert a.finish([Finished("k", 1, "completed")]) == {"k"}
+
+
+def slot(key: str, partner: str = "p", limit: int = 2, lease: float = 300.0) -> SlotRequest:
+    return SlotRequest(key, "contract.Call", partner, limit, lease)
+
+
+def test_a_key_gives_at_most_its_limit_of_slots_first_come_and_a_released_slot_goes_to_the_next(
+    stores: tuple[Any, Any],
+) -> None:
+    a, b = stores
+    assert a.acquire_slots([slot("k1"), slot("k2"), slot("k3")]) == {"k1", "k2"}
+    assert b.acquire_slots([slot("k4"), slot("q1", partner="q")]) == {"q1"}  # p is full; q is another key
+    assert b.acquire_slots([SlotRequest("t1", "contract.Other", "p", 1, 300.0)]) == {"t1"}  # another type
+    b.release_slots(["k1"])  # not b's slot: nothing freed
+    assert b.acquire_slots([slot("k4")]) == set()
+    a.release_slots(["k1"])
+    assert b.acquire_slots([slot("k4"), slot("k5")]) == {"k4"}
+    # A task asking again for the slot it holds (a redelivered copy) keeps it, not a second one.
+    assert a.acquire_slots([slot("k2")]) == {"k2"}
+    assert b.acquire_slots([slot("k5")]) == set()
+
+
+def test_slots_of_a_worker_whose_heartbeat_is_stale_or_whose_lease_ended_are_free(
+    stores: tuple[Any, Any],
+) -> None:
+    a, b = stores
+    a.enter(worker("a"), lambda pid: True)
+    assert a.acquire_slots([slot("k1"), slot("k2", lease=0.05)]) == {"k1", "k2"}
+    wait_until(lambda: b.acquire_slots([slot("k3")]) == {"k3"}, timeout=10, what="k2's lease to end")
+    assert b.acquire_slots([slot("k4")]) == set()  # k1's holder is alive
+    b.stale_after = 0.3  # a beats no more: its k1 frees once its heartbeat is stale
+    wait_until(lambda: b.acquire_slots([slot("k4")]) == {"k4"}, timeout=10, what="a's heartbeat to go stale")
+
+
+def test_a_paused_bucket_grants_nothing_to_anyone_until_the_pause_ends(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    name = f"{a.namespace}:contract"
+    assert a.take_tokens(name, rate=10, capacity=5, want=3) == (3, 2, 0)
+    b.pause_tokens(name, rate=10, capacity=5, seconds=30)
+    granted, left, paused = a.take_tokens(name, rate=10, capacity=5, want=1)
+    assert (granted, left) == (0, 0) and 25 < paused <= 30
+    b.pause_tokens(name, rate=10, capacity=5, seconds=1)  # a shorter pause leaves the longer one
+    assert 25 < b.take_tokens(name, rate=10, capacity=5, want=1)[2] <= 30
+    short = f"{a.namespace}:short"
+    a.pause_tokens(short, rate=10, capacity=5, seconds=0.2)
+    wait_until(
+        lambda: b.take_tokens(short, rate=10, capacity=5, want=1)[0] == 1, timeout=10, what="the pause"
+    )
+
+
+def test_a_pause_is_seen_by_every_store_of_its_namespace_until_resumed(
+    stores: tuple[Any, Any], namespaces: tuple[Any, Any]
+) -> None:
+    a, b = stores
+    assert b.pauses() == Pauses()
+    assert a.pause("tier", "low") is True and a.pause("tier", "low") is False
+    assert a.pause("task_type", "contract.Task") is True
+    assert b.pauses() == Pauses(tiers=frozenset({"low"}), task_types=frozenset({"contract.Task"}))
+    assert b.resume("tier", "low") is True and b.resume("tier", "low") is False
+    assert a.pauses() == Pauses(task_types=frozenset({"contract.Task"}))
+    x, y = namespaces  # another namespace's pauses are its own
+    assert x.pause("tier", "high") is True
+    assert y.pauses() == Pauses() and x.pauses() == Pauses(tiers=frozenset({"high"}))

@@ -171,7 +171,7 @@ def test_the_store_records_claims_and_outcomes_under_the_owners_lease(db: Databa
     assert (again.outcome, again.attempts) == ("claimed", 1)
     assert store.retries("ns") == (0, 0)
     assert store.purge("ns", -60, batch=10) == 1  # the completed key; b runs again
-    granted, left = store.take_tokens("ns:*:*", rate=10, capacity=5, want=3)
+    granted, left, _ = store.take_tokens("ns:*:*", rate=10, capacity=5, want=3)
     assert (granted, left) == (3, 2)
 
 
@@ -327,6 +327,84 @@ def test_a_group_whose_member_lost_its_lease_records_nothing(db: Database) -> No
         store.run_group(members)
     assert lost.value.keys == {"b"}
     assert _group_effects(db) == [] and store.get("a")["state"] == "running"
+    store.close()
+
+
+def test_a_groups_statements_are_answered_together_not_one_by_one(db: Database) -> None:
+    # Pipelined: a member's INSERT is sent, not waited for (one round trip per group, not per statement).
+    store = _group_store(db)
+    answered: list[bool] = []
+
+    def call(conn: Any) -> None:
+        answered.append(conn.execute("INSERT INTO group_effects (k) VALUES ('a')").pgresult is not None)
+
+    store.run_group([Member("a", 1, call)])
+    assert answered == [False]
+    assert _group_effects(db) == ["a"] and store.get("a")["state"] == "completed"
+    store.close()
+
+
+def test_a_member_whose_statement_fails_at_the_server_fails_alone(db: Database) -> None:
+    # Its error comes back only when the group's statements are answered: the group runs again one member
+    # at a time, so the others' effects are recorded once and the failing one's error is its own.
+    store = _group_store(db)
+    calls: list[str] = []
+
+    def bad(conn: Any) -> None:
+        calls.append("b")
+        conn.execute("INSERT INTO group_effects (k) VALUES ('b'::int::text)")
+
+    members = [Member("a", 1, _insert("a")), Member("b", 1, bad), Member("c", 1, _insert("c"))]
+    store.run_group(members)
+    assert [type(m.error).__name__ if m.error else None for m in members] == [None, "InvalidTextRepresentation", None]
+    assert _group_effects(db) == ["a", "c"]
+    assert [store.get(k)["state"] for k in ("a", "b", "c")] == ["completed", "running", "completed"]
+    assert calls == ["b", "b"]  # the pipelined pass, then the one answered member by member
+    store.close()
+
+
+def test_a_member_not_started_stays_so_when_its_group_runs_again(db: Database) -> None:
+    # Its partition was being revoked at its turn: the second pass (after a server-side failure) must not
+    # start it once the revocation is over.
+    store = _group_store(db)
+    turns = iter([True])
+
+    def bad(conn: Any) -> None:
+        conn.execute("INSERT INTO group_effects (k) VALUES ('a'::int::text)")
+
+    members = [Member("a", 1, bad), Member("b", 1, _insert("b"), skip=lambda: next(turns, False))]
+    store.run_group(members)
+    assert [type(m.error).__name__ for m in members] == ["InvalidTextRepresentation", "NotStarted"]
+    assert _group_effects(db) == [] and store.get("b")["state"] == "running"
+    store.close()
+
+
+def test_a_member_can_catch_its_own_statements_error_under_a_savepoint(db: Database) -> None:
+    # The usual idempotent insert: a unique violation caught around a nested transaction block.
+    with db.connection() as conn:
+        conn.execute("CREATE TABLE seen (k text PRIMARY KEY)")
+        conn.execute("INSERT INTO seen VALUES ('dup')")
+    store = _group_store(db)
+    caught: list[str] = []
+
+    def insert_once(value: str) -> Any:
+        def call(conn: Any) -> None:
+            try:
+                with conn.transaction():
+                    conn.execute("INSERT INTO seen (k) VALUES (%s)", (value,))
+            except psycopg.errors.UniqueViolation:
+                caught.append(value)
+
+        return call
+
+    members = [Member("a", 1, insert_once("new")), Member("b", 1, insert_once("dup")), Member("c", 1, _insert("c"))]
+    store.run_group(members)
+    assert [m.error for m in members] == [None, None, None]
+    assert caught == ["dup"]
+    assert [store.get(k)["state"] for k in ("a", "b", "c")] == ["completed"] * 3
+    with db.connection() as conn:
+        assert sorted(r["k"] for r in conn.execute("SELECT k FROM seen").fetchall()) == ["dup", "new"]
+    assert _group_effects(db) == ["c"]
     store.close()
 
 

@@ -234,3 +234,20 @@ def test_at_takes_a_due_time() -> None:
         q.run_until_idle()
         waited = dict(ran)
         assert waited[2] < 1 and 3 * 3600 - 1 <= waited[1] <= 3 * 3600 + 60
+
+
+@pytest.mark.parametrize("delay", [timedelta(seconds=5), timedelta(seconds=20), timedelta(seconds=90)])
+def test_a_delayed_task_runs_at_its_due_time_not_a_tier_later(delay: timedelta) -> None:
+    # On the queue's own clock: the forwarder releases a task when it is due, not when its tier's period ends.
+    handlers, ran = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        ran.append(q.clock.offset)
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        q.producer.enqueue("unit.Job", {"n": 1}, delay=delay)
+        q.run_until_idle()
+        (waited,) = ran
+        # The offset is what the clock was moved on; real milliseconds pass too, so "due" reads a little early.
+        assert delay.total_seconds() - 0.5 <= waited <= delay.total_seconds() + 1

@@ -4,6 +4,8 @@
 -- name: take_tokens
 -- Refill a shared bucket for the time elapsed since its last use and take up to `want` whole tokens, in one
 -- atomic statement. Every SET expression reads the old row, so refill and take are consistent under concurrency.
+-- A paused bucket (pause_tokens) has its updated_at in the future: it refills nothing and grants nothing until
+-- then, and `paused` says for how long still.
 INSERT INTO taskq_rate_buckets AS b (name, rate, capacity, tokens, last_granted, updated_at)
 VALUES (%(name)s, %(rate)s, %(capacity)s,
         %(capacity)s - LEAST(%(want)s, floor(%(capacity)s)), LEAST(%(want)s, floor(%(capacity)s)), clock_timestamp())
@@ -15,8 +17,18 @@ ON CONFLICT (name) DO UPDATE SET
     tokens = LEAST(b.capacity, b.tokens + GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - b.updated_at)) * b.rate)
         - LEAST(%(want)s, floor(LEAST(b.capacity,
             b.tokens + GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - b.updated_at)) * b.rate))),
-    updated_at = clock_timestamp()
-RETURNING last_granted AS granted, tokens, rate;
+    updated_at = GREATEST(b.updated_at, clock_timestamp())
+RETURNING last_granted AS granted, tokens, rate,
+    GREATEST(0, EXTRACT(EPOCH FROM updated_at - clock_timestamp())) AS paused;
+
+-- name: pause_tokens
+-- Pause a shared bucket for every process drawing from it (a handler was told to back off, e.g. an HTTP 429
+-- with Retry-After): it is emptied and refills from the end of the pause. A longer pause already set stays.
+INSERT INTO taskq_rate_buckets AS b (name, rate, capacity, tokens, last_granted, updated_at)
+VALUES (%(name)s, %(rate)s, %(capacity)s, 0, 0, clock_timestamp() + %(seconds)s * interval '1 second')
+ON CONFLICT (name) DO UPDATE SET
+    tokens = 0,
+    updated_at = GREATEST(b.updated_at, clock_timestamp() + %(seconds)s * interval '1 second');
 
 -- name: claim
 -- Claim idempotency keys of one namespace for one attempt each, in one round trip. A key is claimed when it
@@ -257,3 +269,94 @@ WHERE namespace = %(namespace)s AND name = %(name)s;
 -- Every periodic task of a namespace that a scheduler has seen, with its last slot.
 SELECT name, schedule, catch_up, last_slot, staged_at FROM taskq_periodic
 WHERE namespace = %(namespace)s ORDER BY name;
+
+-- name: slots_lock
+-- Serialize the acquirers of the same concurrency keys until the transaction ends: an advisory lock per
+-- (namespace, task type, key), taken in hash order so two batches locking overlapping keys never deadlock.
+SELECT h, pg_advisory_xact_lock(h)::text AS locked FROM (
+    SELECT DISTINCT hashtextextended(%(namespace)s || chr(31) || t || chr(31) || k, 7) AS h
+    FROM unnest(%(task_types)s::text[], %(slot_keys)s::text[]) AS i(t, k)
+    ORDER BY h OFFSET 0
+) s;
+
+-- name: slots_acquire
+-- Take a slot for each requested task whose key holds fewer than its limit of live slots, earlier requests of
+-- a key first; run after slots_lock in the same transaction, so its snapshot sees every slot committed by the
+-- key's earlier acquirers and no later one can commit meanwhile. A slot is live while its lease lasts and its
+-- owner's heartbeat is fresh; dead ones of the requested keys are deleted here. A task's own earlier slot (a
+-- redelivery) is replaced, not counted.
+WITH input AS (
+    SELECT * FROM unnest(%(keys)s::text[], %(task_types)s::text[], %(slot_keys)s::text[], %(limits)s::int[],
+                         %(leases)s::float8[]) WITH ORDINALITY
+        AS i(idempotency_key, task_type, slot_key, lim, lease_seconds, n)
+), dead_workers AS MATERIALIZED (
+    SELECT worker_id FROM taskq_workers
+    WHERE dead_at IS NOT NULL OR heartbeat_at < clock_timestamp() - %(stale_after)s * interval '1 second'
+), held AS MATERIALIZED (
+    SELECT s.idempotency_key, s.task_type, s.slot_key,
+           s.lease_expires_at > clock_timestamp() AND s.owner NOT IN (SELECT worker_id FROM dead_workers) AS live
+    FROM taskq_slots s
+    WHERE s.namespace = %(namespace)s AND (s.task_type, s.slot_key) IN (SELECT task_type, slot_key FROM input)
+), pruned AS (
+    DELETE FROM taskq_slots s USING held h
+    WHERE s.namespace = %(namespace)s AND s.idempotency_key = h.idempotency_key AND NOT h.live
+      AND h.idempotency_key <> ALL(%(keys)s::text[])
+), live AS (
+    SELECT task_type, slot_key, count(*) AS n FROM held
+    WHERE live AND idempotency_key <> ALL(%(keys)s::text[])
+    GROUP BY task_type, slot_key
+), ranked AS (
+    SELECT i.*, row_number() OVER (PARTITION BY i.task_type, i.slot_key ORDER BY i.n) AS rank,
+           COALESCE(l.n, 0) AS live
+    FROM input i LEFT JOIN live l ON l.task_type = i.task_type AND l.slot_key = i.slot_key
+)
+INSERT INTO taskq_slots AS s (namespace, idempotency_key, task_type, slot_key, owner, lease_expires_at)
+SELECT %(namespace)s, idempotency_key, task_type, slot_key, %(owner)s,
+       clock_timestamp() + lease_seconds * interval '1 second'
+FROM ranked WHERE live + rank <= lim
+ON CONFLICT (namespace, idempotency_key) DO UPDATE SET
+    task_type = EXCLUDED.task_type, slot_key = EXCLUDED.slot_key, owner = EXCLUDED.owner,
+    lease_expires_at = EXCLUDED.lease_expires_at, acquired_at = clock_timestamp()
+RETURNING s.idempotency_key;
+
+-- name: slots_release
+-- Give back the slots of tasks whose attempts ended (or never started); only the owner's own slots.
+DELETE FROM taskq_slots WHERE namespace = %(namespace)s AND idempotency_key = ANY(%(keys)s::text[])
+  AND owner = %(owner)s;
+
+-- name: pause
+-- Pause a tier or a task type; pausing what is paused already keeps its first time (no row returned).
+INSERT INTO taskq_pauses (namespace, kind, name) VALUES (%(namespace)s, %(kind)s, %(name)s)
+ON CONFLICT (namespace, kind, name) DO NOTHING
+RETURNING paused_at;
+
+-- name: resume
+-- Resume a tier or a task type; no row returned if it was not paused.
+DELETE FROM taskq_pauses WHERE namespace = %(namespace)s AND kind = %(kind)s AND name = %(name)s
+RETURNING paused_at;
+
+-- name: pauses
+-- What is paused in a namespace: a few rows, read by every worker every couple of seconds, never per task.
+SELECT kind, name, paused_at FROM taskq_pauses WHERE namespace = %(namespace)s ORDER BY kind, name;
+
+-- name: workers_alive
+-- The liveness records of a namespace whose heartbeat is recent and that nobody marked dead, for the console.
+SELECT worker_id, worker_group, host, pid, concurrency, in_flight, started_at, heartbeat_at
+FROM taskq_workers
+WHERE namespace = %(namespace)s AND dead_at IS NULL
+  AND heartbeat_at >= clock_timestamp() - %(stale_after)s * interval '1 second'
+ORDER BY started_at;
+
+-- name: task_by_id
+-- The record of the task with this id (the console's lookup). A scan of the namespace's records: task ids
+-- carry no index, kept off the claim's hot path; an operator's lookup can afford it.
+SELECT idempotency_key, task_id, task_type, state, attempts, interruptions, lease_owner, lease_expires_at,
+       last_error, result, created_at, updated_at, completed_at
+FROM taskq_tasks WHERE namespace = %(namespace)s AND task_id = %(task_id)s;
+
+-- name: completed_since
+-- Tasks of a namespace completed in the last `seconds` seconds: the console's completion rate.
+SELECT count(*) AS n FROM taskq_tasks
+WHERE namespace = %(namespace)s AND state = 'completed'
+  AND updated_at >= clock_timestamp() - %(seconds)s * interval '1 second'  -- the indexed column, never later
+  AND completed_at >= clock_timestamp() - %(seconds)s * interval '1 second';

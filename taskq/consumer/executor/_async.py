@@ -63,7 +63,11 @@ class EventLoop:
         if job.timeout is not None:
             job.ctx.deadline = start + job.timeout
         try:
-            task: asyncio.Task[Any] = loop.create_task(job.spec.fn(job.payload, job.ctx))
+            coro = job.spec.fn(job.payload, job.ctx)
+            # A task runs in a copy of the context it is created in: the attempt's span, when tracing.
+            task: asyncio.Task[Any] = (
+                loop.create_task(coro) if job.trace is None else job.trace.run(loop.create_task, coro)
+            )
         except BaseException as exc:
             self._release(attempt)
             self._report_soon(attempt, failure(exc, time.monotonic() - start))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import time
 import traceback as traceback_module
 from collections.abc import Callable
@@ -78,6 +79,8 @@ class Job:
     timeout: float | None
     #: If given, run this in a thread instead of spec.fn(payload, ctx) (the worker's transactional wrapper).
     call: Callable[[], Any] | None = None
+    #: If given, run the handler in this context (the attempt's span current in it, when tracing).
+    trace: contextvars.Context | None = None
 
 
 class Attempt:

@@ -199,7 +199,10 @@ class ChildPool:
         started = time.monotonic()
         parent_conn, child_conn = _MP.Pipe()
         process = _MP.Process(
-            target=_child_main, args=(child_conn, path, os.getpid()), name="taskq-child", daemon=True
+            target=_child_main,
+            args=(child_conn, path, os.getpid(), _log_setup()),
+            name="taskq-child",
+            daemon=True,
         )
         try:
             process.start()
@@ -328,9 +331,26 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _child_main(conn: Connection, handlers_path: str, parent_pid: int) -> None:
+def _log_setup() -> tuple[int, logging.Formatter | None]:
+    """The parent's log level and the formatter of its stderr handler, for a child to log as it does."""
+    root = logging.getLogger()
+    for handler in root.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
+            return root.level, handler.formatter
+    return root.level, None
+
+
+def _child_main(
+    conn: Connection, handlers_path: str, parent_pid: int, log: tuple[int, logging.Formatter | None]
+) -> None:
     """Entry point of a child process: load the handlers, then run the attempts sent over the pipe."""
     die_with_parent(parent_pid)
+    level, formatter = log
+    if formatter is not None:  # a handler's ctx.log lines go where the worker's go, in its format
+        stderr = logging.StreamHandler(sys.stderr)
+        stderr.setFormatter(formatter)
+        logging.getLogger().addHandler(stderr)
+    logging.getLogger().setLevel(level)
     # Ctrl-C and a SIGTERM to the whole group (systemd's default) are for the worker, which finishes or
     # times out what its children run; children die by SIGKILL from it, or with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -344,7 +364,6 @@ def _child_main(conn: Connection, handlers_path: str, parent_pid: int) -> None:
         conn.close()
         return
     conn.send_bytes(pickle.dumps(("ready",)))
-    logger = logging.getLogger("taskq.task")
     while True:
         try:
             if not conn.poll(_PARENT_POLL_SECONDS):
@@ -362,6 +381,7 @@ def _child_main(conn: Connection, handlers_path: str, parent_pid: int) -> None:
             if spec is None:
                 raise LookupError(f"no handler for {task_type!r} in {handlers_path}")
             deadline = None if timeout is None else time.monotonic() + timeout
+            logger = logging.getLogger(f"taskq.task.{task_type}")  # the name a thread handler's has
             ctx = TaskContext(**fields, logger=logger, deadline=deadline)
             reply: tuple[Any, ...] = ("ok", spec.fn(payload, ctx))
         except BaseException as exc:

@@ -63,7 +63,14 @@ def run_in_thread(attempt: Attempt, watchdog: Watchdog, release: Release, report
             lambda: report(attempt, timeout_expired(timeout, time.monotonic() - start)),
         )
     try:
-        result = job.call() if job.call is not None else job.spec.fn(job.payload, job.ctx)
+        if job.trace is None:
+            result = job.call() if job.call is not None else job.spec.fn(job.payload, job.ctx)
+        else:  # the attempt's span is current while the handler runs: its own spans are children
+            result = (
+                job.trace.run(job.call)
+                if job.call is not None
+                else job.trace.run(job.spec.fn, job.payload, job.ctx)
+            )
         outcome = Outcome(ok=True, result=result, seconds=time.monotonic() - start)
     except BaseException as exc:
         # Any exception the handler raises, SystemExit included, is a failed attempt: in a pool thread

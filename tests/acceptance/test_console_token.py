@@ -1,0 +1,78 @@
+"""`taskq console` with TASKQ_CONSOLE_TOKEN: every page needs the token; a change, a CSRF check too."""
+
+from __future__ import annotations
+
+import http.cookiejar
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from taskq._core.settings import Settings
+from tests.acceptance.helpers import WorkerProcess, wait_until
+
+TOKEN = "s3cret-console-token"
+
+
+@pytest.fixture
+def console(env_of: Callable[..., dict[str, str]], settings: Settings, tmp_path: object) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "console.log"  # type: ignore[operator]
+    proc = WorkerProcess.command(
+        env_of(TASKQ_CONSOLE_TOKEN=TOKEN), log, "console", "--host", "127.0.0.1", "--port", str(port)
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        assert proc.proc.poll() is None, proc.output()
+        try:
+            urllib.request.urlopen(url + "/login", timeout=10).close()
+            return True
+        except OSError:
+            return False
+
+    wait_until(answers, timeout=60, what="the console to answer")
+    yield url
+    proc.terminate()
+    proc.wait(30)
+    proc.close()
+
+
+def status(
+    opener: urllib.request.OpenerDirector, url: str, data: dict[str, str] | None = None, **headers: str
+) -> int:
+    body = urllib.parse.urlencode(data).encode() if data is not None else None
+    try:
+        with opener.open(urllib.request.Request(url, data=body, headers=headers), timeout=30) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_every_page_needs_the_token_and_a_change_a_csrf_token_as_well(console: str) -> None:
+    jar = http.cookiejar.CookieJar()
+    browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    assert status(browser, console + "/api/overview") == 401
+    with browser.open(console + "/dlq", timeout=30) as r:  # redirected to the login page
+        assert r.url.endswith("/login") and TOKEN not in r.read().decode()
+    csrf = next(c.value for c in jar if c.name == "taskq_csrf")
+    assert status(browser, console + "/login", {"csrf": csrf, "token": "wrong"}) == 401
+    assert (
+        status(browser, console + "/pauses", {"csrf": csrf, "kind": "tier", "name": "low", "action": "pause"})
+        == 401
+    )
+    assert status(browser, console + "/login", {"csrf": csrf, "token": TOKEN}) == 200  # then the overview
+    assert status(browser, console + "/api/overview") == 200
+    assert TOKEN not in "".join(c.value for c in jar)  # the session cookie holds an HMAC, not the token
+    forged = {"csrf": "forged", "kind": "tier", "name": "low", "action": "pause"}
+    assert status(browser, console + "/pauses", forged) == 403
+    other_site = {"csrf": csrf, "kind": "tier", "name": "low", "action": "pause"}
+    assert status(browser, console + "/pauses", other_site, Origin="http://evil.example") == 403
+    assert status(browser, console + "/pauses", other_site) == 200
+    bearer = urllib.request.build_opener()
+    assert status(bearer, console + "/api/overview", Authorization=f"Bearer {TOKEN}") == 200

@@ -1,0 +1,42 @@
+"""--log-format / TASKQ_LOG_FORMAT: JSON lines with each line's extra fields; a wrong value is one line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+from taskq.cli import _JsonLines
+
+
+def test_a_json_line_carries_the_standard_fields_the_extra_and_the_traceback() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.getLogger("taskq.worker").makeRecord(
+            "taskq.worker",
+            logging.WARNING,
+            __file__,
+            1,
+            "task %s failed",
+            ("t1",),
+            sys.exc_info(),
+            extra={"task_id": "t1", "attempt": 2, "tier": "high"},
+        )
+    line = json.loads(_JsonLines().format(record))
+    assert line["level"] == "WARNING" and line["logger"] == "taskq.worker"
+    assert line["message"] == "task t1 failed" and line["ts"].endswith("+00:00")
+    assert (line["task_id"], line["attempt"], line["tier"]) == ("t1", 2, "high")
+    assert "ValueError: boom" in line["exc_info"]
+    assert not {"args", "msg", "levelno", "exc_text"} & line.keys()
+
+
+def test_an_unknown_log_format_in_the_environment_is_one_line() -> None:
+    env = {**os.environ, "TASKQ_LOG_FORMAT": "xml"}
+    out = subprocess.run(
+        [sys.executable, "-m", "taskq.cli", "stats"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == "taskq: error: TASKQ_LOG_FORMAT must be text or json, not 'xml'"
