@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from taskq._core.envelope import Headers, Topics
 from taskq._core.errors import KafkaUnavailableError, RecordTooLargeError, TaskqError
-from taskq._core.kafka import TP, DeliveryCallback, Record, RecordSource, TopicSpec
+from taskq._core.kafka import TP, TRANSACTION_TIMEOUT, DeliveryCallback, Record, RecordSource, TopicSpec
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import DeadLetters, DlqRecord, parse_record
 from taskq.consumer.events import Event, TaskCompleted
@@ -115,6 +115,7 @@ class InMemoryBroker:
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        raise_when_stuck: bool = False,  # an in-memory consumer never leaves a partition unfetched
     ) -> _Source:
         """A consumer in `group`."""
         return _Source(self, group, on_assign, on_revoke)
@@ -300,6 +301,11 @@ class _Source:
                 raise KafkaUnavailableError(f"committing offsets: {stale} are not assigned to this member")
             self._broker._group(self._group_name).committed.update(offsets)
 
+    def committed(self, tps: Iterable[TP], timeout: float = 10.0) -> dict[TP, int]:
+        with self._broker._lock:
+            group = self._broker._group(self._group_name)
+            return {tp: group.committed.get(tp, -1) for tp in tps}
+
     def lag(self) -> dict[TP, int]:
         with self._broker._lock:
             return {tp: len(self._broker._logs[tp[0]][tp[1]]) - pos for tp, pos in self._position.items()}
@@ -389,7 +395,7 @@ class _Sink:
     def __len__(self) -> int:
         return len(self._queued)
 
-    def init_transactions(self, timeout: float = 60.0) -> None:
+    def init_transactions(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
         if self._transactional_id is None:
             raise KafkaUnavailableError("initialising transactions: the producer has no transactional id")
         with self._broker._lock:
@@ -407,7 +413,9 @@ class _Sink:
             self._fenced()
             self._txn, self._txn_offsets = [], {}
 
-    def commit_offsets_in_transaction(self, source: RecordSource, offsets: Mapping[TP, int]) -> None:
+    def commit_offsets_in_transaction(
+        self, source: RecordSource, offsets: Mapping[TP, int], timeout: float = TRANSACTION_TIMEOUT
+    ) -> None:
         membership = source.group_metadata()
         if not isinstance(membership, _Membership):
             raise KafkaUnavailableError("adding offsets to the transaction: not a consumer of this broker")
@@ -420,7 +428,7 @@ class _Sink:
                 raise KafkaUnavailableError(f"adding offsets to the transaction: {stale} not assigned")
             self._txn_offsets.setdefault(group, {}).update(offsets)
 
-    def commit(self, timeout: float = 60.0) -> None:
+    def commit(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
         with self._broker._lock:
             self._fenced()
             if self._txn is None:
@@ -431,8 +439,9 @@ class _Sink:
                 self._broker._group(group).committed.update(offsets)
             self._txn, self._txn_offsets = None, {}
 
-    def abort(self, timeout: float = 60.0) -> None:
+    def abort(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
         with self._broker._lock:
+            self._fenced()  # a fenced producer cannot end its transaction (librdkafka: a fatal error)
             self._txn, self._txn_offsets = None, {}
 
 
@@ -606,7 +615,9 @@ class InMemoryStore:
                 taken = (
                     running and row is not None and row.lease_owner != self.owner and row.lease_owner in dead
                 )
-                if row is None or row.state in ("failed", "dead") or expired or taken:
+                # A dead key is claimed by a new task of the key, not by the dead-lettered one redelivered.
+                again = row is not None and row.state == "dead" and row.task_id != r.task_id
+                if row is None or row.state == "failed" or again or expired or taken:
                     attempts = 1 if row is None else row.attempts + (0 if taken else 1)
                     interruptions = 0 if row is None else row.interruptions + (1 if taken else 0)
                     created = now if row is None else row.created_at
@@ -617,6 +628,8 @@ class InMemoryStore:
                     out.append(Claim(r.idempotency_key, "claimed", attempts, 0.0, interruptions))
                 elif row.state == "completed":
                     out.append(Claim(r.idempotency_key, "completed", row.attempts, 0.0, row.interruptions))
+                elif row.state == "dead":
+                    out.append(Claim(r.idempotency_key, "dead", row.attempts, 0.0, row.interruptions))
                 else:
                     left = (row.lease_expires_at or now) - now
                     out.append(Claim(r.idempotency_key, "running", row.attempts, left, row.interruptions))

@@ -48,6 +48,11 @@ _NOT_READY = frozenset(
 )
 
 TP = tuple[str, int]
+#: Seconds a transactional call (adding offsets, commit, abort, init) may take before the transaction is given
+#: up; the broker aborts an open transaction after transaction.timeout.ms (60 s) anyway.
+TRANSACTION_TIMEOUT = 30.0
+#: How much longer than its own timeout a transactional call is waited for before it is left behind.
+_TRANSACTION_GRACE = 5.0
 Headers = list[tuple[str, bytes]]
 #: Called once per produced record with None or an error text, from the producer's poll.
 DeliveryCallback = Callable[[str | None, "Record | None"], None]
@@ -295,6 +300,7 @@ class Sink:
         self._p = _client(Producer, conf)
         self._servers = redact(settings.bootstrap_servers)
         self._message_timeout = float(conf["message.timeout.ms"]) / 1000
+        self._stuck = ""  # why the producer was given up: a transactional call never returned
 
     def send(
         self,
@@ -363,7 +369,8 @@ class Sink:
             # In slices: an exception raised by a callback (refused credentials, see _on_error) surfaces
             # only when the call returns, and one flush call returns only once the queue is empty.
             left = deadline - time.monotonic() if deadline is not None else 0.5
-            queued = int(self._p.flush(max(0.0, min(0.5, left))))
+            with _errors("flushing"):  # a fenced transactional producer raises its fatal error here
+                queued = int(self._p.flush(max(0.0, min(0.5, left))))
             if not queued or (deadline is not None and time.monotonic() >= deadline):
                 return queued
 
@@ -372,46 +379,86 @@ class Sink:
 
     # Transactions, for the delay forwarder. Every client error is wrapped: a failed transaction surfaces
     # as KafkaUnavailableError (with the client's error as __cause__), never as confluent's exception.
-    def init_transactions(self, timeout: float = 60.0) -> None:
-        """Register the transactional id, fencing any older instance that used it."""
+    def init_transactions(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
+        """Register the transactional id, fencing any older instance that used it (and ending its
+        transaction: a commit it had asked for completes, anything else is aborted)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
                 self._p.init_transactions(min(1.0, max(0.0, deadline - time.monotonic())))
                 return
             except KafkaException as exc:
-                # librdkafka: a timeout is retriable, the next call resumes where this one stopped.
+                # librdkafka: a timeout is retriable, the next call resumes where this one stopped; so is a
+                # coordinator still loading or moving, as in a broker's first seconds.
                 err = exc.args[0] if exc.args else None
-                timed_out = isinstance(err, KafkaError) and err.code() == KafkaError._TIMED_OUT
-                if not timed_out or time.monotonic() >= deadline:
+                code = err.code() if isinstance(err, KafkaError) else None
+                again = code == KafkaError._TIMED_OUT or (isinstance(err, KafkaError) and err.retriable())
+                if not again or time.monotonic() >= deadline:
                     raise _wrap("initialising transactions", exc) from exc
             # The call itself serves no callbacks: this poll lets refused credentials raise (_on_error).
             self._p.poll(0)
 
     def begin(self) -> None:
         """Begin a transaction."""
-        self._transactional("beginning a transaction", self._p.begin_transaction)
+        self._usable("beginning a transaction")
+        with _errors("beginning a transaction"):
+            self._p.begin_transaction()
 
-    def commit_offsets_in_transaction(self, source: RecordSource, offsets: Mapping[TP, int]) -> None:
+    def commit_offsets_in_transaction(
+        self, source: RecordSource, offsets: Mapping[TP, int], timeout: float = TRANSACTION_TIMEOUT
+    ) -> None:
         """Add consumed offsets to the open transaction (atomic with the records sent in it)."""
         tps = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
         metadata = source.group_metadata()
-        self._transactional(
-            "adding offsets to the transaction", lambda: self._p.send_offsets_to_transaction(tps, metadata)
+        self._bounded(
+            "adding offsets to the transaction",
+            lambda left: self._p.send_offsets_to_transaction(tps, metadata, left),
+            timeout,
         )
 
-    def commit(self, timeout: float = 60.0) -> None:
+    def commit(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
         """Commit the open transaction."""
-        self._transactional("committing the transaction", lambda: self._p.commit_transaction(timeout))
+        self._bounded("committing the transaction", self._p.commit_transaction, timeout)
 
-    def abort(self, timeout: float = 60.0) -> None:
+    def abort(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
         """Abort the open transaction."""
-        self._transactional("aborting the transaction", lambda: self._p.abort_transaction(timeout))
+        self._bounded("aborting the transaction", self._p.abort_transaction, timeout)
 
-    @staticmethod
-    def _transactional(what: str, call: Callable[[], object]) -> None:
-        with _errors(what):
-            call()
+    def _usable(self, what: str) -> None:
+        if self._stuck:
+            raise KafkaUnavailableError(f"{what}: this producer was given up ({self._stuck})")
+
+    def _bounded(self, what: str, call: Callable[[float], object], timeout: float) -> None:
+        """`call(timeout)`, given up when it has not returned `timeout` seconds (and a grace) later.
+
+        librdkafka does not always keep the timeout it is given: send_offsets_to_transaction can wait for
+        ever on a group coordinator that went away (librdkafka issues 5456 and 5511). So the call runs on a
+        thread of its own and is waited for here; one that overstays is left behind, and this producer
+        with it: every later call raises, and its owner makes a new one (whose init_transactions fences
+        this one and ends its transaction).
+        """
+        self._usable(what)
+        outcome: list[BaseException | None] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                call(timeout)
+                outcome.append(None)
+            except BaseException as exc:  # handed to the caller's thread below
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="taskq-transaction", daemon=True).start()
+        if not done.wait(timeout + _TRANSACTION_GRACE):
+            self._stuck = f"{what} had no answer within {timeout:g} s"
+            raise KafkaUnavailableError(f"{what}: no answer within {timeout:g} s; the producer is given up")
+        exc = outcome[0]
+        if isinstance(exc, KafkaException):
+            raise _wrap(what, exc) from exc
+        if exc is not None:
+            raise exc
 
 
 class Source:
@@ -424,13 +471,16 @@ class Source:
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        raise_when_stuck: bool = False,
         **overrides: Any,
     ) -> None:
+        """`raise_when_stuck`: poll raises when the client reports partitions it will never fetch (below)."""
         conf = consumer_config(settings, group=group)
         conf.update(overrides)
         self._c = _client(Consumer, conf)
         self._on_assign = on_assign
         self._on_revoke = on_revoke
+        self._raise_when_stuck = raise_when_stuck
 
     def subscribe(self, topics: Sequence[str]) -> None:
         """Join the group for these topics."""
@@ -466,6 +516,11 @@ class Source:
                 continue
             elif err.fatal():
                 raise KafkaUnavailableError(f"fatal consumer error: {err}")
+            elif self._raise_when_stuck and err.code() in _NOT_READY and "committed offsets" in err.str():
+                # librdkafka (issue 5586): a coordinator that refuses the whole committed-offsets fetch of
+                # newly assigned partitions (after a broker restart) leaves them assigned and never fetched,
+                # and it never asks again; only a new consumer reads them.
+                raise KafkaUnavailableError(f"reading the committed offsets: {err.str()}")
             else:
                 log.warning("consumer error: %s", err)
         return out
@@ -546,7 +601,8 @@ class Source:
 
     def close(self) -> None:
         """Leave the group and release the client."""
-        self._c.close()
+        with _errors("closing the consumer"):
+            self._c.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -730,6 +786,7 @@ class RecordSource(Protocol):
     def resume(self, tps: Iterable[TP]) -> None: ...
     def seek(self, tp: TP, offset: int) -> None: ...
     def commit(self, offsets: Mapping[TP, int]) -> None: ...
+    def committed(self, tps: Iterable[TP], timeout: float = 10.0) -> dict[TP, int]: ...
     def lag(self) -> dict[TP, int]: ...
     def position(self, tp: TP) -> int: ...
     def group_metadata(self) -> object: ...
@@ -754,11 +811,13 @@ class RecordSink(Protocol):
     def poll(self, timeout: float = 0.0) -> int: ...
     def flush(self, timeout: float | None = None) -> int: ...
     def __len__(self) -> int: ...
-    def init_transactions(self, timeout: float = 60.0) -> None: ...
+    def init_transactions(self, timeout: float = TRANSACTION_TIMEOUT) -> None: ...
     def begin(self) -> None: ...
-    def commit_offsets_in_transaction(self, source: RecordSource, offsets: Mapping[TP, int]) -> None: ...
-    def commit(self, timeout: float = 60.0) -> None: ...
-    def abort(self, timeout: float = 60.0) -> None: ...
+    def commit_offsets_in_transaction(
+        self, source: RecordSource, offsets: Mapping[TP, int], timeout: float = TRANSACTION_TIMEOUT
+    ) -> None: ...
+    def commit(self, timeout: float = TRANSACTION_TIMEOUT) -> None: ...
+    def abort(self, timeout: float = TRANSACTION_TIMEOUT) -> None: ...
 
 
 class TopicAdmin(Protocol):
@@ -781,6 +840,7 @@ class Broker(Protocol):
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        raise_when_stuck: bool = False,
     ) -> RecordSource: ...
     def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> RecordSink: ...
     def admin(self) -> TopicAdmin: ...
@@ -798,9 +858,17 @@ class KafkaBroker:
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        raise_when_stuck: bool = False,
     ) -> Source:
-        """A consumer in `group`."""
-        return Source(self.settings, group=group, on_assign=on_assign, on_revoke=on_revoke)
+        """A consumer in `group`; with `raise_when_stuck`, its poll raises when the client reports
+        partitions it will never fetch (its owner then starts a new consumer)."""
+        return Source(
+            self.settings,
+            group=group,
+            on_assign=on_assign,
+            on_revoke=on_revoke,
+            raise_when_stuck=raise_when_stuck,
+        )
 
     def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> Sink:
         """A producer (transactional with an id)."""

@@ -14,7 +14,7 @@ from taskq._core.db import Connection, Database, Row, Transaction, queries
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError
 
-ClaimOutcome = Literal["claimed", "completed", "running", "duplicate"]
+ClaimOutcome = Literal["claimed", "completed", "dead", "running", "duplicate"]
 #: What an operator pauses: a tier (its partitions) or a task type (its tasks, held in the buffer).
 PauseKind = Literal["tier", "task_type"]
 
@@ -45,7 +45,8 @@ class ClaimRequest:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """The store's answer: run it (claimed, with its attempt number), skip it (completed), or hold it.
+    """The store's answer: run it (claimed, with its attempt number), skip it (completed, or dead-lettered
+    already as this very task), or hold it.
 
     `interruptions`: runs of the key taken over from workers that died (not counted in `attempts`).
     """
@@ -165,7 +166,7 @@ class Store:
         for r in requests:
             row = by_key[r.idempotency_key]
             outcome = row["outcome"]
-            if outcome not in ("claimed", "completed"):
+            if outcome not in ("claimed", "completed", "dead"):
                 outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
             out.append(
                 Claim(

@@ -5,6 +5,11 @@ due time) while other partitions keep flowing. A head never holds back a task du
 it is due sooner, the head moves to the end of the tier that fits its remaining delay, and a held partition
 is looked at again every PEEK seconds for such tasks. Forwarding is a Kafka transaction that carries both the
 forwarded records and the consumed offsets, so a forwarder crash neither loses nor doubles a task.
+
+A transaction that fails or overstays its timeout (a broker restarting, a coordinator moving) is aborted, or,
+when even that fails, its producer is replaced by a new one of the same transactional id, which fences the
+old one and ends its transaction. Then the batch's partitions are read again from the group's committed
+offsets, the truth whichever way the transaction ended, and forwarding goes on in the same group membership.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 from taskq._core.durations import pick_delay_tier
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
 from taskq._core.errors import KafkaAuthenticationError, RecordTooLargeError, TaskqError
-from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSink, RecordSource
+from taskq._core.kafka import TP, TRANSACTION_TIMEOUT, Broker, KafkaBroker, Record, RecordSink, RecordSource
 from taskq._core.settings import Settings
 from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id
 
@@ -40,7 +45,10 @@ class Forwarder:
         broker: Broker | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.time,
+        transaction_timeout: float = TRANSACTION_TIMEOUT,
     ) -> None:
+        """`transaction_timeout`: seconds each transactional call may take before the transaction is given
+        up (aborted, or its producer replaced) and the batch read again."""
         self.settings = settings
         self.broker: Broker = broker or KafkaBroker(settings)
         self.topics = Topics(settings.namespace, settings.delay_tiers)
@@ -49,6 +57,7 @@ class Forwarder:
         self.instance_id = instance_id or default_worker_id()
         self._on_event = on_event
         self._clock = clock
+        self._transaction_timeout = transaction_timeout
         self._stop = threading.Event()
         self._held: dict[TP, float] = {}  # partition -> epoch seconds it is read again (head due, or a peek)
         self._due: dict[TP, float] = {}  # partition -> epoch seconds its held head is due (or hops)
@@ -73,7 +82,11 @@ class Forwarder:
                     self.step()
             except KafkaAuthenticationError:
                 raise
-            except Exception:  # whatever failed, the committed offsets are the truth: start over from them
+            # Whatever failed, the committed offsets are the truth: start over from them.
+            except TaskqError as exc:  # the broker away or refusing: one line, no traceback
+                log.warning("forwarder restarting: %s", exc)
+                self._stop.wait(1.0)
+            except Exception:
                 log.exception("forwarder restarting")
                 self._stop.wait(1.0)
             finally:
@@ -81,13 +94,15 @@ class Forwarder:
 
     def start(self) -> None:
         """Open the transactional producer and join the group (`run` does it; tests may step by hand)."""
-        # A transactional id per instance; the group metadata sent with the offsets fences zombie instances.
-        sink = self.broker.sink(transactional_id=f"{self.group}.{self.instance_id}")
-        sink.init_transactions()
+        sink = self._new_sink()
         self._held.clear()
         self._due.clear()
         self._fresh.clear()
-        source = self.broker.source(group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update)
+        # A consumer left with partitions it will never fetch (a broker restart can do that) raises from its
+        # poll, and `run` starts over with a new one: delayed tasks never stall behind it.
+        source = self.broker.source(
+            group=self.group, on_revoke=self._revoked, on_assign=self._fresh.update, raise_when_stuck=True
+        )
         self._clients = (sink, source)
         source.subscribe(self.topics.delay_topics)
 
@@ -110,8 +125,18 @@ class Forwarder:
         if self._clients is not None:
             sink, source = self._clients
             self._clients = None
-            source.close()
-            sink.flush(10)
+            # Never raises: `run` calls it on its way to starting over, and the thread must live on.
+            for release in (source.close, lambda: sink.flush(10)):
+                try:
+                    release()
+                except TaskqError as exc:  # a fenced or given-up producer: its transaction ends elsewhere
+                    log.warning("forwarder closing: %s", exc)
+
+    def _new_sink(self) -> RecordSink:
+        # A transactional id per instance; the group metadata sent with the offsets fences zombie instances.
+        sink = self.broker.sink(transactional_id=f"{self.group}.{self.instance_id}")
+        sink.init_transactions(self._transaction_timeout)
+        return sink
 
     def _revoked(self, tps: list[TP]) -> None:
         for tp in tps:
@@ -188,9 +213,10 @@ class Forwarder:
             offsets[record.tp] = record.offset + 1
         if not offsets:
             return 0
+        timeout = self._transaction_timeout
         # Delivery guarantee: the forwarded records and the consumed offsets commit atomically.
-        sink.begin()
         try:
+            sink.begin()
             for topic, record, headers in out:
                 try:
                     sink.send(topic, record.value, key=record.key, headers=headers)
@@ -198,16 +224,58 @@ class Forwarder:
                     # Accepted by the broker at a size this producer refuses: a bounded DLQ record instead.
                     dl = bounded(self._dead_letter(record, f"too large to forward: {exc}"))
                     sink.send(dl.topic, dl.value, key=dl.key, headers=dl.headers)
-            sink.commit_offsets_in_transaction(source, offsets)
-            sink.commit()
-        except Exception as exc:
-            try:
-                sink.abort()
-            finally:
-                raise TaskqError(f"forwarding transaction failed: {exc}") from exc
+            sink.commit_offsets_in_transaction(source, offsets, timeout)
+            sink.commit(timeout)
+        except KafkaAuthenticationError:
+            raise
+        except TaskqError as exc:
+            first: dict[TP, int] = {}
+            for record in records:
+                first.setdefault(record.tp, record.offset)
+            self._recover(sink, source, {tp: first[tp] for tp in offsets}, exc)
+            self._stop.wait(1.0)  # a backoff: what failed may fail again at once (a broker still away)
+            return 0
         if self._on_event is not None:
             self._on_event("forwarded", {"count": len(out), "offsets": offsets})
         return len(out)
+
+    def _recover(self, sink: RecordSink, source: RecordSource, first: dict[TP, int], exc: Exception) -> None:
+        """End a failed transaction and read its partitions again from the committed offsets.
+
+        `first` holds each partition's first offset in the failed batch, where it is read again when the
+        group has committed nothing there. Raises when the partitions cannot be rewound (`run` starts over).
+        """
+        if self._on_event is not None:
+            self._on_event("transaction_failed", {"error": str(exc), "partitions": dict(first)})
+        how = "aborted"
+        try:
+            sink.abort(self._transaction_timeout)
+        except KafkaAuthenticationError:
+            raise
+        except TaskqError as abort_exc:
+            # Fatal, fenced, or stuck: a new producer of the same id fences this one and ends its transaction
+            # (a commit it had asked for completes; anything else is aborted) before the offsets are read.
+            how = f"producer replaced (abort failed: {abort_exc})"
+            assert self._clients is not None
+            self._clients = (self._new_sink(), source)
+        # Delivery guarantee: read again from what the group committed, which is final once the transaction
+        # has ended either way (read_committed readers wait for a pending transaction's offsets), so a
+        # transaction that did commit is not forwarded twice and one that did not is not lost.
+        committed = source.committed(list(first), self._transaction_timeout)
+        # A partition held after its forwarded records is let go first: a resume seeks to the position.
+        held = [tp for tp in first if self._held.pop(tp, None) is not None]
+        for tp in held:
+            self._due.pop(tp, None)
+        source.resume(held)
+        for tp, offset in first.items():
+            at = committed.get(tp, -1)
+            source.seek(tp, at if at >= 0 else offset)
+        log.warning(
+            "forwarding transaction failed (%s); %s, %d partition(s) read again from their committed offsets",
+            exc,
+            how,
+            len(first),
+        )
 
 
 def _due_of(record: Record) -> float:

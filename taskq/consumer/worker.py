@@ -850,7 +850,9 @@ class Worker:
             log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
 
     def _handle_claim(self, task: _Task, claim: Claim) -> None:
-        if claim.outcome == "completed":
+        if claim.outcome in ("completed", "dead"):
+            # Completed, or this very task was dead-lettered already (its offset was not committed before
+            # its worker died): the DLQ holds it once, so its redelivery is skipped and committed.
             env = task.envelope
             self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
             self._done(task)
@@ -1135,9 +1137,15 @@ class Worker:
         self._emit(
             DeadLettered(reason, error_type, env.task_id, env.idempotency_key, record.topic, record.offset)
         )
-        self._completer.record(Finished(env.idempotency_key, task.attempts, "dead", error=reason))
-        # Delivery guarantee: the offset is done only when the broker acknowledged the DLQ record.
-        self._completer.publish(out, lambda: self._done(task), too_large=lambda: bounded(out))
+        dead = Finished(env.idempotency_key, task.attempts, "dead", error=reason)
+        # Delivery guarantee: the key is recorded dead only once the broker acknowledged its DLQ record (a
+        # dead key's redelivery is skipped, so recording it first could lose the record), and the offset is
+        # done only once both are durable.
+        self._completer.publish(
+            out,
+            lambda: self._completer.record(dead, lambda: self._done(task)),
+            too_large=lambda: bounded(out),
+        )
 
     def _dead_letter_raw(self, record: Record, reason: str, error_type: str, attempts: int) -> None:
         """Input that never becomes a task: straight to the DLQ, offset done once the broker has it."""
@@ -1288,6 +1296,8 @@ class Worker:
             self.heartbeat.beat()
         self._completer.wait_recorded(ack_timeout)
         self._completer.wait_acked(ack_timeout)
+        # A DLQ record acknowledged just now has queued its key's dead record: written before the commit.
+        self._completer.wait_recorded(ack_timeout)
 
     # ------------------------------------------------------------------------------------------ shutdown
     def _shutdown(self) -> None:

@@ -7,22 +7,27 @@ state dir, on other ports) and restart its services while worker processes run.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from taskq._core.db import Database
 from taskq._core.envelope import Envelope
+from taskq._core.kafka import KafkaBroker, Record, RecordSink, RecordSource, TopicAdmin
 from taskq._core.settings import Settings
+from taskq.consumer.forwarder import Forwarder
 from taskq.producer.admin import create_topics
 from taskq.schemas.errors import RegistryUnavailableError
 from tests.acceptance.conftest import App
@@ -311,6 +316,77 @@ def test_the_forwarder_releases_each_delayed_task_once_across_a_broker_restart(
     doubled = [t for t, c in counts.items() if c > 1]
     assert not doubled, f"{len(doubled)} tasks released twice, e.g. {doubled[:5]}\n{app.logs()}"
     _alive(app)
+
+
+class _OutageAtFirstBatch:
+    """The forwarder's real broker clients, with the broker stopped the moment its source first returns
+    records: the transaction that forwards them starts with no broker to answer it."""
+
+    def __init__(self, stack: PrivateStack, settings: Settings) -> None:
+        self.real = KafkaBroker(settings)
+        self.stack = stack
+        self.stopped = threading.Event()
+
+    def source(self, **kw: Any) -> RecordSource:
+        source = self.real.source(**kw)
+        poll = source.poll
+
+        def poll_then_stop(max_records: int, timeout: float) -> list[Record]:
+            records = poll(max_records, timeout)
+            if records and not self.stopped.is_set():
+                self.stack.run("stop", "kafka")
+                self.stopped.set()
+            return records
+
+        source.poll = poll_then_stop  # type: ignore[method-assign]
+        return source
+
+    def sink(self, **kw: Any) -> RecordSink:
+        return self.real.sink(**kw)
+
+    def admin(self) -> TopicAdmin:
+        return self.real.admin()
+
+
+def test_a_forwarding_transaction_the_broker_never_answers_is_given_up_and_each_task_released_once(
+    private_stack: PrivateStack, private_app: App
+) -> None:
+    app = private_app
+    n = 100
+    flaky, due = app.type("Flaky"), timedelta(seconds=1)
+    receipts = [app.producer.enqueue(flaky, {"key": f"t{i}"}, delay=due) for i in range(n)]
+    app.producer.flush(60)
+    broker = _OutageAtFirstBatch(private_stack, app.settings)
+    events: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
+    forwarder = Forwarder(
+        app.settings, broker=broker, on_event=lambda *event: events.put(event), transaction_timeout=5
+    )
+    thread = threading.Thread(target=forwarder.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(broker.stopped.is_set, timeout=60, what="the forwarder's first batch")
+        # Every transactional call is bounded: with the broker away the transaction is given up, not waited
+        # on for ever (librdkafka's own timeout on adding offsets is not always kept).
+        kind, data = events.get(timeout=30)
+        assert kind == "transaction_failed", (kind, data)
+        private_stack.run("start", "kafka")
+
+        def released() -> Counter[str] | None:
+            try:
+                counts = _released(app)
+            except Exception:
+                return None
+            return counts if sum(counts.values()) >= n else None
+
+        wait_until(released, timeout=120, what="every delayed task released", every=1.0)
+        counts = _released(app)
+        assert set(counts) == {r.task_id for r in receipts}, f"missing {n - len(counts)}"
+        doubled = [t for t, c in counts.items() if c > 1]
+        assert not doubled, f"{len(doubled)} tasks released twice, e.g. {doubled[:5]}"
+    finally:
+        forwarder.stop()
+        thread.join(60)
+    assert not thread.is_alive()
 
 
 def test_a_long_lived_store_reports_a_postgres_restart_as_unavailable_and_then_reconnects(

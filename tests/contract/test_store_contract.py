@@ -54,6 +54,18 @@ def test_a_failed_attempt_is_claimed_again_with_the_next_attempt_number(stores: 
     assert a.retries() == (0, 0)
 
 
+def test_a_dead_key_is_skipped_for_its_own_task_and_claimed_by_a_new_one(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    a.claim([req("k")])
+    assert a.finish([Finished("k", 1, "dead", error="boom")]) == set()
+    # The dead-lettered task delivered again (its worker died before committing its offset): skipped.
+    (again,) = b.claim([req("k")])
+    assert (again.outcome, again.attempts) == ("dead", 1)
+    # A new task enqueued with the same key is claimed, with the next attempt number.
+    (fresh,) = b.claim([ClaimRequest("k", "id-new", "contract.Task", 30.0)])
+    assert (fresh.outcome, fresh.attempts) == ("claimed", 2)
+
+
 def test_an_expired_lease_is_taken_over_and_the_late_attempt_records_nothing(stores: tuple[Any, Any]) -> None:
     a, b = stores
     a.claim([req("k", lease=0.05)])

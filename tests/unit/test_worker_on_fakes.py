@@ -89,6 +89,36 @@ def test_a_task_redelivered_after_its_completion_is_skipped_not_run_again() -> N
     second.close()
 
 
+def test_a_task_redelivered_after_it_was_dead_lettered_is_skipped_not_dead_lettered_again() -> None:
+    handlers, runs = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB, max_attempts=1)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        runs.append(payload["n"])
+        raise RuntimeError("boom")
+
+    parts = Parts(handlers)
+    parts.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="doomed")
+    parts.producer.flush()
+    dlq = f"{parts.settings.namespace}.dlq"
+    first = parts.worker("a", commit_interval=3600)  # never commits on its own
+    run(
+        first,
+        lambda: "doomed" in parts.rows and parts.rows["doomed"].state == "dead" and parts.broker.records(dlq),
+        "the dead-lettering",
+    )
+    assert first._source is not None
+    first._source.close()  # dies before committing: the record is delivered again
+    second = parts.worker("b")
+    topics = second.topics.priority_topics
+    run(
+        second, lambda: second.idle() and not parts.broker.uncommitted(second.group, topics), "the redelivery"
+    )
+    assert runs == [1]
+    assert len(parts.broker.records(dlq)) == 1
+    second.close()
+
+
 def test_a_task_whose_attempts_never_reported_is_dead_lettered_as_a_poison_pill() -> None:
     handlers, runs = Handlers(), []
 

@@ -32,13 +32,15 @@ ON CONFLICT (name) DO UPDATE SET
 
 -- name: claim
 -- Claim idempotency keys of one namespace for one attempt each, in one round trip. A key is claimed when it
--- is new, failed, dead (replayed), running under an expired lease, or running under the lease of a worker
--- presumed dead: its liveness record is stale or marked dead (invariant 9). Claiming counts the attempt
+-- is new, failed (or replayed), dead for a task other than the one dead-lettered (a new enqueue of the key),
+-- running under an expired lease, or running under the lease of a worker presumed dead: its liveness record is stale or marked dead (invariant 9). Claiming counts the attempt
 -- before the task runs, so a task that kills its worker still uses up its attempts; but a run taken over
 -- from a dead worker is counted as an interruption, not as an attempt (a worker holds the keys it claimed
 -- ahead too, and those never ran): it keeps its attempt number. Taking over stays safe if the owner was in
 -- fact alive, since only the lease holder's current attempt may complete. Rows of completed keys and of
--- keys leased by a live worker come back with their state so the worker can skip or hold them.
+-- keys leased by a live worker come back with their state so the worker can skip or hold them; so do dead keys
+-- asked for by the task that was dead-lettered: a redelivery of it (its offset was not committed before its
+-- worker died) is skipped, not dead-lettered a second time.
 WITH input AS (
     SELECT * FROM unnest(%(keys)s::text[], %(task_ids)s::text[], %(task_types)s::text[], %(leases)s::float8[])
         AS i(idempotency_key, task_id, task_type, lease_seconds)
@@ -64,7 +66,8 @@ WITH input AS (
         lease_owner = EXCLUDED.lease_owner,
         lease_expires_at = EXCLUDED.lease_expires_at,
         updated_at = EXCLUDED.updated_at
-    WHERE t.state IN ('failed', 'dead')
+    WHERE t.state = 'failed'
+       OR (t.state = 'dead' AND t.task_id <> EXCLUDED.task_id)
        OR (t.state = 'running' AND t.lease_expires_at < clock_timestamp())
        OR (t.state = 'running' AND t.lease_owner <> %(owner)s AND t.lease_owner IN (SELECT worker_id FROM dead_workers))
     RETURNING t.idempotency_key, t.attempts, t.interruptions

@@ -1,0 +1,62 @@
+"""The delay forwarder on the fakes when a transaction fails: it is ended, and the batch read again."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+from taskq._core.envelope import Envelope, Topics
+from taskq._core.settings import Settings
+from taskq.consumer.forwarder import Forwarder
+from taskq.producer.admin import topic_specs
+from taskq.producer.producer import TaskProducer
+from taskq.testing import Clock, InMemoryBroker, InMemoryRegistry
+
+JOB = {"type": "record", "name": "Job", "namespace": "unit", "fields": [{"name": "n", "type": "long"}]}
+
+
+def test_a_fenced_forwarder_replaces_its_producer_and_forwards_each_task_once_in_its_membership() -> None:
+    settings = Settings(namespace="unit")
+    clock = Clock()
+    broker = InMemoryBroker(clock=clock.time)
+    broker.admin().create_topics(topic_specs(settings, partitions=2))
+    registry = InMemoryRegistry()
+    registry.register(JOB)
+    producer = TaskProducer(settings, registry=registry, broker=broker)
+    events: list[tuple[str, dict[str, Any]]] = []
+    forwarder = Forwarder(
+        settings, instance_id="f", broker=broker, clock=clock.time, on_event=lambda *e: events.append(e)
+    )
+    topics = Topics(settings.namespace, settings.delay_tiers)
+
+    def released() -> Counter[str]:
+        records = [r for t in topics.priority_topics for r in broker.records(t)]
+        return Counter(Envelope.from_headers(r.headers).task_id for r in records)
+
+    def enqueue(first: int) -> list[str]:
+        ids = [
+            producer.enqueue("unit.Job", {"n": n}, delay=timedelta(seconds=1)).task_id
+            for n in range(first, first + 5)
+        ]
+        producer.flush()
+        clock.advance(2)
+        return ids
+
+    forwarder.start()
+    try:
+        assert forwarder._clients is not None
+        source = forwarder._clients[1]
+        ids = enqueue(0)
+        while sum(released().values()) < 5:
+            forwarder.step(wait=0.0)
+        # A newer producer of the forwarder's transactional id fences it: its next transaction fails.
+        broker.sink(transactional_id=f"{forwarder.group}.f").init_transactions()
+        ids += enqueue(5)
+        while broker.uncommitted(forwarder.group, topics.delay_topics):
+            forwarder.step(wait=0.0)
+        assert [kind for kind, _ in events].count("transaction_failed") == 1, events
+        assert released() == Counter(ids)  # each once: nothing lost, nothing doubled
+        assert forwarder._clients[1] is source  # the same group membership throughout
+    finally:
+        forwarder.close()
