@@ -661,7 +661,11 @@ class Admin:
         # (NOT_LEADER_FOR_PARTITION), and librdkafka's idempotent producer (2.16) then reported it delivered
         # once a later batch of that partition succeeded ("implicitly acked"): acknowledged, never in the
         # log. Topics are handed out only once every partition has its leader, which ListOffsets tells.
-        req = {TopicPartition(s.name, p): OffsetSpec.latest() for s in specs for p in range(s.partitions)}  # type: ignore[no-untyped-call]
+        # A topic that existed already is waited for with the partitions it has (another process may have
+        # created it a moment ago, with other counts).
+        counts = {s.name: s.partitions for s in specs if created[s.name]}
+        counts.update(self.partitions([name for name, new in created.items() if not new]))
+        req = {TopicPartition(t, p): OffsetSpec.latest() for t, n in counts.items() for p in range(n)}  # type: ignore[no-untyped-call]
 
         def leaders(left: float) -> None:
             for future in self._a.list_offsets(req, request_timeout=left).values():
