@@ -104,19 +104,19 @@ def create_app(console: Console, *, token: str = "") -> Starlette:
         return await run_in_threadpool(call)
 
     # ----------------------------------------------------------------------------------------------- pages
-    async def overview(request: Request) -> Response:
-        try:
-            data = await run(console.overview)
-        except TaskqError as exc:
-            return page(request, "overview.html", 503, data=None, error=shown_error(exc))
-        return page(request, "overview.html", data=data, error=None)
+    def overview_in(template: str) -> Callable[[Request], Awaitable[Response]]:
+        """The overview, as the whole page or as the fragment the page refreshes itself with."""
 
-    async def overview_fragment(request: Request) -> Response:
-        try:
-            data = await run(console.overview)
-        except TaskqError as exc:
-            return page(request, "_overview.html", 503, data=None, error=shown_error(exc))
-        return page(request, "_overview.html", data=data, error=None)
+        async def overview(request: Request) -> Response:
+            try:
+                data = await run(console.overview)
+            except TaskqError as exc:
+                return page(request, template, 503, data=None, error=shown_error(exc))
+            return page(request, template, data=data, error=None)
+
+        return overview
+
+    overview, overview_fragment = overview_in("overview.html"), overview_in("_overview.html")
 
     async def overview_json(request: Request) -> Response:
         try:

@@ -7,8 +7,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -151,3 +153,29 @@ def tier_records(settings: Settings) -> list[Record]:
     finally:
         source.close()
     return out
+
+
+@contextmanager
+def console_process(env: dict[str, str], log: Path, *args: str, probe: str) -> Iterator[str]:
+    """`taskq console ARGS` on a free loopback port, once `probe` (a path) answers: its base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = WorkerProcess.command(env, log, "console", *args, "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        assert proc.proc.poll() is None, proc.output()
+        try:
+            urllib.request.urlopen(url + probe, timeout=10).close()
+            return True
+        except OSError:  # not listening yet, or an HTTP error (the stack not ready)
+            return False
+
+    try:
+        wait_until(answers, timeout=60, what="the console to answer")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.close()

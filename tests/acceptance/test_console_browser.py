@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from taskq._core.envelope import PRIORITIES
 from taskq._core.settings import Settings
 from taskq.producer.admin import create_topics
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, wait_until
+from tests.acceptance.helpers import WorkerProcess, console_process, wait_until
 from tests.conftest import REPO, _all_topics
 
 webdriver = pytest.importorskip("selenium.webdriver")
@@ -101,23 +100,8 @@ def app(
 @pytest.fixture(scope="module")
 def console(app: App, env: Callable[..., dict[str, str]]) -> Iterator[str]:
     """`taskq console` as a process on a free loopback port; its base URL."""
-    port = free_port()
-    proc = WorkerProcess.command(env(), app.tmp_path / "console.log", "console", "--port", str(port))
-    url = f"http://127.0.0.1:{port}"
-
-    def answers() -> bool:
-        assert proc.proc.poll() is None, proc.output()
-        try:
-            with urllib.request.urlopen(url + "/api/overview", timeout=10) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    wait_until(answers, timeout=60, what="the console to answer")
-    yield url
-    proc.terminate()
-    proc.wait(30)
-    proc.close()
+    with console_process(env(), app.tmp_path / "console.log", probe="/api/overview") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

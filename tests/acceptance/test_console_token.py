@@ -3,44 +3,25 @@
 from __future__ import annotations
 
 import http.cookiejar
-import socket
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from taskq._core.settings import Settings
-from tests.acceptance.helpers import WorkerProcess, wait_until
+from tests.acceptance.helpers import console_process
 
 TOKEN = "s3cret-console-token"
 
 
 @pytest.fixture
-def console(env_of: Callable[..., dict[str, str]], settings: Settings, tmp_path: object) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path / "console.log"  # type: ignore[operator]
-    proc = WorkerProcess.command(
-        env_of(TASKQ_CONSOLE_TOKEN=TOKEN), log, "console", "--host", "127.0.0.1", "--port", str(port)
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def answers() -> bool:
-        assert proc.proc.poll() is None, proc.output()
-        try:
-            urllib.request.urlopen(url + "/login", timeout=10).close()
-            return True
-        except OSError:
-            return False
-
-    wait_until(answers, timeout=60, what="the console to answer")
-    yield url
-    proc.terminate()
-    proc.wait(30)
-    proc.close()
+def console(env_of: Callable[..., dict[str, str]], settings: Settings, tmp_path: Path) -> Iterator[str]:
+    env = env_of(TASKQ_CONSOLE_TOKEN=TOKEN)
+    with console_process(env, tmp_path / "console.log", "--host", "127.0.0.1", probe="/login") as url:
+        yield url
 
 
 def status(

@@ -6,6 +6,8 @@ import json
 import socket
 from typing import Any
 
+import pytest
+
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import WorkerProcess, wait_until
 
@@ -70,35 +72,27 @@ def test_a_json_worker_logs_task_fields_on_its_lines_and_the_handlers(app: App) 
     assert child["pid"] != worker.proc.pid
 
 
-def test_stats_serving_metrics_logs_only_json_lines(app: App) -> None:
+@pytest.mark.parametrize(
+    ("command", "started", "logger"),
+    [
+        (("stats", "--metrics-port"), "serving /metrics", "taskq.stats"),
+        (("console", "--port"), "http://127.0.0.1:", "taskq.console"),  # its start line and uvicorn's too
+    ],
+)
+def test_a_long_running_command_logs_only_json_lines(
+    app: App, command: tuple[str, str], started: str, logger: str
+) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    stats = WorkerProcess.command(
-        app.env_of(TASKQ_LOG_FORMAT="json"), app.tmp_path / "stats.log", "stats", "--metrics-port", str(port)
+    proc = WorkerProcess.command(
+        app.env_of(TASKQ_LOG_FORMAT="json"), app.tmp_path / f"{command[0]}.log", *command, str(port)
     )
     try:
-        wait_until(lambda: "serving /metrics" in stats.output(), timeout=60, what="stats to serve /metrics")
-        stats.terminate()
-        assert stats.wait(60) == 0, stats.output()[-3000:]
-        [serving] = [e for e in lines(stats.output()) if "serving /metrics" in e["message"]]
-        assert serving["logger"] == "taskq.stats" and serving["level"] == "INFO"
+        wait_until(lambda: started in proc.output(), timeout=60, what=f"{command[0]} to start")
+        proc.terminate()
+        assert proc.wait(60) == 0, proc.output()[-3000:]  # lines() fails on any line that is not JSON
+        [line] = [e for e in lines(proc.output()) if started in e["message"]]
+        assert line["logger"] == logger and line["level"] == "INFO"
     finally:
-        stats.close()
-
-
-def test_the_console_logs_only_json_lines(app: App) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    console = WorkerProcess.command(
-        app.env_of(TASKQ_LOG_FORMAT="json"), app.tmp_path / "console.log", "console", "--port", str(port)
-    )
-    try:
-        wait_until(lambda: "http://" in console.output(), timeout=60, what="the console to start")
-        console.terminate()
-        assert console.wait(60) == 0, console.output()[-3000:]
-        [serving] = [e for e in lines(console.output()) if f"127.0.0.1:{port}" in e["message"]]
-        assert serving["logger"] == "taskq.console" and serving["level"] == "INFO"
-    finally:
-        console.close()
+        proc.close()

@@ -269,6 +269,23 @@ def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_ke
     _finish_run(app, keys, "every key after the broker restart")
 
 
+def _assert_released_once(app: App, task_ids: set[str], *, timeout: float) -> None:
+    """Wait until the tiers hold as many released tasks as `task_ids`, then: each of them, once."""
+
+    def released() -> Counter[str] | None:
+        try:
+            counts = _released(app)
+        except Exception:
+            return None  # the broker is still coming back
+        return counts if sum(counts.values()) >= len(task_ids) else None
+
+    wait_until(released, timeout=timeout, what="every delayed task released", every=1.0)
+    counts = _released(app)
+    assert set(counts) == task_ids, f"missing {len(task_ids - set(counts))}\n{app.logs()}"
+    doubled = [t for t, c in counts.items() if c > 1]
+    assert not doubled, f"{len(doubled)} tasks released twice, e.g. {doubled[:5]}\n{app.logs()}"
+
+
 def _released(app: App) -> Counter[str]:
     """Task ids of every committed record on the priority topics, counted."""
     return Counter(Envelope.from_headers(r.headers).task_id for r in tier_records(app.settings))
@@ -303,18 +320,7 @@ def test_the_forwarder_releases_each_delayed_task_once_across_a_broker_restart(
     _alive(app)
     private_stack.run("start", "kafka")
 
-    def released() -> Counter[str] | None:
-        try:
-            counts = _released(app)
-        except Exception:
-            return None
-        return counts if sum(counts.values()) >= n else None
-
-    wait_until(released, timeout=180, what="every delayed task released", every=1.0)
-    counts = _released(app)
-    assert set(counts) == {r.task_id for r in receipts}, f"missing {n - len(counts)}\n{app.logs()}"
-    doubled = [t for t, c in counts.items() if c > 1]
-    assert not doubled, f"{len(doubled)} tasks released twice, e.g. {doubled[:5]}\n{app.logs()}"
+    _assert_released_once(app, {r.task_id for r in receipts}, timeout=180)
     _alive(app)
 
 
@@ -371,18 +377,7 @@ def test_a_forwarding_transaction_the_broker_never_answers_is_given_up_and_each_
         assert kind == "transaction_failed", (kind, data)
         private_stack.run("start", "kafka")
 
-        def released() -> Counter[str] | None:
-            try:
-                counts = _released(app)
-            except Exception:
-                return None
-            return counts if sum(counts.values()) >= n else None
-
-        wait_until(released, timeout=120, what="every delayed task released", every=1.0)
-        counts = _released(app)
-        assert set(counts) == {r.task_id for r in receipts}, f"missing {n - len(counts)}"
-        doubled = [t for t, c in counts.items() if c > 1]
-        assert not doubled, f"{len(doubled)} tasks released twice, e.g. {doubled[:5]}"
+        _assert_released_once(app, {r.task_id for r in receipts}, timeout=120)
     finally:
         forwarder.stop()
         thread.join(60)
