@@ -668,8 +668,16 @@ class Admin:
         req = {TopicPartition(t, p): OffsetSpec.latest() for t, n in counts.items() for p in range(n)}  # type: ignore[no-untyped-call]
 
         def leaders(left: float) -> None:
-            for future in self._a.list_offsets(req, request_timeout=left).values():
-                future.result()
+            try:
+                for future in self._a.list_offsets(req, request_timeout=left).values():
+                    future.result()
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if isinstance(err, KafkaError) and err.code() == KafkaError._NOENT:
+                    # The client's metadata has no leader for them yet, and it may keep that answer: a
+                    # metadata request of its own brings the leaders the broker knows by now.
+                    self._a.list_topics(timeout=max(0.1, min(left, 5.0)))
+                raise
 
         # Right after CreateTopics no partition may have a leader in the client's metadata yet: the whole
         # request then fails with "No leaders found", a state to wait out like the others.

@@ -9,6 +9,8 @@ second, acknowledged, never in the log, never claimed.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
@@ -38,3 +40,17 @@ def test_every_partition_answers_as_soon_as_create_topics_returns(base_settings:
         assert not_ready == [], f"{len(not_ready)} of {len(parts)} partitions not ready: {not_ready[:5]}"
     finally:
         Admin(s).delete_topics(names)
+
+
+def test_topics_of_many_namespaces_created_at_once_are_each_ready(base_settings: Settings, ns: str) -> None:
+    # A new client's metadata could keep "no leader" for new topics for longer than the wait: creations
+    # side by side on a busy broker failed with "No leaders found" until the client asked the broker for
+    # metadata of its own (9 of 25 in one such run).
+    namespaces = [base_settings.with_namespace(f"{ns}-{i}") for i in range(16)]
+    try:
+        with ThreadPoolExecutor(4) as pool:  # raises if any partition has no leader within the wait
+            list(pool.map(lambda s: create_topics(s, partitions=6), namespaces))
+    finally:
+        for s in namespaces:
+            t = Topics(s.namespace, s.delay_tiers)
+            Admin(s).delete_topics([*t.priority_topics, *t.delay_topics, t.dlq])
