@@ -10,6 +10,7 @@ import sys
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -109,6 +110,15 @@ def settings(base_settings: Settings, ns: str, request: pytest.FixtureRequest) -
 
     Topics get 3 partitions each, or what a `@pytest.mark.partitions(n)` on the test asks for.
     """
+    marker = request.node.get_closest_marker("partitions")
+    with namespace_settings(base_settings, ns, partitions=marker.args[0] if marker else 3) as s:
+        yield s
+
+
+@contextmanager
+def namespace_settings(base_settings: Settings, ns: str, *, partitions: int) -> Iterator[Settings]:
+    """Settings in namespace `ns` with its topics and database schema; all of it, task types included, is
+    deleted at the end."""
     s = Settings.from_env(
         {
             "TASKQ_BOOTSTRAP_SERVERS": base_settings.bootstrap_servers,
@@ -118,8 +128,7 @@ def settings(base_settings: Settings, ns: str, request: pytest.FixtureRequest) -
         namespace=ns,
         database_schema=ns,
     )
-    marker = request.node.get_closest_marker("partitions")
-    create_topics(s, partitions=marker.args[0] if marker else 3)
+    create_topics(s, partitions=partitions)
     db = Database(s.database_url, schema=s.database_schema)
     db.migrate()
     yield s

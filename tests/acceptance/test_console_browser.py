@@ -19,13 +19,11 @@ from typing import Any
 
 import pytest
 
-from taskq._core.db import Database
 from taskq._core.envelope import PRIORITIES
 from taskq._core.settings import Settings
-from taskq.producer.admin import create_topics
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import WorkerProcess, console_process, wait_until
-from tests.conftest import REPO, _all_topics
+from tests.conftest import REPO, namespace_settings
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -50,25 +48,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def mod_settings(base_settings: Settings) -> Iterator[Settings]:
     """The module's own namespace: topics (2 partitions each) and database schema."""
-    ns = "c" + uuid.uuid4().hex[:10]
-    s = Settings.from_env(
-        {
-            "TASKQ_BOOTSTRAP_SERVERS": base_settings.bootstrap_servers,
-            "TASKQ_SCHEMA_REGISTRY_URL": base_settings.schema_registry_url,
-            "TASKQ_DATABASE_URL": base_settings.database_url,
-        },
-        namespace=ns,
-        database_schema=ns,
-    )
-    create_topics(s, partitions=2)
-    db = Database(s.database_url, schema=s.database_schema)
-    db.migrate(namespace=ns)
-    yield s
-    db.drop_schema()
-    from taskq._core.kafka import Admin
-
-    admin = Admin(s)
-    admin.delete_topics(list(admin.partitions(_all_topics(s))))
+    with namespace_settings(base_settings, "c" + uuid.uuid4().hex[:10], partitions=2) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

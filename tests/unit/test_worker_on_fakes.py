@@ -66,6 +66,18 @@ def run(worker: Worker, until: Callable[[], bool], what: str) -> None:
         worker.step()
 
 
+def _redelivered(parts: Parts, first: Worker) -> Worker:
+    """`first` dies before committing; a second worker gets its records again and runs until it committed."""
+    assert first._source is not None
+    first._source.close()
+    second = parts.worker("b")
+    topics = second.topics.priority_topics
+    run(
+        second, lambda: second.idle() and not parts.broker.uncommitted(second.group, topics), "the redelivery"
+    )
+    return second
+
+
 def test_a_task_redelivered_after_its_completion_is_skipped_not_run_again() -> None:
     handlers, runs = Handlers(), []
 
@@ -78,13 +90,7 @@ def test_a_task_redelivered_after_its_completion_is_skipped_not_run_again() -> N
     parts.producer.flush()
     first = parts.worker("a", commit_interval=3600)  # never commits on its own
     run(first, lambda: "once" in parts.rows and parts.rows["once"].state == "completed", "the first run")
-    assert first._source is not None
-    first._source.close()  # dies before committing: the record is delivered again
-    second = parts.worker("b")
-    topics = second.topics.priority_topics
-    run(
-        second, lambda: second.idle() and not parts.broker.uncommitted(second.group, topics), "the redelivery"
-    )
+    second = _redelivered(parts, first)
     assert runs == [1]
     second.close()
 
@@ -107,13 +113,7 @@ def test_a_task_redelivered_after_it_was_dead_lettered_is_skipped_not_dead_lette
         lambda: "doomed" in parts.rows and parts.rows["doomed"].state == "dead" and parts.broker.records(dlq),
         "the dead-lettering",
     )
-    assert first._source is not None
-    first._source.close()  # dies before committing: the record is delivered again
-    second = parts.worker("b")
-    topics = second.topics.priority_topics
-    run(
-        second, lambda: second.idle() and not parts.broker.uncommitted(second.group, topics), "the redelivery"
-    )
+    second = _redelivered(parts, first)
     assert runs == [1]
     assert len(parts.broker.records(dlq)) == 1
     second.close()
