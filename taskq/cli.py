@@ -488,9 +488,15 @@ def cmd_db_purge(args: argparse.Namespace) -> int:
     )
     try:
         n = store.purge(ttl, keep=sorted(keep))
+        buckets, slots = store.purge_idle()
     finally:
         store.close()
-    _print(args, {"purged": n}, f"purged {n} record(s) older than {args.older_than}")
+    _print(
+        args,
+        {"purged": n, "idle_rate_buckets": buckets, "expired_slots": slots},
+        f"purged {n} record(s) older than {args.older_than}, "
+        f"{buckets} full rate bucket(s) and {slots} expired concurrency slot(s)",
+    )
     return 0
 
 

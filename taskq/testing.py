@@ -729,6 +729,22 @@ class InMemoryStore:
             b = self.buckets.setdefault(bucket, _Bucket(rate, capacity, 0.0, now))
             b.tokens, b.updated_at = 0.0, max(b.updated_at, now + seconds)
 
+    def purge_idle(self) -> tuple[int, int]:
+        """Delete buckets refilled to the brim and slots whose lease ended: (buckets, slots)."""
+        with self._lock:
+            now = self._clock()
+            full = [
+                name
+                for name, b in self.buckets.items()
+                if b.updated_at <= now and b.tokens + (now - b.updated_at) * b.rate >= b.capacity
+            ]
+            ended = [key for key, slot in self.slots.items() if slot.lease_expires_at < now]
+            for name in full:
+                del self.buckets[name]
+            for key in ended:
+                del self.slots[key]
+            return len(full), len(ended)
+
     def _holds(self, key: str, attempts: int) -> _Row | None:
         row = self.rows.get(key)
         ok = row is not None and row.state == "running" and row.lease_owner == self.owner

@@ -247,6 +247,12 @@ class Store:
             ),
         )
 
+    def purge_idle(self, namespace: str) -> tuple[int, int]:
+        """Delete full shared token buckets and the namespace's expired concurrency slots: (buckets,
+        slots)."""
+        (row,) = self.database.all("purge_idle", namespace=namespace)
+        return int(row["buckets"]), int(row["slots"])
+
     def counts(self, namespace: str) -> dict[str, int]:
         """Number of records per state."""
         return {r["state"]: int(r["n"]) for r in self.database.all("counts", namespace=namespace)}

@@ -361,6 +361,11 @@ class IdempotencyStore:
         """(tasks that needed more than one attempt, attempts beyond the first), over all workers."""
         return self._store.retries(self.namespace)
 
+    def purge_idle(self) -> tuple[int, int]:
+        """Delete shared token buckets that refilled to the brim and this namespace's concurrency slots whose
+        lease ended, rows that change nothing (each is written again on its next use): (buckets, slots)."""
+        return self._store.purge_idle(self.namespace)
+
     def counts(self) -> dict[str, int]:
         """Number of records per state."""
         return self._store.counts(self.namespace)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, SlotRequest, WorkerRecord
-from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, Pauses, WorkerRecord
+from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, Pauses, SlotRequest, WorkerRecord
+from taskq.testing import InMemoryStore
 from tests.acceptance.helpers import wait_until
 
 
@@ -276,6 +276,25 @@ def test_a_paused_bucket_grants_nothing_to_anyone_until_the_pause_ends(stores: t
     wait_until(
         lambda: b.take_tokens(short, rate=10, capacity=5, want=1)[0] == 1, timeout=10, what="the pause"
     )
+
+
+def test_purge_idle_forgets_only_full_buckets_and_ended_slots(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    full, drawn = f"{a.namespace}:full", f"{a.namespace}:drawn"
+    a.take_tokens(full, rate=1000, capacity=2, want=1)  # full again within a few ms
+    a.take_tokens(drawn, rate=0.001, capacity=5, want=4)  # refills one token in 1,000 s
+    assert a.acquire_slots([slot("held"), slot("ended", lease=0.05)]) == {"held", "ended"}
+    purged: list[tuple[int, int]] = []
+    wait_until(lambda: purged.append(a.purge_idle()) or purged[-1][1] == 1, timeout=10, what="the lease to end")
+    # Buckets are shared by every namespace of the database: other full ones may go too.
+    assert sum(buckets for buckets, _ in purged) >= 1
+    if isinstance(a, InMemoryStore):
+        assert set(a.buckets) == {drawn}
+    # The drawn bucket still holds its state: 1 token left, not a fresh bucket's 5.
+    assert b.take_tokens(drawn, rate=0.001, capacity=5, want=5)[0] == 1
+    # The held slot still counts; the ended one was gone for good anyway.
+    assert b.acquire_slots([slot("k3"), slot("k4")]) == {"k3"}
+    assert b.purge_idle()[1] == 0
 
 
 def test_a_pause_is_seen_by_every_store_of_its_namespace_until_resumed(

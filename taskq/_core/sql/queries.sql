@@ -161,6 +161,22 @@ DELETE FROM taskq_tasks WHERE ctid IN (
     LIMIT %(batch)s
 );
 
+-- name: purge_idle
+-- Forget rows that no longer say anything, so the tables stay small: shared token buckets refilled to the
+-- brim since their last use (a missing bucket starts full: the same bucket), and the namespace's concurrency
+-- slots whose lease ended (never live again). A concurrent use of a bucket changes its row first, and the
+-- delete then looks at the new row; both are written again on their next use.
+WITH buckets AS (
+    DELETE FROM taskq_rate_buckets
+    WHERE updated_at <= clock_timestamp()
+      AND tokens + EXTRACT(EPOCH FROM clock_timestamp() - updated_at) * rate >= capacity
+    RETURNING 1
+), slots AS (
+    DELETE FROM taskq_slots WHERE namespace = %(namespace)s AND lease_expires_at < clock_timestamp()
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM buckets) AS buckets, (SELECT count(*) FROM slots) AS slots;
+
 -- name: counts
 -- Records of one namespace per state, a snapshot: no locks, so it may trail concurrent claims.
 SELECT state, count(*) AS n FROM taskq_tasks WHERE namespace = %(namespace)s GROUP BY state;
