@@ -662,7 +662,11 @@ def cmd_console(args: argparse.Namespace) -> int:
     """Serve the web console until SIGINT/SIGTERM."""
     from taskq.console import serve
 
-    serve(_settings(args), host=args.host, port=args.port, token=os.environ.get("TASKQ_CONSOLE_TOKEN", ""))
+    hours = args.session_hours
+    if not 0 < hours <= 24 * 365:  # also refuses nan
+        raise ConfigurationError(f"--session-hours must be in (0, 8760], got {hours:g}")
+    token = os.environ.get("TASKQ_CONSOLE_TOKEN", "")
+    serve(_settings(args), host=args.host, port=args.port, token=token, session_hours=hours)
     return 0
 
 
@@ -990,6 +994,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="address to listen on (default: loopback; any other needs TASKQ_CONSOLE_TOKEN)",
     )
     sp.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    sp.add_argument(
+        "--session-hours",
+        type=float,
+        default=12.0,
+        help="how long a login with TASKQ_CONSOLE_TOKEN lasts (default 12)",
+    )
 
     sp = leaf(sub, "stats", cmd_stats, "tier depths, DLQ depth and idempotency records by state")
     sp.add_argument(

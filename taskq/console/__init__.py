@@ -45,8 +45,15 @@ def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080, token: str = "") -> None:
-    """Serve the console until SIGINT/SIGTERM."""
+def serve(
+    settings: Settings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    token: str = "",
+    session_hours: float = 12.0,
+) -> None:
+    """Serve the console until SIGINT/SIGTERM; a login lasts `session_hours`."""
     check_bind(host, token)
     try:
         import python_multipart  # noqa: F401  (Starlette reads forms with it, imported on first use)
@@ -62,7 +69,7 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080, toke
     console = Console(settings)
     try:
         console.start()
-        app = create_app(console, token=token)
+        app = create_app(console, token=token, session_seconds=session_hours * 3600)
         shown = f"[{host}]" if ":" in host else host
         if log.level == logging.NOTSET:
             log.setLevel(logging.INFO)  # a long-running command: its start line is shown

@@ -2,8 +2,9 @@
 
 Safety: every state-changing request carries a CSRF token equal to its cookie (double submit) and, when
 the page came from another origin, is refused; with a token set (TASKQ_CONSOLE_TOKEN) every page needs it,
-given once on the login page (kept as a cookie holding an HMAC of it, never the token itself) or as a
-bearer token.
+given once on the login page or as a bearer token. A login gives a session cookie holding its expiry and an
+HMAC of that expiry keyed by the token, never the token itself: it ends after `session_seconds` (12 h by
+default), and changing the token ends every session.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,17 +38,33 @@ from taskq.consumer.dlq import ReplayResult
 HERE = Path(__file__).resolve().parent
 SESSION_COOKIE = "taskq_console"
 CSRF_COOKIE = "taskq_csrf"
+#: How long a login lasts, by default.
+SESSION_SECONDS = 12 * 3600
 #: Pages anyone may load: the login form and the static files.
 OPEN_PATHS = ("/login", "/static/")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def create_app(console: Console, *, token: str = "") -> Starlette:
-    """The console's ASGI application over `console`; `token` (if any) guards every page."""
+def create_app(console: Console, *, token: str = "", session_seconds: float = SESSION_SECONDS) -> Starlette:
+    """The console's ASGI application over `console`; `token` (if any) guards every page, and a login lasts
+    `session_seconds`."""
     templates = Jinja2Templates(directory=str(HERE / "templates"))
-    session = hmac.new(token.encode(), b"taskq-console-session", hashlib.sha256).hexdigest() if token else ""
     settings = console.settings
+
+    def signature(expires: str) -> str:
+        message = f"taskq-console-session:{expires}".encode()
+        return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+    def new_session() -> str:
+        expires = str(int(time.time() + session_seconds))
+        return f"{expires}.{signature(expires)}"
+
+    def session_ok(cookie: str) -> bool:
+        expires, _, sig = cookie.partition(".")
+        if not expires.isdigit() or not hmac.compare_digest(sig.encode(), signature(expires).encode()):
+            return False
+        return int(expires) > time.time()
 
     def shown_error(exc: Exception) -> str:
         # Library errors may quote a setting back: never show a password, token or secret.
@@ -67,7 +85,7 @@ def create_app(console: Console, *, token: str = "") -> Starlette:
         bearer = request.headers.get("authorization", "")
         if bearer.startswith("Bearer ") and hmac.compare_digest(bearer[7:].encode(), token.encode()):
             return True
-        return hmac.compare_digest(request.cookies.get(SESSION_COOKIE, "").encode(), session.encode())
+        return session_ok(request.cookies.get(SESSION_COOKIE, ""))
 
     async def csrf_ok(request: Request) -> bool:
         """The form's CSRF token equals its cookie, and the request comes from this console's own pages."""
@@ -226,7 +244,14 @@ def create_app(console: Console, *, token: str = "") -> Starlette:
         if not token or not hmac.compare_digest(given.encode(), token.encode()):
             return page(request, "login.html", 401, error="wrong token")
         response = RedirectResponse("/", status_code=303)
-        response.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="strict")
+        response.set_cookie(
+            SESSION_COOKIE,
+            new_session(),
+            max_age=int(session_seconds),
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
         return response
 
     async def headers(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
