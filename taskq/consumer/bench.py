@@ -116,7 +116,7 @@ def scratch_namespace(
     s = replace(settings.with_namespace(f"{prefix}-{stamp}"), database_schema=f"{prefix}_{stamp}")
     topics = Topics(s.namespace, s.delay_tiers)
     db = Database(s.database_url, schema=s.database_schema)
-    broker_away = False
+    broker_away = failed = False
     try:
         try:
             create_topics(s, partitions=partitions)
@@ -125,17 +125,27 @@ def scratch_namespace(
             raise
         db.migrate(namespace=s.namespace)
         yield s
+    except BaseException:
+        failed = True
+        raise
     finally:
         if not keep:
-            if not broker_away:
-                admin = Admin(s)
-                admin.delete_topics([*topics.priority_topics, *topics.delay_topics, topics.dlq])
-                names = [s.worker_group, f"{s.namespace}.forwarder", *(f"{s.namespace}.{g}" for g in groups)]
-                try:
-                    admin.delete_groups(names)
-                except KafkaUnavailableError as exc:  # a group the broker still sees members in: it expires
-                    log.warning("%s: %s", prefix, exc)
-            db.drop_schema()
+            try:
+                if not broker_away:
+                    admin = Admin(s)
+                    admin.delete_topics([*topics.priority_topics, *topics.delay_topics, topics.dlq])
+                    names = [s.worker_group, f"{s.namespace}.forwarder"]
+                    names += [f"{s.namespace}.{g}" for g in groups]
+                    try:
+                        admin.delete_groups(names)
+                    except KafkaUnavailableError as exc:  # a group the broker still sees members in: expires
+                        log.warning("%s: %s", prefix, exc)
+                db.drop_schema()
+            except TaskqError as exc:
+                if not failed:
+                    raise
+                # The run's own error is what to report (often the same outage): the clean-up's is a warning.
+                log.warning("%s: namespace %s left behind: %s", prefix, s.namespace, exc)
 
 
 @contextmanager

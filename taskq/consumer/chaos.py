@@ -458,7 +458,12 @@ class _Monkey(threading.Thread):
             done = subprocess.run(
                 command, shell=True, capture_output=True, text=True, timeout=300, check=False
             )
-            failed = f"exit code {done.returncode}" if done.returncode else None
+            failed = None
+            if done.returncode:
+                # The command's last words say why (e.g. a broker not ready within the stack's timeout).
+                said = [line for line in done.stderr.splitlines() if line.strip()]
+                said = said or [line for line in done.stdout.splitlines() if line.strip()]
+                failed = f"exit code {done.returncode}" + (f": {said[-1].strip()[:300]}" if said else "")
         except subprocess.TimeoutExpired:
             failed = "no answer within 300s"
         self.service_runs[name] += 1
