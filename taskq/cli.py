@@ -1098,7 +1098,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args))
     except (TaskqError, SchemaError) as exc:
         # The project's own errors are the user's to fix: one line. Anything else is a bug: its traceback.
-        print(f"taskq: error: {exc}", file=sys.stderr)
+        # Some carry a library's multi-line explanation (libpq's "Is the server running ...?"): joined.
+        said = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"taskq: error: {said}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

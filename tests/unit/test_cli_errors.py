@@ -35,6 +35,17 @@ def test_a_bad_setting_is_one_line_naming_it(capsys: pytest.CaptureFixture[str])
     assert err.count("\n") == 1 and "namespace 'no spaces allowed'" in err
 
 
+def test_an_unreachable_database_is_one_line_without_its_password(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # libpq explains a refused connection on a second, tab-indented line.
+    monkeypatch.setenv("TASKQ_DATABASE_URL", "postgresql://u:pa55word@127.0.0.1:1/taskq")
+    assert cli.main(["db", "migrate"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Connection refused; Is the server running" in err, err
+    assert "pa55word" not in err
+
+
 def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(args: argparse.Namespace) -> int:
         raise ValueError("a bug, not a user's mistake")  # not a project error: no one-liner
