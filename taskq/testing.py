@@ -544,8 +544,8 @@ class InMemoryStore:
     liveness records, by worker id, shared by every store of one database (`workers=a.workers`): a key
     leased by a worker whose heartbeat is older than `stale_after` seconds on `clock`, or that was marked
     dead, is taken over by the next claim as the same attempt: a takeover, and an interruption too if its
-    run was marked started (`mark_started`). `slots` (concurrency
-    slots, by idempotency key) and `buckets` (shared token buckets, by name) are shared the same way.
+    run was marked started (`mark_started`). `slots` (concurrency slots, by idempotency key) and `buckets`
+    (shared token buckets, by name) are shared the same way.
     """
 
     def __init__(
