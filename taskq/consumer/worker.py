@@ -861,14 +861,15 @@ class Worker:
         return kept
 
     def _mark_started(self, tasks: list[_Task]) -> list[_Task]:
-        """Mark the runs of these tasks started before they start; those whose lease was lost are dropped."""
+        """Mark the runs of these tasks started before they start; those whose lease was lost are dropped
+        (all are kept, unmarked, if the store is unavailable)."""
         try:
             marked = self.store.mark_started([(t.envelope.idempotency_key, t.attempts) for t in tasks])
         except StoreUnavailableError as exc:
-            log.warning("store unavailable, holding %d task(s): %s", len(tasks), exc)
-            # Not run unmarked: held, and claimed again (their own lease answers 'running' until it expires).
-            self._held.extend(_Held(t, self._clock() + 1.0) for t in tasks)
-            return []
+            # Run unmarked rather than held: held, they would wait out their own lease and then be charged
+            # an attempt. A poison pill may kill one more worker before the DLQ, during an outage only.
+            log.warning("could not mark %d run(s) started, they run unmarked: %s", len(tasks), exc)
+            return tasks
         kept = []
         for task in tasks:
             if task.envelope.idempotency_key in marked:

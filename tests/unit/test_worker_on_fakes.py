@@ -10,6 +10,7 @@ from typing import Any
 
 from taskq import Handlers, TaskContext
 from taskq._core.envelope import Envelope
+from taskq._core.errors import StoreUnavailableError
 from taskq._core.settings import Settings
 from taskq.consumer.events import Event, TaskCompleted
 from taskq.consumer.store import ClaimRequest, WorkerRecord
@@ -203,6 +204,29 @@ def test_a_worker_marks_started_only_the_runs_of_keys_taken_over_before() -> Non
         # Had this worker died running "suspect", the takeover would count an interruption; a plain task's
         # run writes nothing before it starts.
         assert started == {"suspect": True, "plain": False}
+
+
+def test_a_run_that_cannot_be_marked_started_runs_unmarked_rather_than_wait_for_its_lease() -> None:
+    handlers, runs = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB, max_attempts=1)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        runs.append((payload["n"], ctx.attempt))
+
+    def unavailable(runs: Any) -> set[str]:
+        raise StoreUnavailableError("Postgres query 'mark_started' failed: the server closed the connection")
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        ghost = InMemoryStore(owner="ghost", clock=q.clock.time, rows=q.store.rows, workers=q.store.workers)
+        ghost.enter(WorkerRecord("ghost", "unit", "unit.workers", "h", 1, 4, datetime.now(UTC)), lambda pid: True)
+        ghost.claim([ClaimRequest("suspect", "t", "unit.Job", 300.0)])
+        q.clock.advance(11)
+        q.store.mark_started = unavailable  # type: ignore[method-assign]
+        q.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="suspect")
+        q.run_until_idle()
+        # Neither held until its lease ends nor charged an attempt for it (max_attempts=1: dead-lettered).
+        assert (runs, q.dead_letters) == ([(1, 1)], [])
+        assert q.store.get("suspect")["state"] == "completed"
 
 
 def test_an_attempt_that_lost_its_lease_records_nothing_and_the_new_holder_decides() -> None:
