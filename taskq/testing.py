@@ -496,6 +496,8 @@ class _Row:
     updated_at: float = 0.0
     completed_at: float | None = None
     interruptions: int = 0
+    takeovers: int = 0
+    started: bool = False
 
 
 @dataclass
@@ -541,8 +543,9 @@ class InMemoryStore:
     of its own, as namespaces sharing a Postgres database keep their records apart. `workers` holds the
     liveness records, by worker id, shared by every store of one database (`workers=a.workers`): a key
     leased by a worker whose heartbeat is older than `stale_after` seconds on `clock`, or that was marked
-    dead, is taken over by the next claim, as an interruption rather than an attempt. `slots` (concurrency
-    slots, by idempotency key) and `buckets` (shared token buckets, by name) are shared the same way.
+    dead, is taken over by the next claim as the same attempt: a takeover, and an interruption too if its
+    run was marked started (`mark_started`). `slots` (concurrency slots, by idempotency key) and `buckets`
+    (shared token buckets, by name) are shared the same way.
     """
 
     def __init__(
@@ -611,7 +614,8 @@ class InMemoryStore:
                 answered.add(r.idempotency_key)
                 running = row is not None and row.state == "running"
                 expired = running and row is not None and (row.lease_expires_at or 0) < now
-                # Taken over from a dead worker: an interruption, and the same attempt runs again.
+                # Taken over from a dead worker: a takeover (an interruption too if the run was marked
+                # started), and the same attempt runs again.
                 taken = (
                     running and row is not None and row.lease_owner != self.owner and row.lease_owner in dead
                 )
@@ -619,20 +623,24 @@ class InMemoryStore:
                 again = row is not None and row.state == "dead" and row.task_id != r.task_id
                 if row is None or row.state == "failed" or again or expired or taken:
                     attempts = 1 if row is None else row.attempts + (0 if taken else 1)
-                    interruptions = 0 if row is None else row.interruptions + (1 if taken else 0)
+                    takeovers = 0 if row is None else row.takeovers + (1 if taken else 0)
+                    interrupted = taken and row is not None and row.started
+                    interruptions = 0 if row is None else row.interruptions + (1 if interrupted else 0)
                     created = now if row is None else row.created_at
                     self.rows[r.idempotency_key] = _Row(
                         r.task_id, r.task_type, "running", attempts, self.owner, now + r.lease_seconds,
-                        row.last_error if row else None, None, created, now, None, interruptions,
+                        row.last_error if row else None, None, created, now, None, interruptions, takeovers,
                     )  # fmt: skip
-                    out.append(Claim(r.idempotency_key, "claimed", attempts, 0.0, interruptions))
-                elif row.state == "completed":
-                    out.append(Claim(r.idempotency_key, "completed", row.attempts, 0.0, row.interruptions))
+                    out.append(Claim(r.idempotency_key, "claimed", attempts, 0.0, interruptions, takeovers))
+                    continue
+                counts = row.interruptions, row.takeovers
+                if row.state == "completed":
+                    out.append(Claim(r.idempotency_key, "completed", row.attempts, 0.0, *counts))
                 elif row.state == "dead":
-                    out.append(Claim(r.idempotency_key, "dead", row.attempts, 0.0, row.interruptions))
+                    out.append(Claim(r.idempotency_key, "dead", row.attempts, 0.0, *counts))
                 else:
                     left = (row.lease_expires_at or now) - now
-                    out.append(Claim(r.idempotency_key, "running", row.attempts, left, row.interruptions))
+                    out.append(Claim(r.idempotency_key, "running", row.attempts, left, *counts))
         return out
 
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]:
@@ -792,6 +800,17 @@ class InMemoryStore:
                     renewed.add(key)
         return renewed
 
+    def mark_started(self, runs: Sequence[tuple[str, int]]) -> set[str]:
+        """Mark (key, attempt) runs held by this owner started; returns the keys marked (as in Postgres)."""
+        marked: set[str] = set()
+        with self._lock:
+            for key, attempts in runs:
+                row = self._holds(key, attempts)
+                if row is not None:
+                    row.started = True
+                    marked.add(key)
+        return marked
+
     @contextmanager
     def _connection(self) -> Iterator[Any]:
         """The handler's connection (from `connect`, or one that says it is missing): rolled back if the
@@ -867,7 +886,9 @@ class InMemoryStore:
                 "task_type": row.task_type,
                 "state": row.state,
                 "attempts": row.attempts,
+                "takeovers": row.takeovers,
                 "interruptions": row.interruptions,
+                "started": row.started,
                 "lease_owner": row.lease_owner,
                 "lease_expires_at": at(row.lease_expires_at),
                 "last_error": row.last_error,
@@ -883,7 +904,8 @@ class InMemoryStore:
             row = self.rows.get(idempotency_key)
             if row is None or row.state != "dead":
                 return False
-            row.state, row.attempts, row.interruptions, row.updated_at = "failed", 0, 0, self._clock()
+            row.state, row.attempts, row.updated_at = "failed", 0, self._clock()
+            row.takeovers = row.interruptions = 0
             return True
 
     def purge(self, ttl_seconds: float, *, batch: int = 10_000, keep: Sequence[str] = ()) -> int:

@@ -48,7 +48,8 @@ class Claim:
     """The store's answer: run it (claimed, with its attempt number), skip it (completed, or dead-lettered
     already as this very task), or hold it.
 
-    `interruptions`: runs of the key taken over from workers that died (not counted in `attempts`).
+    `takeovers`: claims of the key taken over from workers that died, whether their runs had started or were
+    claimed ahead (not counted in `attempts`); `interruptions`: those of runs marked started.
     """
 
     idempotency_key: str
@@ -56,6 +57,7 @@ class Claim:
     attempts: int
     lease_left: float = 0.0
     interruptions: int = 0
+    takeovers: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +177,7 @@ class Store:
                     int(row["attempts"] or 0),
                     float(row["lease_left"] or 0.0),
                     int(row["interruptions"] or 0),
+                    int(row["takeovers"] or 0),
                 )
             )
         return out
@@ -225,6 +228,17 @@ class Store:
             keys=[k for k, _, _ in leases],
             attempts=[a for _, a, _ in leases],
             leases=[s for _, _, s in leases],
+            owner=owner,
+        )
+        return {r["idempotency_key"] for r in rows}
+
+    def mark_started(self, namespace: str, owner: str, runs: Sequence[tuple[str, int]]) -> set[str]:
+        """Mark started the (key, attempt) runs held by `owner`; returns the keys marked."""
+        rows = self.database.all(
+            "mark_started",
+            namespace=namespace,
+            keys=[k for k, _ in runs],
+            attempts=[a for _, a in runs],
             owner=owner,
         )
         return {r["idempotency_key"] for r in rows}

@@ -88,6 +88,7 @@ class TaskStore(Protocol):
     def finish(self, finished: Sequence[Finished]) -> set[str]: ...
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]: ...
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]: ...
+    def mark_started(self, runs: Sequence[tuple[str, int]]) -> set[str]: ...
     def pauses(self) -> Pauses: ...
     def transaction(
         self, idempotency_key: str, attempts: int, result: Any = None
@@ -163,6 +164,11 @@ class IdempotencyStore:
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]:
         """Extend (key, attempt, seconds from now) leases; returns the keys renewed (the others were lost)."""
         return self._store.renew(self.namespace, self.owner, leases) if leases else set()
+
+    def mark_started(self, runs: Sequence[tuple[str, int]]) -> set[str]:
+        """Mark (key, attempt) runs started, so that their worker's death counts as an interruption; returns
+        the keys marked (the others' leases were lost)."""
+        return self._store.mark_started(self.namespace, self.owner, runs) if runs else set()
 
     def pause(self, kind: str, name: str) -> bool:
         """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""

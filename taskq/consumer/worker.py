@@ -92,14 +92,25 @@ class GroupRolledBack(TaskqError):
     """The attempt's group commit was rolled back because of another attempt in it; it runs again."""
 
 
-def max_interruptions(max_attempts: int) -> int:
-    """Takeovers from dead workers after which a key is dead-lettered as a poison pill, unrun.
+def max_worker_deaths(max_attempts: int) -> int:
+    """Runs ended with their worker's death after which a key is dead-lettered as a poison pill, unrun.
 
     A task merely in flight (or claimed ahead) on a worker that died is not charged an attempt; but a task
     that kills every worker running it must still end in the DLQ: after max_attempts runs, and never after
     one death alone, so a single crash never dead-letters a healthy task with max_attempts=1.
     """
     return max(max_attempts, 2)
+
+
+def worker_deaths(claim: Claim) -> int:
+    """Runs of a key that ended with their worker's death, as far as the store can tell.
+
+    Each interruption (a takeover of a run marked started) is one. So is the first takeover: a key's first
+    run is never marked (plain tasks write nothing before they start), so that run may have started. Other
+    takeovers, of keys merely claimed ahead in a buffer, are none: a key taken over before is marked
+    started before it runs.
+    """
+    return claim.interruptions + 1 if claim.takeovers else 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +188,7 @@ class _Task:
     tier: Priority
     attempts: int = 0
     claimed_at: float = 0.0
+    suspect: bool = False  # taken over from a dead worker before: its run is marked started first
     grouped: bool = False  # runs in a group commit
     gate: Gate | None = None  # the concurrency slot and rate bucket of a limited task type
     recorded: bool = False  # the completion was recorded inside the handler's transaction
@@ -763,9 +775,17 @@ class Worker:
         waited = [t for job in jobs for t in job if t.claimed_at < stale]
         # Limited tasks waiting for their key keep their claims: renewed as they age, as the others at start.
         parked = [t for t in waiting if t.gate is not None and t.claimed_at < stale]
+        lost: set[int] = set()
         if waited or parked:
             # One statement renews every long-waiting task of this dispatch; those not renewed are dropped.
             lost = {id(t) for t in waited + parked} - {id(t) for t in self._renew(waited, parked)}
+        suspects = [t for job in jobs for t in job if t.suspect and id(t) not in lost]
+        if suspects:
+            # Keys taken over before may be poison pills: their runs are marked started before they start, so
+            # that this worker's death counts as an interruption. One statement for the dispatch, and only
+            # after a worker died: the run of a plain key writes nothing before it starts.
+            lost |= {id(t) for t in suspects} - {id(t) for t in self._mark_started(suspects)}
+        if lost:
             for job in jobs:
                 for t in job:
                     if id(t) in lost:
@@ -840,6 +860,28 @@ class Worker:
                 self._done(task)
         return kept
 
+    def _mark_started(self, tasks: list[_Task]) -> list[_Task]:
+        """Mark the runs of these tasks started before they start; those whose lease was lost are dropped
+        (all are kept, unmarked, if the store is unavailable)."""
+        try:
+            marked = self.store.mark_started([(t.envelope.idempotency_key, t.attempts) for t in tasks])
+        except StoreUnavailableError as exc:
+            # Run unmarked rather than held: held, they would wait out their own lease and then be charged
+            # an attempt. A poison pill may kill one more worker before the DLQ, during an outage only.
+            log.warning("could not mark %d run(s) started, they run unmarked: %s", len(tasks), exc)
+            return tasks
+        kept = []
+        for task in tasks:
+            if task.envelope.idempotency_key in marked:
+                kept.append(task)
+            else:
+                # Taken over before it started: the worker holding the lease now decides this key.
+                log.warning(
+                    "task %s: lease taken over before it started", task.envelope.task_id, extra=_fields(task)
+                )
+                self._done(task)
+        return kept
+
     def _release(self, tasks: list[_Task]) -> None:
         """Give back the claims of buffered tasks that will not start here: their keys are free at once."""
         if not tasks:
@@ -869,14 +911,14 @@ class Worker:
                 task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill"
             )
             return
-        if claim.interruptions >= max_interruptions(max_attempts):
+        deaths = worker_deaths(claim)
+        if deaths >= max_worker_deaths(max_attempts):
             # A poison pill too: its runs keep killing their workers (each taken over from a dead worker).
             self._finish_dead(
-                task,
-                f"gave up after {claim.interruptions} run(s) ended with their worker's death",
-                "taskq.PoisonPill",
+                task, f"gave up after {deaths} run(s) ended with their worker's death", "taskq.PoisonPill"
             )
             return
+        task.suspect = claim.takeovers > 0
         self._scheduler.push(task.tier, task)
 
     def _start(self, task: _Task) -> None:

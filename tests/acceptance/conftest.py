@@ -81,10 +81,11 @@ class App:
         assert not missing, f"{len(missing)} keys never ran, e.g. {sorted(missing)[:5]}\n{self.logs()}"
 
     def close(self) -> None:
-        """Stop every worker and the producer."""
+        """Stop every worker and the producer, and close the database."""
         for w in self.workers:
             w.close()
         self.producer.close()
+        self.db.close()  # the kept connection, if a test ran named queries on it (`Store(app.db)`)
 
     def logs(self) -> str:
         """Every worker's output, for failure messages."""

@@ -129,10 +129,11 @@ def test_a_task_that_kills_its_worker_every_time_ends_in_the_dlq_while_restarts_
             app.spawn("--concurrency", "2")  # the supervisor's restart
         time.sleep(0.2)
     # Max attempts is 2: two workers died running it. Each restart took the key over from its dead
-    # predecessor as an interruption, not an attempt; the second interruption parked it unrun.
+    # predecessor as the same attempt; the second run was marked started (the key had been taken over), so
+    # its death counted an interruption, and the first run's death with it parked the key unrun.
     assert deaths == 2, app.logs()
-    row = app.query("SELECT attempts, interruptions FROM taskq_tasks WHERE idempotency_key = 'poison'")
-    assert row == [{"attempts": 1, "interruptions": 2}], row
+    row = app.query("SELECT attempts, takeovers, interruptions FROM taskq_tasks WHERE idempotency_key = 'poison'")
+    assert row == [{"attempts": 1, "takeovers": 2, "interruptions": 1}], row
     wait_until(
         lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
         timeout=90,
@@ -164,8 +165,10 @@ def test_a_poison_pill_under_a_restarting_supervisor_reaches_the_dlq_within_a_mi
         return app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = 'poison'")
 
     wait_until(lambda: state() == "dead", timeout=60, what=f"the poison pill in the DLQ\n{app.logs()}")
-    row = app.query("SELECT attempts, interruptions, last_error FROM taskq_tasks WHERE idempotency_key = 'poison'")
-    assert (row[0]["attempts"], row[0]["interruptions"]) == (1, 3), row
+    row = app.query(
+        "SELECT attempts, takeovers, interruptions, last_error FROM taskq_tasks WHERE idempotency_key = 'poison'"
+    )
+    assert (row[0]["attempts"], row[0]["takeovers"], row[0]["interruptions"]) == (1, 3, 2), row
     assert "3 run(s) ended with their worker's death" in row[0]["last_error"], row
     wait_until(
         lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),

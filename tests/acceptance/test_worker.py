@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from taskq._core.envelope import PRIORITIES
+from taskq._core.store import Store
 from taskq.producer.admin import create_topics
 from taskq.producer.producer import TaskSpec
 from tests.acceptance.conftest import App
@@ -157,6 +158,44 @@ def test_keys_of_a_killed_worker_run_again_elsewhere_within_15_s_whatever_their_
     states = app.query("SELECT state, count(*) AS n, max(attempts) AS attempts FROM taskq_tasks GROUP BY state")
     assert states == [{"state": "completed", "n": len(keys), "attempts": 1}], states  # none dead-lettered
     wait_until(lambda: all_committed(app.settings), timeout=60, what="the group to commit every offset")
+
+
+def test_tasks_claimed_ahead_on_two_killed_workers_run_once_with_one_attempt(app: App) -> None:
+    # Hold has max_attempts=1. Its type is paused, so each worker claims its tasks ahead and holds them in
+    # its buffer, unstarted: two such workers killed in turn must leave them to run, not dead-lettered.
+    keys = [f"a{i:02d}" for i in range(12)]
+    for k in keys:
+        app.producer.enqueue(app.type("Hold"), {"key": k, "seconds": 0.0}, idempotency_key=f"hold:{k}")
+    app.producer.flush(30)
+    store = Store(app.db)
+    store.pause(app.ns, "task_type", app.type("Hold"))
+
+    def held_by(w: WorkerProcess) -> int:
+        return int(
+            app.scalar(
+                "SELECT count(*) FROM taskq_tasks WHERE state = 'running' AND lease_owner LIKE %s",
+                f"%:{w.proc.pid}:%",
+            )
+        )
+
+    for _ in range(2):
+        w = app.spawn("--concurrency", "2", "--no-forwarder")
+        wait_until(
+            lambda w=w: held_by(w) == len(keys), timeout=60, what=f"a worker to claim them all\n{app.logs()}"
+        )
+        w.kill()  # kill -9: the next worker takes its keys over at once (it finds the process gone)
+    store.resume(app.ns, "task_type", app.type("Hold"))
+    app.spawn("--concurrency", "2", "--no-forwarder")
+    wait_until(
+        lambda: app.scalar("SELECT count(*) FROM taskq_tasks WHERE state <> 'running'") == len(keys),
+        timeout=60,
+        what=f"every Hold task to end\n{app.logs()}",
+    )
+    rows = app.query(
+        "SELECT state, attempts, takeovers, interruptions, count(*) AS n FROM taskq_tasks GROUP BY 1, 2, 3, 4"
+    )
+    assert rows == [{"state": "completed", "attempts": 1, "takeovers": 2, "interruptions": 0, "n": len(keys)}]
+    app.assert_once_each(keys)
 
 
 def test_tiers_share_one_slot_by_weight_without_starving_low(app: App) -> None:

@@ -162,7 +162,7 @@ def worker(owner: str, pid: int = 1_000_001, host: str = "host-1", later: float 
     return WorkerRecord(owner, "ns", "ns.workers", host, pid, 4, datetime.now(UTC) + timedelta(seconds=later))
 
 
-def test_a_key_leased_by_a_worker_whose_heartbeat_is_stale_is_taken_over_as_an_interruption(
+def test_a_key_leased_by_a_worker_whose_heartbeat_is_stale_is_taken_over_as_the_same_attempt(
     stores: tuple[Any, Any],
 ) -> None:
     a, b = stores
@@ -176,13 +176,47 @@ def test_a_key_leased_by_a_worker_whose_heartbeat_is_stale_is_taken_over_as_an_i
         timeout=10,
         what="a's heartbeat to go stale",
     )
-    # Not charged an attempt: the same attempt runs again, counted as an interruption.
-    assert (taken.attempts, taken.interruptions) == (1, 1)
+    # Not charged an attempt: the same attempt runs again, counted as a takeover (a never marked it started).
+    assert (taken.attempts, taken.takeovers, taken.interruptions) == (1, 1, 0)
     assert a.finish([Finished("k", 1, "completed")]) == {"k"}  # presumed dead: a records nothing
     row = b.get("k")
-    assert (row["lease_owner"], row["attempts"], row["interruptions"]) == ("b", 1, 1)
+    assert (row["lease_owner"], row["attempts"], row["takeovers"]) == ("b", 1, 1)
     assert b.finish([Finished("k", 1, "dead", error="x")]) == set()
-    assert b.reset_for_replay("k") and b.get("k")["interruptions"] == 0
+    assert b.reset_for_replay("k") and b.get("k")["takeovers"] == 0
+
+
+def test_a_takeover_counts_as_an_interruption_only_when_the_dead_worker_had_marked_the_run_started(
+    stores: tuple[Any, Any],
+) -> None:
+    a, b = stores
+    a.enter(worker("a"), lambda pid: True)
+    b.enter(worker("b"), lambda pid: True)
+    a.stale_after = b.stale_after = 0.3  # seconds; neither beats any more
+
+    def take(store: Any) -> Any:
+        return wait_until(
+            lambda: next((c for c in store.claim([req("k")]) if c.outcome == "claimed"), None),
+            timeout=10,
+            what="the owner's heartbeat to go stale",
+        )
+
+    a.claim([req("k", lease=300)])
+    # a claimed the key ahead and died without starting it (a plain run marks nothing either): a takeover.
+    assert (take(b).takeovers, b.get("k")["interruptions"]) == (1, 0)
+    # b claimed it ahead too, and died before starting it: a second takeover, still no interruption.
+    taken = take(a)
+    assert (taken.attempts, taken.takeovers, taken.interruptions) == (1, 2, 0)
+    assert b.mark_started([("k", 1)]) == set()  # only the lease holder's current attempt is marked
+    assert a.mark_started([("k", 2)]) == set()
+    assert a.mark_started([("k", 1)]) == {"k"} and a.get("k")["started"] is True
+    # a dies while running it: that run is known to have started.
+    taken = take(b)
+    assert (taken.attempts, taken.takeovers, taken.interruptions) == (1, 3, 1)
+    row = b.get("k")
+    assert (row["lease_owner"], row["takeovers"], row["interruptions"], row["started"]) == ("b", 3, 1, False)
+    assert b.finish([Finished("k", 1, "dead", error="x")]) == set()
+    assert b.reset_for_replay("k")
+    assert (b.get("k")["takeovers"], b.get("k")["interruptions"]) == (0, 0)
 
 
 def test_a_worker_that_beats_keeps_its_keys_and_its_own_stale_record_never_frees_them_for_itself(
@@ -224,7 +258,7 @@ def test_a_starting_worker_marks_dead_the_gone_processes_of_its_host_and_takes_t
     # Pid 111 is gone from host-1; host-2's pid 111 is not ours to judge, nor a worker started after b.
     assert marked == {"a"}
     (taken,) = b.claim([req("k")])
-    assert (taken.outcome, taken.attempts, taken.interruptions) == ("claimed", 1, 1)
+    assert (taken.outcome, taken.attempts, taken.takeovers) == ("claimed", 1, 1)
     assert b.enter(worker("b", pid=222, later=1), lambda pid: pid == 222) == set()  # marked once
     a.beat(worker("a", pid=111), 0)  # a was alive after all: its record revives, its lost lease stays lost
     assert a.finish([Finished("k", 1, "completed")]) == {"k"}

@@ -442,3 +442,41 @@ def test_migrating_keeps_older_records_under_the_namespace_of_the_migrating_proc
     finally:
         db.close()
         db.drop_schema()
+
+
+def test_migrating_to_takeovers_keeps_each_key_as_near_the_poison_pill_rule_as_it_was(
+    base_settings: Settings,
+) -> None:
+    # A database as 0008 left it: every takeover from a dead worker counted as an interruption.
+    from taskq._core.db import migrations
+
+    db = Database(base_settings.database_url, schema="t" + uuid.uuid4().hex[:10])
+    try:
+        with db.connection() as conn:
+            conn.execute(f'CREATE SCHEMA "{db.schema}"')
+            conn.execute(
+                "CREATE TABLE taskq_migrations (version integer PRIMARY KEY, name text NOT NULL, "
+                "applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            for version, name, sql in migrations()[:8]:
+                conn.execute(sql.encode())
+                conn.execute("INSERT INTO taskq_migrations (version, name) VALUES (%s, %s)", (version, name))
+            conn.execute(
+                "INSERT INTO taskq_tasks (namespace, idempotency_key, task_id, task_type, state, attempts, "
+                "interruptions) VALUES ('shop', 'never', 't1', 't', 'completed', 1, 0), "
+                "('shop', 'once', 't2', 't', 'completed', 1, 1), ('shop', 'twice', 't3', 't', 'dead', 1, 2)"
+            )
+        assert "0009_takeovers" in db.migrate(namespace="shop")
+        with db.connection() as conn:
+            rows = conn.execute(
+                "SELECT idempotency_key, takeovers, interruptions, started FROM taskq_tasks ORDER BY 1"
+            ).fetchall()
+        # The rule counts the first takeover plus the interruptions: 0, 1 and 2 runs, as before.
+        assert [(r["idempotency_key"], r["takeovers"], r["interruptions"], r["started"]) for r in rows] == [
+            ("never", 0, 0, False),
+            ("once", 1, 0, False),
+            ("twice", 2, 1, False),
+        ]
+    finally:
+        db.close()
+        db.drop_schema()

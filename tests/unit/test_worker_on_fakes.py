@@ -10,6 +10,7 @@ from typing import Any
 
 from taskq import Handlers, TaskContext
 from taskq._core.envelope import Envelope
+from taskq._core.errors import StoreUnavailableError
 from taskq._core.settings import Settings
 from taskq.consumer.events import Event, TaskCompleted
 from taskq.consumer.store import ClaimRequest, WorkerRecord
@@ -149,16 +150,83 @@ def test_keys_of_a_dead_worker_run_at_once_uncharged_unless_their_runs_keep_kill
         ghost = InMemoryStore(owner="ghost", clock=q.clock.time, rows=q.store.rows, workers=q.store.workers)
         ghost.enter(WorkerRecord("ghost", "unit", "unit.workers", "h", 1, 4, datetime.now(UTC)), lambda pid: True)
         ghost.claim([ClaimRequest(k, "t", "unit.Job", 300.0) for k in ("healthy", "pill")])
-        q.store.rows["pill"].interruptions = 1
+        # The ghost had taken "pill" over from a worker it killed, so it marked its own run started.
+        q.store.rows["pill"].takeovers, q.store.rows["pill"].started = 1, True
         q.clock.advance(11)  # the ghost's heartbeat is stale: no lease waited out
         q.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="healthy")
         q.producer.enqueue("unit.Job", {"n": 2}, idempotency_key="pill")
         q.run_until_idle()
         assert runs == [(1, 1)]  # taken over as the same attempt: max_attempts=1 still lets it run
-        assert (q.store.get("healthy")["state"], q.store.get("healthy")["interruptions"]) == ("completed", 1)
+        row = q.store.get("healthy")
+        assert (row["state"], row["takeovers"], row["interruptions"]) == ("completed", 1, 0)
         (dead,) = q.dead_letters
         assert dead.idempotency_key == "pill" and dead.error_type == "taskq.PoisonPill"
         assert "2 run(s) ended with their worker's death" in dead.reason
+
+
+def test_a_healthy_task_claimed_ahead_by_two_workers_that_died_runs_with_one_attempt() -> None:
+    handlers, runs = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB, max_attempts=1)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        runs.append((payload["n"], ctx.attempt))
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        # Two workers in turn claimed the key ahead (it sat in their buffers, never started) and died.
+        for name in ("ghost-1", "ghost-2"):
+            ghost = InMemoryStore(owner=name, clock=q.clock.time, rows=q.store.rows, workers=q.store.workers)
+            ghost.enter(WorkerRecord(name, "unit", "unit.workers", "h", 1, 4, datetime.now(UTC)), lambda pid: True)
+            ghost.claim([ClaimRequest("healthy", "t", "unit.Job", 300.0)])
+            q.clock.advance(11)  # its heartbeat goes stale
+        q.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="healthy")
+        q.run_until_idle()
+        assert q.dead_letters == []
+        assert runs == [(1, 1)]
+        row = q.store.get("healthy")
+        assert (row["state"], row["takeovers"], row["interruptions"]) == ("completed", 2, 0)
+
+
+def test_a_worker_marks_started_only_the_runs_of_keys_taken_over_before() -> None:
+    handlers, started = Handlers(), {}
+
+    @handlers.task("unit.Job", schema=JOB, max_attempts=1)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        started[ctx.idempotency_key] = q.store.get(ctx.idempotency_key)["started"]
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        ghost = InMemoryStore(owner="ghost", clock=q.clock.time, rows=q.store.rows, workers=q.store.workers)
+        ghost.enter(WorkerRecord("ghost", "unit", "unit.workers", "h", 1, 4, datetime.now(UTC)), lambda pid: True)
+        ghost.claim([ClaimRequest("suspect", "t", "unit.Job", 300.0)])
+        q.clock.advance(11)
+        q.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="suspect")
+        q.producer.enqueue("unit.Job", {"n": 2}, idempotency_key="plain")
+        q.run_until_idle()
+        # Had this worker died running "suspect", the takeover would count an interruption; a plain task's
+        # run writes nothing before it starts.
+        assert started == {"suspect": True, "plain": False}
+
+
+def test_a_run_that_cannot_be_marked_started_runs_unmarked_rather_than_wait_for_its_lease() -> None:
+    handlers, runs = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB, max_attempts=1)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        runs.append((payload["n"], ctx.attempt))
+
+    def unavailable(runs: Any) -> set[str]:
+        raise StoreUnavailableError("Postgres query 'mark_started' failed: the server closed the connection")
+
+    with InMemoryQueue(handlers, namespace="unit") as q:
+        ghost = InMemoryStore(owner="ghost", clock=q.clock.time, rows=q.store.rows, workers=q.store.workers)
+        ghost.enter(WorkerRecord("ghost", "unit", "unit.workers", "h", 1, 4, datetime.now(UTC)), lambda pid: True)
+        ghost.claim([ClaimRequest("suspect", "t", "unit.Job", 300.0)])
+        q.clock.advance(11)
+        q.store.mark_started = unavailable  # type: ignore[method-assign]
+        q.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="suspect")
+        q.run_until_idle()
+        # Neither held until its lease ends nor charged an attempt for it (max_attempts=1: dead-lettered).
+        assert (runs, q.dead_letters) == ([(1, 1)], [])
+        assert q.store.get("suspect")["state"] == "completed"
 
 
 def test_an_attempt_that_lost_its_lease_records_nothing_and_the_new_holder_decides() -> None:

@@ -34,9 +34,10 @@ ON CONFLICT (name) DO UPDATE SET
 -- Claim idempotency keys of one namespace for one attempt each, in one round trip. A key is claimed when it
 -- is new, failed (or replayed), dead for a task other than the one dead-lettered (a new enqueue of the key),
 -- running under an expired lease, or running under the lease of a worker presumed dead: its liveness record is stale or marked dead (invariant 9). Claiming counts the attempt
--- before the task runs, so a task that kills its worker still uses up its attempts; but a run taken over
--- from a dead worker is counted as an interruption, not as an attempt (a worker holds the keys it claimed
--- ahead too, and those never ran): it keeps its attempt number. Taking over stays safe if the owner was in
+-- before the task runs, so a task that kills its worker still uses up its attempts; but a key taken over
+-- from a dead worker keeps its attempt number (a worker holds the keys it claimed ahead too, and those never
+-- ran). Such a claim counts a takeover, and an interruption only if the dead worker had marked the run
+-- started (mark_started); `started` is reset by every claim. Taking over stays safe if the owner was in
 -- fact alive, since only the lease holder's current attempt may complete. Rows of completed keys and of
 -- keys leased by a live worker come back with their state so the worker can skip or hold them; so do dead keys
 -- asked for by the task that was dead-lettered: a redelivery of it (its offset was not committed before its
@@ -59,9 +60,13 @@ WITH input AS (
         attempts = CASE WHEN t.state = 'running' AND t.lease_owner <> %(owner)s
                              AND t.lease_owner IN (SELECT worker_id FROM dead_workers)
                         THEN t.attempts ELSE t.attempts + 1 END,
+        takeovers = CASE WHEN t.state = 'running' AND t.lease_owner <> %(owner)s
+                              AND t.lease_owner IN (SELECT worker_id FROM dead_workers)
+                         THEN t.takeovers + 1 ELSE t.takeovers END,
         interruptions = CASE WHEN t.state = 'running' AND t.lease_owner <> %(owner)s
-                                  AND t.lease_owner IN (SELECT worker_id FROM dead_workers)
+                                  AND t.lease_owner IN (SELECT worker_id FROM dead_workers) AND t.started
                              THEN t.interruptions + 1 ELSE t.interruptions END,
+        started = false,
         task_id = EXCLUDED.task_id,
         lease_owner = EXCLUDED.lease_owner,
         lease_expires_at = EXCLUDED.lease_expires_at,
@@ -70,11 +75,12 @@ WITH input AS (
        OR (t.state = 'dead' AND t.task_id <> EXCLUDED.task_id)
        OR (t.state = 'running' AND t.lease_expires_at < clock_timestamp())
        OR (t.state = 'running' AND t.lease_owner <> %(owner)s AND t.lease_owner IN (SELECT worker_id FROM dead_workers))
-    RETURNING t.idempotency_key, t.attempts, t.interruptions
+    RETURNING t.idempotency_key, t.attempts, t.takeovers, t.interruptions
 )
 SELECT i.idempotency_key,
        CASE WHEN c.idempotency_key IS NOT NULL THEN 'claimed' ELSE t.state END AS outcome,
        COALESCE(c.attempts, t.attempts) AS attempts,
+       COALESCE(c.takeovers, t.takeovers) AS takeovers,
        COALESCE(c.interruptions, t.interruptions) AS interruptions,
        t.lease_owner,
        EXTRACT(EPOCH FROM t.lease_expires_at - clock_timestamp()) AS lease_left
@@ -84,7 +90,7 @@ LEFT JOIN claimed c ON c.idempotency_key = i.idempotency_key
 -- the lookup a subquery of its own). A plain join is planned as a scan of the whole table while the table
 -- is new and unanalyzed, and such a plan is kept while the table grows.
 LEFT JOIN LATERAL (
-    SELECT state, attempts, interruptions, lease_owner, lease_expires_at FROM taskq_tasks k
+    SELECT state, attempts, takeovers, interruptions, lease_owner, lease_expires_at FROM taskq_tasks k
     WHERE k.namespace = %(namespace)s AND k.idempotency_key = i.idempotency_key OFFSET 0
 ) t ON true;
 
@@ -139,16 +145,27 @@ WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
 
+-- name: mark_started
+-- Mark the runs about to start of keys taken over before (a plain key's run writes nothing): should their
+-- worker die now, the takeover counts an interruption, and a poison pill reaches the DLQ. Only the lease
+-- holder's current attempt is marked; a key whose lease was taken over meanwhile is not (and must not run).
+UPDATE taskq_tasks t SET started = true
+FROM unnest(%(keys)s::text[], %(attempts)s::int[]) AS c(idempotency_key, attempts)
+WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+  AND t.idempotency_key = c.idempotency_key
+  AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
+RETURNING t.idempotency_key;
+
 -- name: reset_for_replay
 -- A DLQ replay starts the key's attempts over; a completed key stays completed (no second effect).
-UPDATE taskq_tasks SET attempts = 0, interruptions = 0, state = 'failed', updated_at = clock_timestamp()
+UPDATE taskq_tasks SET attempts = 0, takeovers = 0, interruptions = 0, state = 'failed', updated_at = clock_timestamp()
 WHERE namespace = %(namespace)s AND idempotency_key = %(key)s AND state = 'dead'
 RETURNING idempotency_key;
 
 -- name: get
 -- One key's record; a plain read that takes no row locks and sees committed changes only.
-SELECT idempotency_key, task_id, task_type, state, attempts, interruptions, lease_owner, lease_expires_at,
-       last_error, result, created_at, updated_at, completed_at
+SELECT idempotency_key, task_id, task_type, state, attempts, takeovers, interruptions, started, lease_owner,
+       lease_expires_at, last_error, result, created_at, updated_at, completed_at
 FROM taskq_tasks WHERE namespace = %(namespace)s AND idempotency_key = %(key)s;
 
 -- name: purge
