@@ -702,15 +702,20 @@ class Worker:
 
     def _dispatch(self) -> None:
         """Start claimed tasks in weighted order, one slot each; transactional tasks ready together share
-        a slot and a transaction (group commit), the buffered ones spread over the free slots."""
+        a slot and a transaction (group commit), in as few groups as GROUP_MAX allows."""
         free = self.executor.free_slots()
         if not free or not len(self._scheduler):
             return
         # At most half of what is buffered goes into the groups of one dispatch: the rest, and what is
-        # fetched meanwhile, keeps the weighted order deciding what runs next.
-        per_group = max(1, min(GROUP_MAX, len(self._scheduler) // (2 * free)))
+        # fetched meanwhile, keeps the weighted order deciding what runs next. That half goes into as few
+        # groups as GROUP_MAX allows, not one per free slot: a group's transaction, completion statement
+        # and commit are shared by more attempts.
+        half = len(self._scheduler) // 2
+        groups = min(free, -(-half // GROUP_MAX)) if half > free else free
+        per_group = min(GROUP_MAX, -(-half // groups)) if half > free else 1
         jobs: list[list[_Task]] = []
         group: list[_Task] = []
+        opened = 0
         # Ordered tasks whose key is held by an earlier task, and limited tasks whose key has no slot or
         # token now: they keep their place in the buffer, and the tasks behind them go by.
         waiting: list[_Task] = []
@@ -737,11 +742,12 @@ class Worker:
                 self._hold_key(task)
                 continue
             if not group or len(group) >= per_group:
-                if len(jobs) >= free:
+                if len(jobs) >= free or opened >= groups:
                     self._scheduler.push_front(task.tier, task)
                     break
                 group = []
                 jobs.append(group)
+                opened += 1
             group.append(task)
             self._hold_key(task)
         gated = [t for job in jobs for t in job if t.gate is not None]
