@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from functools import cache
 from types import FrameType
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -192,6 +193,12 @@ class _Held:
 def _key(task: _Task) -> tuple[TP, bytes | None]:
     """What an ordered task type serializes on: its partition and message key."""
     return task.record.tp, task.record.key
+
+
+@cache
+def _task_logger(task_type: str) -> logging.Logger:
+    """The logger a task type's handlers get (`ctx.logger`): looked up once per type, not per task."""
+    return logging.getLogger(f"taskq.task.{task_type}")
 
 
 def _fields(task: _Task) -> dict[str, Any]:
@@ -931,7 +938,7 @@ class Worker:
             idempotency_key=env.idempotency_key,
             priority=env.priority,
             headers=dict(task.record.headers),
-            logger=logging.getLogger(f"taskq.task.{env.task_type}"),
+            logger=_task_logger(env.task_type),
         )
 
     def _start_group(self, tasks: list[_Task]) -> None:
