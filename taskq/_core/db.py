@@ -69,6 +69,11 @@ class _Queries(ABC):
         """Run a named query; returns its row count."""
         return self._run(name, params, lambda cur: cur.rowcount)
 
+    def send(self, name: str, /, **params: object) -> _Cursor:
+        """Send a named query on a connection in pipeline mode without waiting: read the returned cursor's
+        rows once the pipeline has synced (a server-side error is raised by the sync)."""
+        return self._run(name, params, lambda cur: cur)
+
 
 #: The kept connection runs only the named queries, each written to reach its rows by key. On a new table
 #: without statistics the planner picks sequential scans and nested loops over them (a completion batch of

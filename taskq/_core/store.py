@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -186,15 +186,16 @@ class Store:
         self, namespace: str, owner: str, done: Sequence[Finished], *, tx: Transaction | None = None
     ) -> set[str]:
         """Record completions held by `owner`'s lease, in `tx` if given; returns the keys recorded."""
-        rows = (tx or self.database).all(
-            "complete",
-            namespace=namespace,
-            keys=[f.idempotency_key for f in done],
-            attempts=[f.attempts for f in done],
-            results=[_result_json(f.result) for f in done],
-            owner=owner,
-        )
+        rows = (tx or self.database).all("complete", **_complete_params(namespace, owner, done))
         return {r["idempotency_key"] for r in rows}
+
+    def send_complete(
+        self, namespace: str, owner: str, done: Sequence[Finished], *, tx: Transaction
+    ) -> Callable[[], set[str]]:
+        """Send completions in `tx`, whose connection is in pipeline mode; once the pipeline has synced,
+        the returned call gives the keys recorded (those held by `owner`'s lease)."""
+        cursor = tx.send("complete", **_complete_params(namespace, owner, done))
+        return lambda: {r["idempotency_key"] for r in cursor.fetchall()}
 
     def fail(self, namespace: str, owner: str, failed: Sequence[Finished]) -> set[str]:
         """Record failed or dead attempts held by `owner`'s lease; returns the keys recorded."""
@@ -456,6 +457,16 @@ class Store:
     def periodic_list(self, namespace: str) -> list[Row]:
         """Every periodic task of a namespace a scheduler has seen: name, schedule, catch_up, last_slot."""
         return self.database.all("periodic_list", namespace=namespace)
+
+
+def _complete_params(namespace: str, owner: str, done: Sequence[Finished]) -> dict[str, object]:
+    return {
+        "namespace": namespace,
+        "keys": [f.idempotency_key for f in done],
+        "attempts": [f.attempts for f in done],
+        "results": [_result_json(f.result) for f in done],
+        "owner": owner,
+    }
 
 
 def _result_json(result: Any) -> str | None:

@@ -232,8 +232,13 @@ class IdempotencyStore:
     def _run_members(self, conn: Connection, members: Sequence[Member], *, answer_each: bool) -> bool:
         """One pass of `run_group`; False if it was rolled back for a statement that failed at the server
         (only when not `answer_each`)."""
-        with conn.transaction():  # the group's transaction, committed on a clean exit
-            with conn.pipeline() as pipeline:
+        committing = False
+        with conn.pipeline() as pipeline:
+            # The group's transaction, its BEGIN and COMMIT sent with the group's statements: two round trips
+            # a group (its statements and completions answered together, then the commit), where
+            # `conn.transaction()` would sync the pipeline on entry and exit. Committed on a clean exit.
+            with psycopg.Transaction(conn):
+                savepoints = conn.cursor()  # one cursor for every member's savepoint: none built per member
                 for i, member in enumerate(members):
                     if isinstance(member.error, NotStarted) or member.skip():
                         member.error = member.error or NotStarted(f"{member.idempotency_key}: not started")
@@ -244,7 +249,7 @@ class IdempotencyStore:
                     # name: a rollback to the savepoint of a member whose statements the server skipped fails,
                     # where a shared name would roll back an earlier member's failed writes and hide them.
                     savepoint = f"taskq_member_{i}"
-                    conn.execute(f"SAVEPOINT {savepoint}")
+                    savepoints.execute(f"SAVEPOINT {savepoint}", prepare=False)
                     try:
                         member.result = member.call(conn)
                         if answer_each:
@@ -258,26 +263,32 @@ class IdempotencyStore:
                         member.error = exc
                         if answer_each:
                             _answer(conn, pipeline)  # statements it left queued: their errors are its own
-                        conn.execute(f"ROLLBACK TO SAVEPOINT {savepoint}")
+                        savepoints.execute(f"ROLLBACK TO SAVEPOINT {savepoint}", prepare=False)
                         if answer_each:
                             pipeline.sync()
                     member.seconds = time.monotonic() - started
-                if not answer_each and (
-                    not _answer(conn, pipeline) or any(isinstance(m.error, psycopg.Error) for m in members)
-                ):
-                    # Delivery guarantee: a server-side failure in an unanswered pipeline may belong to any
-                    # member, so nothing of this pass is kept; the caller runs the group one member at a time.
+                # Delivery guarantee: a server-side failure in an unanswered pipeline may belong to any member
+                # (a handler may have seen another's error), so nothing of this pass is kept; the caller runs
+                # the group again one member at a time.
+                if not answer_each and any(isinstance(m.error, psycopg.Error) for m in members):
                     raise psycopg.Rollback
-            ok = [m for m in members if m.error is None]
-            done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]
-            tx = Transaction(self.database, conn)
-            recorded = self._store.complete(self.namespace, self.owner, done, tx=tx)
-            lost = frozenset(f.idempotency_key for f in done) - recorded
-            if lost:
-                # Raised inside the transaction: every member's writes roll back with it.
-                raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
-            return True
-        return False
+                ok = [m for m in members if m.error is None]
+                done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]
+                recorded: Callable[[], set[str]] = set
+                if done:
+                    tx = Transaction(self.database, conn)
+                    recorded = self._store.send_complete(self.namespace, self.owner, done, tx=tx)
+                if answer_each:
+                    pipeline.sync()  # members were answered one by one: a failure here is the completions'
+                elif not _answer(conn, pipeline):
+                    raise psycopg.Rollback
+                lost = frozenset(f.idempotency_key for f in done) - recorded()
+                if lost:
+                    # Raised inside the transaction: every member's writes roll back with it.
+                    raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
+                committing = True
+        # Leaving the pipeline sent the COMMIT and waited for it: a failed commit raised the driver's error.
+        return committing
 
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]:
         """Write the worker's liveness record, and mark dead the workers of its host started before it whose

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from functools import cache
 from types import FrameType
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -204,6 +205,12 @@ class _Held:
 def _key(task: _Task) -> tuple[TP, bytes | None]:
     """What an ordered task type serializes on: its partition and message key."""
     return task.record.tp, task.record.key
+
+
+@cache
+def _task_logger(task_type: str) -> logging.Logger:
+    """The logger a task type's handlers get (`ctx.logger`): looked up once per type, not per task."""
+    return logging.getLogger(f"taskq.task.{task_type}")
 
 
 def _fields(task: _Task) -> dict[str, Any]:
@@ -714,15 +721,20 @@ class Worker:
 
     def _dispatch(self) -> None:
         """Start claimed tasks in weighted order, one slot each; transactional tasks ready together share
-        a slot and a transaction (group commit), the buffered ones spread over the free slots."""
+        a slot and a transaction (group commit), in as few groups as GROUP_MAX allows."""
         free = self.executor.free_slots()
         if not free or not len(self._scheduler):
             return
         # At most half of what is buffered goes into the groups of one dispatch: the rest, and what is
-        # fetched meanwhile, keeps the weighted order deciding what runs next.
-        per_group = max(1, min(GROUP_MAX, len(self._scheduler) // (2 * free)))
+        # fetched meanwhile, keeps the weighted order deciding what runs next. That half goes into as few
+        # groups as GROUP_MAX allows, not one per free slot: a group's transaction, completion statement
+        # and commit are shared by more attempts.
+        half = len(self._scheduler) // 2
+        groups = min(free, -(-half // GROUP_MAX)) if half > free else free
+        per_group = min(GROUP_MAX, -(-half // groups)) if half > free else 1
         jobs: list[list[_Task]] = []
         group: list[_Task] = []
+        opened = 0
         # Ordered tasks whose key is held by an earlier task, and limited tasks whose key has no slot or
         # token now: they keep their place in the buffer, and the tasks behind them go by.
         waiting: list[_Task] = []
@@ -749,11 +761,12 @@ class Worker:
                 self._hold_key(task)
                 continue
             if not group or len(group) >= per_group:
-                if len(jobs) >= free:
+                if len(jobs) >= free or opened >= groups:
                     self._scheduler.push_front(task.tier, task)
                     break
                 group = []
                 jobs.append(group)
+                opened += 1
             group.append(task)
             self._hold_key(task)
         gated = [t for job in jobs for t in job if t.gate is not None]
@@ -967,7 +980,7 @@ class Worker:
             idempotency_key=env.idempotency_key,
             priority=env.priority,
             headers=dict(task.record.headers),
-            logger=logging.getLogger(f"taskq.task.{env.task_type}"),
+            logger=_task_logger(env.task_type),
         )
 
     def _start_group(self, tasks: list[_Task]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -349,6 +350,28 @@ def test_transactional_tasks_ready_together_share_a_group_and_a_raising_one_fail
     assert len({id(c) for c in connections}) == 4
     assert sorted(k for k, row in parts.rows.items() if row.state == "completed") == ["k0", "k1", "k2", "k4", "k5"]
     assert parts.rows["k3"].state == "dead"
+    w.close()
+
+
+def test_a_deep_buffer_goes_into_few_large_groups_not_one_per_free_slot() -> None:
+    handlers, connections = Handlers(), []
+
+    @handlers.task("unit.Job", schema=JOB, transactional=True)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        connections.append(ctx.db)  # kept alive, so no two connections share an id
+
+    parts = Parts(handlers)
+    for n in range(12):
+        parts.producer.enqueue("unit.Job", {"n": n}, idempotency_key=f"k{n}")
+    parts.producer.flush()
+    w = parts.worker("a", concurrency=4)
+    for _ in range(50):
+        w.step()
+        if len(connections) == 12 and w.idle():
+            break
+    # Twelve ready tasks, four free slots: half of them in one group of six, not four groups of one.
+    assert max(Counter(id(c) for c in connections).values()) == 6
+    assert len([k for k, row in parts.rows.items() if row.state == "completed"]) == 12
     w.close()
 
 
