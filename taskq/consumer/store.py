@@ -277,7 +277,16 @@ class IdempotencyStore:
                 recorded: Callable[[], set[str]] = set
                 if done:
                     tx = Transaction(self.database, conn)
-                    recorded = self._store.send_complete(self.namespace, self.owner, done, tx=tx)
+                    try:
+                        recorded = self._store.send_complete(self.namespace, self.owner, done, tx=tx)
+                    except StoreUnavailableError:
+                        # The driver reads answers as they arrive: a member's failed statement answered by
+                        # now is raised here, while sending the completions. Unless the connection is gone,
+                        # that is a member's failure like any other: this pass is dropped and rerun.
+                        if answer_each or conn.broken or conn.closed:
+                            raise
+                        _answer(conn, pipeline)
+                        raise psycopg.Rollback from None
                 if answer_each:
                     pipeline.sync()  # members were answered one by one: a failure here is the completions'
                 elif not _answer(conn, pipeline):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import threading
 import uuid
 from collections.abc import Iterator
@@ -376,6 +377,24 @@ def test_a_member_not_started_stays_so_when_its_group_runs_again(db: Database) -
     store.run_group(members)
     assert [type(m.error).__name__ for m in members] == ["InvalidTextRepresentation", "NotStarted"]
     assert _group_effects(db) == [] and store.get("b")["state"] == "running"
+    store.close()
+
+
+def test_a_failure_that_comes_back_while_the_completions_are_sent_reruns_the_group(db: Database) -> None:
+    # The driver reads answers as they arrive: a member's failed statement answered before the group's
+    # completions go out is raised while sending them. It is a member's failure like any other: the group
+    # runs again member by member, and the others complete.
+    store = _group_store(db)
+
+    def bad_then_answered(conn: Any) -> None:
+        conn.execute("INSERT INTO group_effects (k) VALUES ('a'::int::text)")
+        # Wait until the server's answer (the error) is on the socket.
+        select.select([conn.pgconn.socket], [], [], 10)
+
+    members = [Member("b", 1, _insert("b")), Member("a", 1, bad_then_answered)]  # the last member fails
+    store.run_group(members)
+    assert [type(m.error).__name__ for m in members] == ["NoneType", "InvalidTextRepresentation"]
+    assert _group_effects(db) == ["b"] and store.get("b")["state"] == "completed"
     store.close()
 
 
