@@ -168,7 +168,7 @@ class AsyncTaskProducer:
             except psycopg.Error as exc:
                 raise producer._stage_failed(exc) from exc
             return accepted.receipts()
-        if not wait:
+        if not wait or not accepted.tasks:  # an empty batch has nothing to wait for
             producer._send(accepted, None)
             return accepted.receipts()
         future: asyncio.Future[list[tuple[Receipt, str | None]]] = loop.create_future()

@@ -677,7 +677,7 @@ class TaskProducer:
             self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
             return accepted.receipts()
         accepted = self._accept(batch)
-        if not wait:
+        if not wait or not accepted.tasks:  # an empty batch has nothing to wait for
             self._send(accepted, None)
             self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
             return accepted.receipts()
