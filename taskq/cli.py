@@ -279,16 +279,22 @@ def cmd_bench_ceiling(args: argparse.Namespace) -> int:
             data["consume_claim_complete_commit_per_s"],
             f"(the ceiling of a worker; {data['completed']} completions recorded)",
         ),
-        row("raw produce, acks=all", data["raw_produce_per_s"]),
+        row(
+            "raw produce, acks=all",
+            data["raw_produce_per_s"],
+            f"(CPU {data['raw_produce_cpu_us']:.1f} us/task)",
+        ),
         row(
             "TaskProducer.enqueue, same records",
             data["task_producer_per_s"],
-            f"({data['task_producer_fraction']:.0%} of raw produce)",
+            f"({data['task_producer_fraction']:.0%} of raw produce; "
+            f"CPU {data['task_producer_cpu_us']:.1f} us/task)",
         ),
         row(
             "TaskProducer.enqueue_many, 500 a call",
             data["task_producer_bulk_per_s"],
-            f"({data['task_producer_bulk_fraction']:.0%} of raw produce)",
+            f"({data['task_producer_bulk_fraction']:.0%} of raw produce; "
+            f"CPU {data['task_producer_bulk_cpu_us']:.1f} us/task)",
         ),
     ]
     if "worker" in data:
