@@ -224,26 +224,42 @@ class _Reports:
 
 
 class _Failures:
-    """The one delivery callback of a batch nobody waits for: it hears only of failures."""
+    """The one delivery callback of a batch nobody waits for: it hears only of failures.
 
-    __slots__ = ("_accepted", "_producer", "_reported")
+    In-flight records keep it alive until their reports, so it keeps little: the task ids and types, and
+    for a batch of more than one the topic, value and key that tell its records apart (a failed record comes
+    back without its headers)."""
+
+    __slots__ = ("_producer", "_tasks")
 
     def __init__(self, producer: TaskProducer, accepted: _Accepted) -> None:
         self._producer = producer
-        self._accepted = accepted
-        self._reported: set[int] = set()
+        tasks = accepted.tasks
+        if len(tasks) == 1:
+            self._tasks: list[tuple[str, str, str, bytes | None, bytes | None]] = [
+                (tasks[0][0], tasks[0][2], "", None, None)
+            ]
+        else:
+            self._tasks = [
+                (task_id, task_type, topic, value, key)
+                for (task_id, _, task_type, _), (topic, value, key, _) in zip(
+                    tasks, accepted.records, strict=True
+                )
+            ]
 
     def __call__(self, err: str, record: Record) -> None:
-        # A failed record comes back without its headers: it is found by topic, key and value, and records
-        # equal in all three are told apart by reporting each one once.
-        found = (record.topic, record.value, record.key)
-        for i, (topic, value, key, _) in enumerate(self._accepted.records):
-            if (topic, value, key) == found and i not in self._reported:
-                self._reported.add(i)
-                task_id, _, task_type, _ = self._accepted.tasks[i]
-                self._producer._undelivered(task_id, task_type, err)
-                return
-        self._producer._undelivered("?", "?", err)
+        tasks = self._tasks
+        found = 0
+        if len(tasks) > 1:
+            # Records equal in topic, value and key are told apart by reporting each one once.
+            target = (record.topic, record.value, record.key)
+            found = next((i for i, t in enumerate(tasks) if (t[2], t[3], t[4]) == target), -1)
+        if found < 0:
+            self._producer._undelivered("?", "?", err)
+            return
+        task_id, task_type, _, _, _ = tasks[found]
+        tasks[found] = (task_id, task_type, "", None, None)  # reported: matches no record any more
+        self._producer._undelivered(task_id, task_type, err)
 
 
 def _settled(outcomes: Sequence[tuple[Receipt, str | None]]) -> list[Receipt]:
