@@ -782,13 +782,8 @@ class TaskProducer:
                 out, idem = record(
                     tt, route, spec.payload, spec.idempotency_key, spec.key, task_id, enqueued_at
                 )
-            except (
-                PayloadValidationError,
-                PayloadTooLargeError,
-                InvalidTaskError,
-                InvalidPriorityError,
-            ) as e:
-                raise _in_batch(e, i, n) from None
+            except _REFUSED_TASK as exc:
+                raise _in_batch(exc, i, n) from None
             if spec.extra_headers:
                 out[3].extend(spec.extra_headers)
             records.append(out)

@@ -334,8 +334,8 @@ def _writer_of(schema: Any, named: Mapping[str, Any], seen: frozenset[str]) -> W
         return lambda v: _long(len(v)) + b"".join([items(x) for x in v]) + b"\x00" if v else b"\x00"
     if kind == "map":
         values = _writer_of(schema["values"], named, seen)
-        return (
-            lambda v: _long(len(v)) + b"".join([_string(k) + values(x) for k, x in v.items()]) + b"\x00"
+        return lambda v: (
+            _long(len(v)) + b"".join([_string(k) + values(x) for k, x in v.items()]) + b"\x00"
             if v
             else b"\x00"
         )
