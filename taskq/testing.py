@@ -26,12 +26,22 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from itertools import count
 from typing import Any, TypeVar
 
 from taskq._core.envelope import Headers, Topics
 from taskq._core.errors import KafkaUnavailableError, RecordTooLargeError, TaskqError
-from taskq._core.kafka import TP, TRANSACTION_TIMEOUT, DeliveryCallback, Record, RecordSource, TopicSpec
+from taskq._core.kafka import (
+    TP,
+    TRANSACTION_TIMEOUT,
+    BatchCallback,
+    DeliveryCallback,
+    OutRecord,
+    Record,
+    RecordSource,
+    TopicSpec,
+)
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import DeadLetters, DlqRecord, parse_record
 from taskq.consumer.events import Event, TaskCompleted
@@ -378,6 +388,22 @@ class _Sink:
                 self._txn.append((topic, key, value, list(headers)))
                 return
             self._queued.append((topic, partition, key, value, list(headers), on_delivery))
+
+    def send_many(
+        self,
+        records: Iterable[OutRecord],
+        *,
+        on_delivery: BatchCallback | None = None,
+        on_failure: Callable[[str, Record], None] | None = None,  # never called, as in send()
+    ) -> None:
+        for i, (topic, value, key, headers) in enumerate(records):
+            self.send(
+                topic,
+                value,
+                key=key,
+                headers=headers,
+                on_delivery=None if on_delivery is None else partial(on_delivery, i),
+            )
 
     def poll(self, timeout: float = 0.0) -> int:
         with self._broker._lock:

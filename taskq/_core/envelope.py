@@ -76,8 +76,14 @@ class Topics:
         return {self.tier(p): p for p in PRIORITIES}
 
 
-def _ms(t: datetime) -> bytes:
+def ms_header(t: datetime) -> bytes:
+    """A time as a header value: milliseconds since the epoch."""
     return str(int(t.timestamp() * 1000)).encode()
+
+
+def timeout_header(seconds: float) -> bytes:
+    """A timeout as a header value: seconds."""
+    return repr(float(seconds)).encode()
 
 
 def _from_ms(name: str, raw: bytes) -> datetime:
@@ -124,6 +130,17 @@ def new_task_id() -> str:
 
 
 H = "taskq-"  # header prefix; the envelope is the headers starting with it plus `traceparent`
+#: The envelope's header names, built once: the producer's hot path builds headers from them too.
+TASK_ID: Final = H + "task-id"
+TASK_TYPE: Final = H + "task-type"
+IDEMPOTENCY_KEY: Final = H + "idempotency-key"
+PRIORITY: Final = H + "priority"
+ATTEMPT: Final = H + "attempt"
+ENQUEUED_AT: Final = H + "enqueued-at"
+ORIGIN_TOPIC: Final = H + "origin-topic"
+MAX_ATTEMPTS_HEADER: Final = H + "max-attempts"
+NOT_BEFORE: Final = H + "not-before"
+TIMEOUT: Final = H + "timeout"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,20 +162,20 @@ class Envelope:
     def to_headers(self) -> Headers:
         """Kafka headers carrying this envelope."""
         h: Headers = [
-            (H + "task-id", self.task_id.encode()),
-            (H + "task-type", self.task_type.encode()),
-            (H + "idempotency-key", self.idempotency_key.encode()),
-            (H + "priority", self.priority.encode()),
-            (H + "attempt", str(self.attempt).encode()),
-            (H + "enqueued-at", _ms(self.enqueued_at)),
-            (H + "origin-topic", self.origin_topic.encode()),
+            (TASK_ID, self.task_id.encode()),
+            (TASK_TYPE, self.task_type.encode()),
+            (IDEMPOTENCY_KEY, self.idempotency_key.encode()),
+            (PRIORITY, self.priority.encode()),
+            (ATTEMPT, str(self.attempt).encode()),
+            (ENQUEUED_AT, ms_header(self.enqueued_at)),
+            (ORIGIN_TOPIC, self.origin_topic.encode()),
         ]
         if self.max_attempts is not None:
-            h.append((H + "max-attempts", str(self.max_attempts).encode()))
+            h.append((MAX_ATTEMPTS_HEADER, str(self.max_attempts).encode()))
         if self.not_before is not None:
-            h.append((H + "not-before", _ms(self.not_before)))
+            h.append((NOT_BEFORE, ms_header(self.not_before)))
         if self.timeout is not None:
-            h.append((H + "timeout", repr(float(self.timeout)).encode()))
+            h.append((TIMEOUT, timeout_header(self.timeout)))
         if self.traceparent:
             h.append(("traceparent", self.traceparent.encode()))
         return h

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from confluent_kafka import (
@@ -56,6 +57,10 @@ _TRANSACTION_GRACE = 5.0
 Headers = list[tuple[str, bytes]]
 #: Called once per produced record with None or an error text, from the producer's poll.
 DeliveryCallback = Callable[[str | None, "Record | None"], None]
+#: A batch's delivery report: (index of the record in the batch, error or None, the record if acknowledged).
+BatchCallback = Callable[[int, str | None, "Record | None"], None]
+#: A record to send: topic, value, key, headers.
+OutRecord = tuple[str, bytes | None, bytes | None, Headers]
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,13 +347,60 @@ class Sink:
                 # The local queue is full: serve delivery reports to make room, never drop the record.
                 self._p.poll(0.05)
             except KafkaException as exc:
-                err = exc.args[0] if exc.args else None
-                if isinstance(err, KafkaError) and err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                    size = len(value or b"") + len(key or b"") + sum(len(k) + len(v) for k, v in headers)
-                    raise RecordTooLargeError(
-                        f"producing to {topic}: a record of {size} bytes is too large"
-                    ) from exc
-                raise _wrap(f"producing to {topic}", exc) from exc
+                raise self._refused(topic, value, key, headers, exc) from exc
+
+    def send_many(
+        self,
+        records: Iterable[OutRecord],
+        *,
+        on_delivery: BatchCallback | None = None,
+        on_failure: Callable[[str, Record], None] | None = None,
+    ) -> None:
+        """Queue records in order, with the least work per record: `on_delivery(i, error, record)` hears of
+        the i-th record's acknowledgement or failure; `on_failure(error, record)` instead only of failures
+        (one callback shared by the whole batch)."""
+        shared: Callable[[KafkaError | None, Message], None] | None = None
+        if on_delivery is not None:
+
+            def report(i: int, err: KafkaError | None, msg: Message) -> None:
+                if err is None:
+                    on_delivery(i, None, _record(msg))
+                else:
+                    on_delivery(i, self._failure(err), None)
+
+        elif on_failure is not None:
+            # One small object per batch: in-flight records keep their callback alive until their report,
+            # and the fewer objects they keep, the less the garbage collector has to walk meanwhile.
+            shared = partial(self._failed, on_failure)
+
+        produce = self._p.produce
+        for i, (topic, value, key, headers) in enumerate(records):
+            cb = shared if on_delivery is None else partial(report, i)
+            while True:
+                try:
+                    # The client's stubs want a list of str | bytes | None values; bytes are what it sends.
+                    produce(topic, value, key, on_delivery=cb, headers=headers)  # type: ignore[arg-type]
+                    break
+                except BufferError:
+                    # The local queue is full: serve delivery reports to make room, never drop the record.
+                    self._p.poll(0.05)
+                except KafkaException as exc:
+                    raise self._refused(topic, value, key, headers, exc) from exc
+
+    def _failed(
+        self, on_failure: Callable[[str, Record], None], err: KafkaError | None, msg: Message
+    ) -> None:
+        if err is not None:
+            on_failure(self._failure(err), _record(msg))
+
+    def _refused(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: Headers, exc: KafkaException
+    ) -> KafkaUnavailableError:
+        err = exc.args[0] if exc.args else None
+        if isinstance(err, KafkaError) and err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+            size = len(value or b"") + len(key or b"") + sum(len(k) + len(v) for k, v in headers)
+            return RecordTooLargeError(f"producing to {topic}: a record of {size} bytes is too large")
+        return _wrap(f"producing to {topic}", exc)
 
     def _failure(self, err: KafkaError) -> str:
         if err.code() == KafkaError._MSG_TIMED_OUT:
@@ -819,6 +871,13 @@ class RecordSink(Protocol):
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
         on_failure: Callable[[str], None] | None = None,
+    ) -> None: ...
+    def send_many(
+        self,
+        records: Iterable[OutRecord],
+        *,
+        on_delivery: BatchCallback | None = None,
+        on_failure: Callable[[str, Record], None] | None = None,
     ) -> None: ...
     def poll(self, timeout: float = 0.0) -> int: ...
     def flush(self, timeout: float | None = None) -> int: ...

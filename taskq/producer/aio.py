@@ -13,16 +13,16 @@ import asyncio
 import contextlib
 import contextvars
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, overload
 
 import psycopg
 
 from taskq._core.errors import KafkaAuthenticationError, ProducerClosedError
 from taskq._core.settings import Settings
-from taskq.producer.producer import Receipt, TaskProducer, TaskSpec, _settled
+from taskq.producer.producer import Receipt, TaskProducer, TaskSpec, _Bulk, _settled
 
 __all__ = ["AsyncTaskProducer"]
 
@@ -78,63 +78,113 @@ class AsyncTaskProducer:
     ) -> Receipt:
         """Enqueue one task (see TaskProducer.enqueue); with wait, until the broker acknowledges it; with
         `conn` (an async psycopg connection in an open transaction), staged in the outbox through it."""
-        spec = TaskSpec(
+        batch = _Bulk(
             task_type=task_type,
-            payload=payload,
+            payloads=[payload],
+            idempotency_keys=None if idempotency_key is None else (idempotency_key,),
+            keys=None if key is None else (key,),
             priority=priority,
-            idempotency_key=idempotency_key,
-            key=key,
             delay=delay,
             at=at,
             max_attempts=max_attempts,
             timeout=timeout,
         )
-        return (await self.enqueue_many([spec], wait=wait, conn=conn))[0]
+        return (await self._enqueue(batch, wait, conn))[0]
 
+    @overload
     async def enqueue_many(
         self,
         tasks: Iterable[TaskSpec],
+        /,
         *,
         wait: bool = False,
         conn: psycopg.AsyncConnection[Any] | None = None,
+    ) -> list[Receipt]: ...
+
+    @overload
+    async def enqueue_many(
+        self,
+        task_type: str,
+        payloads: Iterable[Mapping[str, Any]],
+        /,
+        *,
+        priority: str = "normal",
+        idempotency_keys: Sequence[str] | None = None,
+        keys: Sequence[str | bytes | None] | None = None,
+        delay: timedelta | float | datetime | None = None,
+        at: datetime | None = None,
+        max_attempts: int | None = None,
+        timeout: float | timedelta | None = None,
+        wait: bool = False,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+    ) -> list[Receipt]: ...
+
+    async def enqueue_many(
+        self,
+        tasks: Iterable[TaskSpec] | str,
+        payloads: Iterable[Mapping[str, Any]] | None = None,
+        /,
+        *,
+        priority: str = "normal",
+        idempotency_keys: Sequence[str] | None = None,
+        keys: Sequence[str | bytes | None] | None = None,
+        delay: timedelta | float | datetime | None = None,
+        at: datetime | None = None,
+        max_attempts: int | None = None,
+        timeout: float | timedelta | None = None,
+        wait: bool = False,
+        conn: psycopg.AsyncConnection[Any] | None = None,
     ) -> list[Receipt]:
-        """Enqueue a batch: every task is validated first, so an invalid one means none is sent. With
-        `conn`, staged in the outbox inside that connection's transaction (see TaskProducer.enqueue_many)."""
+        """Enqueue a batch, `enqueue_many(task_type, payloads, ...)` or `enqueue_many(tasks)`, as
+        TaskProducer.enqueue_many does: every task is validated first, so an invalid one means none is sent;
+        with `wait`, until the broker acknowledged them all; with `conn`, staged in the outbox inside that
+        connection's transaction."""
+        batch = self._producer._batch(
+            tasks, payloads, priority, idempotency_keys, keys, delay, at, max_attempts, timeout
+        )
+        return await self._enqueue(batch, wait, conn)
+
+    async def _enqueue(
+        self,
+        batch: _Bulk | list[TaskSpec],
+        wait: bool,
+        conn: psycopg.AsyncConnection[Any] | None,
+    ) -> list[Receipt]:
         producer = self._producer
-        specs = list(tasks)
         loop = asyncio.get_running_loop()
         if conn is not None:
             producer._check_stageable(wait)
-        if producer._may_block(specs):
+        if producer._may_block(batch):
             # In the caller's context, so an enqueue's span is a child of the caller's current span.
-            prepared = await loop.run_in_executor(
-                None, contextvars.copy_context().run, producer._accept, specs
+            accepted = await loop.run_in_executor(
+                None, contextvars.copy_context().run, producer._accept, batch
             )
         else:
-            prepared = producer._accept(specs)
+            accepted = producer._accept(batch)
         if conn is not None:
-            statement, params, receipts = producer._staged(prepared, specs)
+            statement, params = producer._staged(accepted)
             try:
                 await conn.execute(statement, params)
             except psycopg.Error as exc:
                 raise producer._stage_failed(exc) from exc
-            return receipts
-        if not wait:
-            return producer._send(prepared, specs, None)
-        futures: list[asyncio.Future[tuple[Receipt, str | None]]] = [loop.create_future() for _ in specs]
+            return accepted.receipts()
+        if not wait or not accepted.tasks:  # an empty batch has nothing to wait for
+            producer._send(accepted, None)
+            return accepted.receipts()
+        future: asyncio.Future[list[tuple[Receipt, str | None]]] = loop.create_future()
 
-        def settle(i: int, receipt: Receipt, err: str | None) -> None:
-            # Called by the polling thread (or by a poll on the loop): hand the outcome to the loop.
+        def done(outcomes: list[tuple[Receipt, str | None]]) -> None:
+            # Called by the polling thread (or by a poll on the loop), once for the whole batch.
             try:
-                loop.call_soon_threadsafe(_resolve, futures[i], (receipt, err))
+                loop.call_soon_threadsafe(_resolve, future, outcomes)
             except RuntimeError:  # the loop is closed: nobody awaits this future any more
                 pass
 
-        producer._send(prepared, specs, settle)
-        waiting = (loop, tuple(futures))
+        producer._send(accepted, done)
+        waiting = (loop, (future,))
         self._waiting.add(waiting)
         try:
-            return _settled(await asyncio.gather(*futures))
+            return _settled(await future)
         finally:
             self._waiting.discard(waiting)
 
@@ -167,6 +217,8 @@ def _fail(futures: tuple[asyncio.Future[Any], ...], exc: BaseException) -> None:
             future.set_exception(exc)
 
 
-def _resolve(future: asyncio.Future[tuple[Receipt, str | None]], outcome: tuple[Receipt, str | None]) -> None:
+def _resolve(
+    future: asyncio.Future[list[tuple[Receipt, str | None]]], outcomes: list[tuple[Receipt, str | None]]
+) -> None:
     if not future.done():  # a cancelled waiter leaves its future done
-        future.set_result(outcome)
+        future.set_result(outcomes)

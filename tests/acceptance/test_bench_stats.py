@@ -113,6 +113,9 @@ def test_bench_ceiling_claims_and_completes_every_task(
     for name in ("consume_commit_per_s", "consume_claim_complete_commit_per_s", "raw_produce_per_s"):
         assert data[name] > 0, name
     assert data["task_producer_fraction"] > 0
+    # enqueue_many sent the same tasks again, every one acknowledged.
+    assert data["produced_bulk"] == 200 and data["task_producer_bulk_fraction"] > 0
+    assert data["task_producer_cpu_us"] > 0 and data["task_producer_bulk_cpu_us"] > 0
     assert data["worker"]["completed"] == 200 and data["worker_fraction"] > 0
     _assert_namespace_gone(settings, data["namespace"])
     _assert_namespace_gone(settings, data["worker"]["namespace"])

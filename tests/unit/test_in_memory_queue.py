@@ -96,3 +96,16 @@ def test_ordered_tasks_of_a_key_take_effect_in_enqueue_order_through_retries() -
     assert len(failed_once) == 9  # seq 1, 5 and 9 of each account failed once and ran again
     for account in ("a", "b", "c"):
         assert [seq for acc, seq in effects if acc == account] == list(range(12))
+
+
+def test_a_batch_is_acknowledged_task_by_task_and_an_empty_one_at_once() -> None:
+    handlers = Handlers()
+
+    @handlers.task("shop.Send", schema=SEND)
+    def send(payload: dict[str, Any], ctx: TaskContext) -> None:
+        return None
+
+    with InMemoryQueue(handlers) as q:
+        receipts = q.producer.enqueue_many("shop.Send", [{"to": "a"}, {"to": "b"}], keys=["k", "k"], wait=True)
+        assert [r.offset for r in receipts] == [0, 1] and receipts[0].partition == receipts[1].partition
+        assert q.producer.enqueue_many("shop.Send", [], wait=True) == []  # nothing to wait for

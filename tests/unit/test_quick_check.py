@@ -138,3 +138,23 @@ def test_nested_containers_are_checked_item_by_item() -> None:
     for tags, attrs in itertools.product((["a", 1], ["a", "b"]), ({"k": 1, "j": "x"}, {"k": 1})):
         payload = dict(VALID, tags=tags, attrs=attrs)
         assert check(payload) == accepted(payload)
+
+
+@pytest.mark.parametrize("field", list(VALID))
+def test_the_compiled_writer_writes_what_fastavro_writes(field: str) -> None:
+    check, write = avro.compile_check(SCHEMA), avro.compile_writer(SCHEMA)
+    assert check is not None and write is not None
+    written = 0
+    for value in [*CANDIDATES, "ünïcode", -(2**63), 2**40, -(2**20), 1e300, ["a", "b" * 200], {"a": 1, "b": -2}]:
+        payload = {**VALID, field: value}
+        if check(payload):  # the writer is used only for what the quick test passes
+            assert write(payload) == avro.encode(SCHEMA, payload), (field, value)
+            written += 1
+    assert written > 0
+
+
+def test_schemas_the_quick_test_does_not_cover_get_no_compiled_writer() -> None:
+    timestamp = {"type": "long", "logicalType": "timestamp-millis"}
+    for field_type in (timestamp, ["string", "long"], ["null", "string", "long"]):
+        schema = avro.parse({"type": "record", "name": "R", "fields": [{"name": "f", "type": field_type}]})
+        assert avro.compile_writer(schema) is None
