@@ -32,7 +32,6 @@ from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
 from taskq._core.tracing import Tracer
 from taskq.consumer import metrics
-from taskq.consumer.claimer import Claimer
 from taskq.consumer.completer import Completer
 from taskq.consumer.events import (
     AttemptFailed,
@@ -235,8 +234,7 @@ class Worker:
         self._hooks: tuple[Hook, ...] = (self.metrics, *hooks)
         self._tracer = Tracer()
         self._stop = threading.Event()
-        # Attempts' outcomes, from the slots; None when the claim thread answered (wakes a waiting loop).
-        self._outcomes: queue.SimpleQueue[tuple[_Task, Outcome] | None] = queue.SimpleQueue()
+        self._outcomes: queue.SimpleQueue[tuple[_Task, Outcome]] = queue.SimpleQueue()
         self._scheduler: PriorityScheduler[_Task] = PriorityScheduler(
             weights=self.config.weights, capacity=self.config.buffer_capacity
         )
@@ -264,7 +262,6 @@ class Worker:
         self._database = None
         recorder: IdempotencyStore | None = None
         beats: IdempotencyStore | None = None
-        claims: IdempotencyStore | None = None
         if store is None:
             self._database = Database(self.settings.database_url, schema=self.settings.database_schema)
             store = IdempotencyStore(
@@ -283,15 +280,7 @@ class Worker:
                 )
                 for _ in range(2)
             )
-            # Claims too, so a claim's round trip holds up neither fetching nor the start of claimed tasks.
-            claims = IdempotencyStore(
-                Database(self.settings.database_url, schema=self.settings.database_schema),
-                owner=self.worker_id,
-                namespace=self.settings.namespace,
-                stale_after=self.config.stale_after,
-            )
         self._beats = beats
-        self._claims = claims
         self.store: TaskStore = store
         self._recorder = recorder
         self._liveness = Liveness(
@@ -313,9 +302,6 @@ class Worker:
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)
-        self._claimer: Claimer[_Task] = Claimer(
-            self.store, claims=claims, wake=lambda: self._outcomes.put(None)
-        )
         self._limits = Limits(self.store, self.settings.namespace, clock=clock)
         self._source: RecordSource | None = None
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
@@ -430,7 +416,6 @@ class Worker:
             or self._on_hold
             or self._undecoded
             or self._completer.pending()
-            or self._claimer.pending()
             or len(self._scheduler)
             or self._tracker.in_flight()
             or self._tracker.committable()
@@ -439,7 +424,7 @@ class Worker:
     def waiting_until(self) -> float | None:
         """When the worker has nothing to do but wait for held tasks, or for the slots and tokens of its
         limited tasks' keys: the clock time the first may go on."""
-        if self._running or self._undecoded or self._completer.pending() or self._claimer.pending():
+        if self._running or self._undecoded or self._completer.pending():
             return None
         dues = [h.due for h in self._held]
         if len(self._scheduler):
@@ -471,7 +456,6 @@ class Worker:
             self._source = None
         self.executor.shutdown(timeout=1.0)
         self._completer.close()
-        self._claimer.close()
         # A clean stop completed, failed or released every key: the record goes. After a crash it stays,
         # goes stale, and the keys still leased are taken over then.
         self._liveness.stop(clean=not self._crashed)
@@ -479,8 +463,6 @@ class Worker:
             self._recorder.close()
         if self._beats is not None:
             self._beats.close()
-        if self._claims is not None:
-            self._claims.close()
         self.store.close()
         self.registry.close()
         if self._server is not None:
@@ -498,7 +480,6 @@ class Worker:
         self.heartbeat.beat()
         assert self._source is not None
         waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
-        waiting += self._claimer.pending()
         busy = bool(self._running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
         now = self._clock()
@@ -617,11 +598,10 @@ class Worker:
         self._arrived.append(task)
 
     def _claim_arrived(self) -> None:
-        """Claim the keys of the tasks decoded this tick, all in one round trip; take the claims answered."""
+        """Claim the keys of the tasks decoded this tick, all in one round trip."""
         if self._arrived:
             arrived, self._arrived = self._arrived, []
             self._claim(arrived)
-        self._take_claims()
 
     def _flow_control(self) -> None:
         """Pause the partitions of saturated tiers, resume the others (bounded memory, no starvation)."""
@@ -629,8 +609,7 @@ class Worker:
         to_pause, to_resume = [], []
         # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
-        buffered = len(self._scheduler) + len(self._held) + len(self._on_hold) + self._claimer.pending()
-        full = buffered >= self.config.buffer_capacity
+        full = len(self._scheduler) + len(self._held) + len(self._on_hold) >= self.config.buffer_capacity
         held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
         held.update(t.tier for t in self._on_hold if full)
         # Over the byte bound every partition waits: what is buffered runs first, then fetching resumes.
@@ -660,12 +639,10 @@ class Worker:
     def _over_bytes(self) -> bool:
         """Whether the buffered records (waiting, held, undecoded) take more than `buffer_bytes`."""
         waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
-        waiting += self._claimer.pending()
         if waiting * self._largest < self.config.buffer_bytes:
             return False  # cannot be over whatever their sizes: no need to add them up (the usual case)
         total = sum(_size(t.record) for t in self._scheduler) + sum(_size(t.record) for t in self._on_hold)
         total += sum(_size(h.task.record) for h in self._held) + sum(_size(r) for r in self._undecoded)
-        total += sum(_size(t.record) for t in self._claimer)
         return total >= self.config.buffer_bytes
 
     def _read_pauses(self) -> None:
@@ -814,46 +791,28 @@ class Worker:
         return timeout * 1.5 + 5 if timeout else self.config.default_lease
 
     def _claim(self, batch: list[_Task]) -> None:
-        """Ask for the batch's keys in one round trip (answered now, or by the claim thread)."""
-        self._claimer.claim(
-            batch,
-            [
-                ClaimRequest(
-                    t.envelope.idempotency_key,
-                    t.envelope.task_id,
-                    t.envelope.task_type,
-                    # Claimed as it arrives, the key is leased for its wait in the buffer as well.
-                    self._run_lease(t) + self.config.claim_wait,
-                )
-                for t in batch
-            ],
-        )
-        self._take_claims()
-
-    def _take_claims(self, timeout: float = 0.0) -> None:
-        """Buffer the tasks whose keys were claimed, skip or hold the others; `timeout`: wait for every claim
-        asked so far (revoke and shutdown)."""
+        """Claim the batch's keys in one round trip: buffer the claimed tasks, skip or hold the others."""
+        try:
+            claims = self.store.claim(
+                [
+                    ClaimRequest(
+                        t.envelope.idempotency_key,
+                        t.envelope.task_id,
+                        t.envelope.task_type,
+                        # Claimed as it arrives, the key is leased for its wait in the buffer as well.
+                        self._run_lease(t) + self.config.claim_wait,
+                    )
+                    for t in batch
+                ]
+            )
+        except StoreUnavailableError as exc:
+            log.warning("store unavailable, holding %d task(s): %s", len(batch), exc)
+            self._held.extend(_Held(t, self._clock() + 1.0) for t in batch)
+            return
         now = self._clock()
-        stale: list[_Task] = []
-        for batch, answer in self._claimer.answered(timeout):
-            if isinstance(answer, StoreUnavailableError):
-                log.warning("store unavailable, holding %d task(s): %s", len(batch), answer)
-                self._held.extend(_Held(t, now + 1.0) for t in batch if self._current(t))
-                continue
-            for task, claim in zip(batch, answer, strict=True):
-                task.claimed_at = now
-                if self._current(task):
-                    self._handle_claim(task, claim)
-                elif claim.outcome == "claimed":
-                    # Its partition was revoked while the claim was asked: the new owner claims it at once.
-                    task.attempts = claim.attempts
-                    stale.append(task)
-        self._release(stale)
-
-    def _current(self, task: _Task) -> bool:
-        """Whether the task's partition is still assigned as it was when the task was fetched."""
-        tp = task.record.tp
-        return tp in self._assigned and self._generation.get(tp) == task.generation
+        for task, claim in zip(batch, claims, strict=True):
+            task.claimed_at = now
+            self._handle_claim(task, claim)
 
     def _renew(self, waited: list[_Task], parked: Sequence[_Task] = ()) -> list[_Task]:
         """Extend the leases of tasks that waited long for a slot (about to start: leased for their run) and
@@ -1054,13 +1013,11 @@ class Worker:
         while True:
             try:
                 remaining = deadline - self._clock()
-                item = self._outcomes.get(timeout=remaining) if remaining > 0 else self._outcomes.get_nowait()
+                task, outcome = (
+                    self._outcomes.get(timeout=remaining) if remaining > 0 else self._outcomes.get_nowait()
+                )
             except queue.Empty:
                 return
-            if item is None:  # a claim was answered: the loop goes on to buffer and dispatch it
-                deadline = self._clock()
-                continue
-            task, outcome = item
             self._running.pop(id(task), None)
             self._outcome(task, outcome)
             block = 0.0
@@ -1307,8 +1264,6 @@ class Worker:
         # undecoded and running tasks, their pending offsets and their pause state (invariant 8).
         revoked = set(tps)
         self._revoking = revoked
-        # Claims asked before the revocation are answered first, so those of revoked partitions are released.
-        self._take_claims(timeout=self.config.revoke_timeout)
         dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
         dropped += [t for t in self._on_hold if t.record.tp in revoked]
         self._on_hold = [t for t in self._on_hold if t.record.tp not in revoked]
@@ -1366,7 +1321,6 @@ class Worker:
         """Stop fetching, let in-flight tasks finish up to the timeout, record, commit, leave the group."""
         assert self._source is not None
         self._source.pause(list(self._assigned))
-        self._take_claims(timeout=10.0)
         # Claimed ahead and never started: whoever reads these partitions next claims them at once.
         self._release(self._scheduler.remove_if(lambda t: True) + self._on_hold)
         self._on_hold = []

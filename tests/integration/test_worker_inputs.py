@@ -349,47 +349,6 @@ def test_the_committed_offset_waits_for_a_blocked_task_then_passes_all(
         )
 
 
-# ------------------------------------------------------------------------------------------------ claims
-def test_a_claim_waiting_on_postgres_holds_up_neither_the_loop_nor_tasks_claimed_before(
-    settings: Settings, task_schema: Callable[..., dict[str, Any]]
-) -> None:
-    ns = settings.namespace
-    schema = task_schema("Step", ID_FIELDS)
-    _register(settings, schema)
-    release = threading.Event()
-    h = Handlers()
-
-    @h.task(f"{ns}.Step", schema=schema)
-    def step(payload: dict[str, Any], ctx: Any) -> None:
-        if payload["id"] == "first":
-            release.wait(60)
-
-    db = Database(settings.database_url, schema=settings.database_schema)
-    # A long claim_wait: 'second' is not renewed (a round trip the lock would hold up) before it starts.
-    config = {"concurrency": 1, "claim_wait": 120}
-    with TaskProducer(settings) as producer, running(h, settings, **config) as (w, events):
-        producer.enqueue_many(
-            [TaskSpec(task_type=f"{ns}.Step", payload={"id": i}, key="one") for i in ("first", "second")],
-            wait=True,
-        )
-        events.count(AttemptStarted, 1)
-        wait_until(lambda: len(w._scheduler) == 1, timeout=30, what="'second' claimed, waiting for the slot")
-        with db.connection(autocommit=False) as lock:
-            # Claims (and completions) of this namespace now wait for the lock, as on a slow Postgres.
-            lock.execute("LOCK TABLE taskq_tasks IN EXCLUSIVE MODE")
-            producer.enqueue(f"{ns}.Step", {"id": "third"}, key="one", wait=True)
-            wait_until(
-                lambda: _query(settings, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"),
-                timeout=30,
-                what="the claim of 'third' to wait for the lock",
-            )
-            release.set()
-            events.count(AttemptStarted, 2, timeout=15)  # 'second', claimed before, starts meanwhile
-            lock.rollback()
-        events.count(TaskCompleted, 3)
-    assert len(events.of(AttemptStarted)) == 3
-
-
 # --------------------------------------------------------------------------------------------- bounded memory
 def test_a_blocked_worker_buffers_at_most_its_capacity_and_pauses(
     settings: Settings, task_schema: Callable[..., dict[str, Any]]

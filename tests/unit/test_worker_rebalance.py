@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,14 +9,12 @@ import pytest
 from taskq._core.envelope import Envelope
 from taskq._core.kafka import TP, Record
 from taskq._core.settings import Settings
-from taskq.consumer.claimer import Claimer
 from taskq.consumer.executor import Outcome
 from taskq.consumer.handlers import Handlers
-from taskq.consumer.store import Claim, ClaimRequest
+from taskq.consumer.store import ClaimRequest
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.schemas import avro
 from taskq.testing import InMemoryStore
-from tests.acceptance.helpers import wait_until
 
 NS = "unit"
 SCHEMA = {"type": "record", "name": "Job", "namespace": NS, "fields": [{"name": "n", "type": "long"}]}
@@ -168,80 +163,6 @@ def test_a_stopping_worker_gives_back_the_keys_it_claimed_ahead(worker: Worker) 
     other = InMemoryStore(owner="other", rows=store.rows)
     claims = other.claim([ClaimRequest(f"k-0-{o}", f"id-0-{o}", f"{NS}.Job", 60.0) for o in range(3)])
     assert [(c.outcome, c.attempts) for c in claims] == [("claimed", 1)] * 3
-
-
-class GatedClaims:
-    """The store's claims, answered on the claim thread only once `go()` holds, as from a slow Postgres."""
-
-    def __init__(self, store: InMemoryStore, go: Callable[[], bool]) -> None:
-        self.store, self.go = store, go
-
-    def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        wait_until(self.go, timeout=10, what="the claim to be let through")
-        return self.store.claim(requests)
-
-
-def claim_on_a_thread(w: Worker, go: Callable[[], bool]) -> None:
-    """Claims of `w` go to Postgres on the claim thread (as with the real store), answered once `go()`."""
-    store = w.store
-    assert isinstance(store, InMemoryStore)
-    gated = GatedClaims(store, go)
-    w._claimer = Claimer(store, claims=gated, wake=lambda: w._outcomes.put(None))  # type: ignore[arg-type]
-
-
-def test_keys_of_a_revoked_partition_claimed_while_it_was_revoked_are_claimed_at_once_by_its_new_owner(
-    worker: Worker,
-) -> None:
-    w = worker
-    claim_on_a_thread(w, lambda: bool(w._revoking))  # answered while the revocation is served
-    w._assigned_cb([KEPT, MOVED])
-    for offset in range(3):
-        accept(w, record(MOVED, offset))
-    assert buffered(w) == [] and w._claimer.pending() == 3
-    w._revoked_cb([MOVED])
-    store = w.store
-    assert isinstance(store, InMemoryStore)
-    other = InMemoryStore(owner="other", rows=store.rows)
-    claims = other.claim([ClaimRequest(f"k-1-{o}", f"id-1-{o}", f"{NS}.Job", 60.0) for o in range(3)])
-    assert [(c.outcome, c.attempts) for c in claims] == [("claimed", 1)] * 3
-    w._claimer.close()
-
-
-def test_a_claim_answered_after_its_partition_was_revoked_is_given_back(worker: Worker) -> None:
-    w = worker
-    w.config = replace(w.config, revoke_timeout=0.05)
-    go = threading.Event()
-    claim_on_a_thread(w, go.is_set)
-    w._assigned_cb([KEPT, MOVED])
-    accept(w, record(MOVED, 0))
-    accept(w, record(KEPT, 0))
-    w._revoked_cb([MOVED])  # gives up waiting for the claims: they are answered later
-    assert w._claimer.pending() == 2
-    go.set()
-    w._take_claims(timeout=10)
-    assert buffered(w) == [(KEPT, 0)]  # the kept partition's task waits for a slot; the other is gone
-    store = w.store
-    assert isinstance(store, InMemoryStore)
-    other = InMemoryStore(owner="other", rows=store.rows)
-    claims = other.claim([ClaimRequest(k, k, f"{NS}.Job", 60.0) for k in ("k-1-0", "k-0-0")])
-    assert [(c.outcome, c.attempts) for c in claims] == [("claimed", 1), ("running", 1)]
-    w._claimer.close()
-
-
-def test_a_stopping_worker_gives_back_the_keys_whose_claims_were_in_flight(worker: Worker) -> None:
-    w = worker
-    claim_on_a_thread(w, w._stop.is_set)  # answered once the worker is stopping
-    w._assigned_cb([KEPT])
-    for offset in range(3):
-        accept(w, record(KEPT, offset))
-    w._stop.set()
-    w._shutdown()
-    store = w.store
-    assert isinstance(store, InMemoryStore)
-    other = InMemoryStore(owner="other", rows=store.rows)
-    claims = other.claim([ClaimRequest(f"k-0-{o}", f"id-0-{o}", f"{NS}.Job", 60.0) for o in range(3)])
-    assert [(c.outcome, c.attempts) for c in claims] == [("claimed", 1)] * 3
-    w._claimer.close()
 
 
 def test_a_periodic_commit_counts_only_what_the_broker_committed_and_the_rest_is_sent_again(
