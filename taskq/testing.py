@@ -36,6 +36,7 @@ from taskq._core.kafka import (
     TP,
     TRANSACTION_TIMEOUT,
     BatchCallback,
+    Committed,
     DeliveryCallback,
     OutRecord,
     Record,
@@ -125,10 +126,11 @@ class InMemoryBroker:
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        on_commit: Committed | None = None,
         raise_when_stuck: bool = False,  # an in-memory consumer never leaves a partition unfetched
     ) -> _Source:
         """A consumer in `group`."""
-        return _Source(self, group, on_assign, on_revoke)
+        return _Source(self, group, on_assign, on_revoke, on_commit)
 
     def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> _Sink:
         """A producer; transactional with an id. Like librdkafka it refuses a record over
@@ -205,11 +207,14 @@ class _Source:
         group: str,
         on_assign: Callable[[list[TP]], None] | None,
         on_revoke: Callable[[list[TP]], None] | None,
+        on_commit: Committed | None = None,
     ) -> None:
         self._broker = broker
         self._group_name = group
         self._on_assign = on_assign
         self._on_revoke = on_revoke
+        self._on_commit = on_commit
+        self._commits: list[tuple[dict[TP, int], str | None]] = []  # asynchronous outcomes, for the next poll
         self.topics: tuple[str, ...] = ()
         self.target: set[TP] = set()  # what the group wants this member to own
         self._owned: set[TP] = set()
@@ -256,6 +261,10 @@ class _Source:
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
         self._serve_rebalance()
+        commits, self._commits = self._commits, []
+        for offsets, error in commits:  # as librdkafka serves on_commit: from a poll
+            if self._on_commit is not None:
+                self._on_commit(offsets, error)
         deadline = time.monotonic() + timeout
         with self._broker._arrived:
             while True:
@@ -304,12 +313,18 @@ class _Source:
                 raise KafkaUnavailableError(f"seeking {tp[0]}[{tp[1]}] to {offset}: partition not assigned")
             self._position[tp] = offset
 
-    def commit(self, offsets: Mapping[TP, int]) -> None:
+    def commit(self, offsets: Mapping[TP, int], *, asynchronous: bool = False) -> None:
         with self._broker._lock:
             stale = [tp for tp in offsets if tp not in self._owned]
             if stale:
-                raise KafkaUnavailableError(f"committing offsets: {stale} are not assigned to this member")
+                error = f"committing offsets: {stale} are not assigned to this member"
+                if not asynchronous:
+                    raise KafkaUnavailableError(error)
+                self._commits.append(({}, error))
+                return
             self._broker._group(self._group_name).committed.update(offsets)
+            if asynchronous:
+                self._commits.append((dict(offsets), None))
 
     def committed(self, tps: Iterable[TP], timeout: float = 10.0) -> dict[TP, int]:
         with self._broker._lock:

@@ -513,6 +513,19 @@ class Sink:
             raise exc
 
 
+#: The outcome of an asynchronous commit: the offsets the broker committed, and why the others were not.
+Committed = Callable[[dict[TP, int], str | None], None]
+
+
+def _commit_outcome(err: KafkaError | None, parts: list[TopicPartition]) -> tuple[dict[TP, int], str | None]:
+    if err is not None:
+        # Nothing to commit (offsets already committed) is no failure: there is nothing to send again.
+        return {}, None if err.code() == KafkaError._NO_OFFSET else f"{err.str()} ({err.name()})"
+    done = {(p.topic, p.partition): p.offset for p in parts if p.error is None and p.offset >= 0}
+    failed = [p.error for p in parts if p.error is not None]
+    return done, f"{failed[0].str()} ({failed[0].name()})" if failed else None
+
+
 class Source:
     """A Kafka consumer in a group, with manual commits; callbacks get (topic, partition) tuples."""
 
@@ -523,11 +536,15 @@ class Source:
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        on_commit: Committed | None = None,
         raise_when_stuck: bool = False,
         **overrides: Any,
     ) -> None:
-        """`raise_when_stuck`: poll raises when the client reports partitions it will never fetch (below)."""
+        """`raise_when_stuck`: poll raises when the client reports partitions it will never fetch (below).
+        `on_commit`: called from poll with the outcome of each asynchronous commit."""
         conf = consumer_config(settings, group=group)
+        if on_commit is not None:
+            conf["on_commit"] = lambda err, parts: on_commit(*_commit_outcome(err, parts))
         conf.update(overrides)
         self._c = _client(Consumer, conf)
         self._on_assign = on_assign
@@ -601,14 +618,17 @@ class Source:
         with _errors(f"seeking {tp[0]}[{tp[1]}] to {offset}"):
             self._c.seek(TopicPartition(tp[0], tp[1], offset))
 
-    def commit(self, offsets: Mapping[TP, int]) -> None:
-        """Commit offsets synchronously (each is the next offset to consume)."""
+    def commit(self, offsets: Mapping[TP, int], *, asynchronous: bool = False) -> None:
+        """Commit offsets (each is the next offset to consume); `asynchronous`: return at once, the outcome
+        goes to `on_commit` from a later poll."""
         if not offsets:
             return
+        parts = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
         try:
-            self._c.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False
-            )
+            if asynchronous:
+                self._c.commit(offsets=parts, asynchronous=True)
+            else:
+                self._c.commit(offsets=parts, asynchronous=False)
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
             if isinstance(err, KafkaError) and err.code() == KafkaError._NO_OFFSET:
@@ -849,7 +869,7 @@ class RecordSource(Protocol):
     def pause(self, tps: Iterable[TP]) -> None: ...
     def resume(self, tps: Iterable[TP]) -> None: ...
     def seek(self, tp: TP, offset: int) -> None: ...
-    def commit(self, offsets: Mapping[TP, int]) -> None: ...
+    def commit(self, offsets: Mapping[TP, int], *, asynchronous: bool = False) -> None: ...
     def committed(self, tps: Iterable[TP], timeout: float = 10.0) -> dict[TP, int]: ...
     def lag(self) -> dict[TP, int]: ...
     def position(self, tp: TP) -> int: ...
@@ -911,6 +931,7 @@ class Broker(Protocol):
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        on_commit: Committed | None = None,
         raise_when_stuck: bool = False,
     ) -> RecordSource: ...
     def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> RecordSink: ...
@@ -929,6 +950,7 @@ class KafkaBroker:
         group: str,
         on_assign: Callable[[list[TP]], None] | None = None,
         on_revoke: Callable[[list[TP]], None] | None = None,
+        on_commit: Committed | None = None,
         raise_when_stuck: bool = False,
     ) -> Source:
         """A consumer in `group`; with `raise_when_stuck`, its poll raises when the client reports
@@ -938,6 +960,7 @@ class KafkaBroker:
             group=group,
             on_assign=on_assign,
             on_revoke=on_revoke,
+            on_commit=on_commit,
             raise_when_stuck=raise_when_stuck,
         )
 

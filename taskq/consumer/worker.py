@@ -383,7 +383,10 @@ class Worker:
                 registry=self.metrics.registry,
             )
         self._source = self.broker.source(
-            group=self.group, on_assign=self._assigned_cb, on_revoke=self._revoked_cb
+            group=self.group,
+            on_assign=self._assigned_cb,
+            on_revoke=self._revoked_cb,
+            on_commit=self._committed_cb,
         )
         self._source.subscribe(self.topics.priority_topics)
         if self.config.forwarder:
@@ -526,7 +529,7 @@ class Worker:
         self._completer.flush(linger=0.005)
         self._completer.serve()
         if self._clock() - self._last_commit >= self.config.commit_interval:
-            self._commit()
+            self._commit(asynchronous=True)
         self._observe()
         if busy and not records:
             # Nothing new from Kafka: sleep until a running task reports (wakes at once), not a fixed tick.
@@ -1242,8 +1245,12 @@ class Worker:
         if self._generation.get(record.tp) == generation and record.tp in self._assigned:
             self._tracker.done(record.tp, record.offset)
 
-    def _commit(self, tps: set[TP] | None = None) -> bool:
-        """Commit what is committable (of `tps`, if given); False if the commit failed."""
+    def _commit(self, tps: set[TP] | None = None, *, asynchronous: bool = False) -> bool:
+        """Commit what is committable (of `tps`, if given); False if the commit failed.
+
+        `asynchronous` (the periodic commit): the loop goes on at once, and the outcome comes to
+        `_committed_cb` from a later poll. Revoke and shutdown commit synchronously: they must know.
+        """
         assert self._source is not None
         offsets = self._tracker.committable()
         if tps is not None:
@@ -1252,13 +1259,23 @@ class Worker:
         if not offsets:
             return True
         try:
-            self._source.commit(offsets)
+            self._source.commit(offsets, asynchronous=asynchronous)
         except TaskqError as exc:
             log.warning("commit failed, will retry: %s", exc)
             return False
-        self._tracker.mark_committed(offsets)
-        self._emit(OffsetsCommitted(offsets))
+        if not asynchronous:
+            self._tracker.mark_committed(offsets)
+            self._emit(OffsetsCommitted(offsets))
         return True
+
+    def _committed_cb(self, offsets: dict[TP, int], error: str | None) -> None:
+        """An asynchronous commit's outcome: what the broker committed is marked so."""
+        if error is not None:
+            # Delivery guarantee: offsets not committed stay committable, and the next commit sends them.
+            log.warning("commit failed, will retry: %s", error)
+        if offsets:
+            self._tracker.mark_committed(offsets)
+            self._emit(OffsetsCommitted(offsets))
 
     def _serve_group(self) -> None:
         """Poll while stopping: serves rebalance callbacks. Records fetched meanwhile (of partitions assigned

@@ -72,6 +72,23 @@ def test_a_group_resumes_from_its_committed_offsets(kafka: Kafka) -> None:
     assert (again.tp, again.offset) == (tp0, end[tp0])
 
 
+def test_an_asynchronous_commit_returns_at_once_and_its_outcome_comes_from_a_poll(kafka: Kafka) -> None:
+    produce(kafka, 6)
+    group = f"{kafka.ns}.workers"
+    outcomes: list[tuple[dict[TP, int], str | None]] = []
+    source = kafka.broker.source(group=group, on_commit=lambda *outcome: outcomes.append(outcome))
+    source.subscribe([kafka.topic])
+    try:
+        end = {r.tp: r.offset + 1 for r in drain(source, 6)}
+        source.commit(end, asynchronous=True)
+        assert outcomes == []  # served by a poll, on the polling thread
+        wait_until(lambda: not source.poll(1, 0.1) and outcomes, timeout=30, what="the commit's outcome")
+        assert outcomes == [(end, None)]
+        assert kafka.broker.admin().committed(group, [kafka.topic]) == end
+    finally:
+        source.close()
+
+
 def test_pause_stops_a_partition_and_seek_reads_it_again(kafka: Kafka) -> None:
     produce(kafka, 30)
     source = kafka.broker.source(group=f"{kafka.ns}.reader")

@@ -36,7 +36,7 @@ class RecordingSource:
     def resume(self, tps: Any) -> None:
         self.paused -= set(tps)
 
-    def commit(self, offsets: dict[TP, int]) -> None:
+    def commit(self, offsets: dict[TP, int], *, asynchronous: bool = False) -> None:
         self.commits.append(dict(offsets))
 
 
@@ -163,3 +163,23 @@ def test_a_stopping_worker_gives_back_the_keys_it_claimed_ahead(worker: Worker) 
     other = InMemoryStore(owner="other", rows=store.rows)
     claims = other.claim([ClaimRequest(f"k-0-{o}", f"id-0-{o}", f"{NS}.Job", 60.0) for o in range(3)])
     assert [(c.outcome, c.attempts) for c in claims] == [("claimed", 1)] * 3
+
+
+def test_a_periodic_commit_counts_only_what_the_broker_committed_and_the_rest_is_sent_again(
+    worker: Worker,
+) -> None:
+    w = worker
+    w._assigned_cb([KEPT, MOVED])
+    accept(w, record(KEPT, 0))
+    accept(w, record(MOVED, 0))
+    while (task := w._scheduler.pop()) is not None:
+        w._done(task)  # completed and recorded
+    w._commit(asynchronous=True)  # the loop's periodic commit: the outcome comes from a later poll
+    assert w._source.commits[-1] == {KEPT: 1, MOVED: 1}  # type: ignore[union-attr]
+    assert w._tracker.committable() == {KEPT: 1, MOVED: 1}  # not committed until the broker says so
+    w._committed_cb({KEPT: 1}, "Broker: Group rebalance in progress (REBALANCE_IN_PROGRESS)")
+    assert w._tracker.committable() == {MOVED: 1}
+    w._commit(asynchronous=True)
+    assert w._source.commits[-1] == {MOVED: 1}  # type: ignore[union-attr]
+    w._committed_cb({MOVED: 1}, None)
+    assert w._tracker.committable() == {}
