@@ -13,7 +13,7 @@ from taskq._core.envelope import Envelope
 from taskq._core.kafka import Admin, Source
 from taskq.consumer.retry import RetryPolicy
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, all_committed, wait_until
+from tests.acceptance.helpers import WorkerProcess, all_committed, tier_records, wait_until
 
 
 def test_a_task_failing_twice_then_succeeding_runs_three_times_with_backoff(app: App) -> None:
@@ -276,3 +276,27 @@ def test_a_restarted_worker_ends_the_open_transaction_of_its_killed_forwarder_at
         what=f"every task, the open transaction ended\n{app.logs()}",
     )
     app.assert_once_each(keys)
+
+
+def test_the_broker_ends_the_open_transaction_of_a_killed_forwarder_without_a_successor_within_35_s(
+    app: App,
+) -> None:
+    # A `taskq forwarder` killed on a host where none restarts: no successor fences its transactional id,
+    # and the broker's transaction timeout alone ends the wait of the records behind its transaction.
+    tier = app.producer.topics.tier("normal")
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_TRANSACTION, f"{app.ns}.forwarder.gone", tier, "3"],
+        env=app.env_of(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert killed.returncode == -9, killed.stderr
+    receipts = [app.producer.enqueue(app.type("Ledger"), {"key": f"n{i}", "amount": 1}) for i in range(6)]
+    app.producer.flush(30)
+    wait_until(
+        lambda: len(tier_records(app.settings)) == len(receipts),
+        timeout=52,  # aborted 35-45 s after it began (the broker looks every 10 s); it was 60-70 s
+        what="the records behind the killed forwarder's transaction",
+        every=1.0,
+    )
