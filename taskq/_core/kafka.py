@@ -50,10 +50,15 @@ _NOT_READY = frozenset(
 
 TP = tuple[str, int]
 #: Seconds a transactional call (adding offsets, commit, abort, init) may take before the transaction is given
-#: up; the broker aborts an open transaction after transaction.timeout.ms (60 s) anyway.
-TRANSACTION_TIMEOUT = 30.0
+#: up; the broker aborts an open transaction after TRANSACTION_ABORT_MS anyway.
+TRANSACTION_TIMEOUT = 10.0
 #: How much longer than its own timeout a transactional call is waited for before it is left behind.
 _TRANSACTION_GRACE = 5.0
+#: transaction.timeout.ms: the broker aborts a transaction open this long. One left open by a producer killed
+#: mid-way holds back every read_committed reader of its partitions until then (unless a new producer of its
+#: transactional id fences it first), so it is short; yet longer than a transaction's two bounded calls
+#: (its offsets, then its commit), so the broker never aborts one its forwarder is still waiting for.
+TRANSACTION_ABORT_MS = 35_000
 Headers = list[tuple[str, bytes]]
 #: Called once per produced record with None or an error text, from the producer's poll.
 DeliveryCallback = Callable[[str | None, "Record | None"], None]
@@ -299,8 +304,8 @@ class Sink:
         conf = producer_config(settings)
         if transactional_id:
             conf["transactional.id"] = transactional_id
-            conf["transaction.timeout.ms"] = 60000
-            conf["message.timeout.ms"] = 60000  # librdkafka requires it <= transaction.timeout.ms
+            conf["transaction.timeout.ms"] = TRANSACTION_ABORT_MS
+            conf["message.timeout.ms"] = TRANSACTION_ABORT_MS  # librdkafka requires it <= the above
         conf.update(overrides)
         self._p = _client(Producer, conf)
         self._servers = redact(settings.bootstrap_servers)

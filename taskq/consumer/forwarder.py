@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -46,9 +46,11 @@ class Forwarder:
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.time,
         transaction_timeout: float = TRANSACTION_TIMEOUT,
+        predecessors: Iterable[str] = (),
     ) -> None:
         """`transaction_timeout`: seconds each transactional call may take before the transaction is given
-        up (aborted, or its producer replaced) and the batch read again."""
+        up (aborted, or its producer replaced) and the batch read again. `predecessors`: instance ids of
+        forwarders known dead (a killed worker of this host), whose open transactions the first start ends."""
         self.settings = settings
         self.broker: Broker = broker or KafkaBroker(settings)
         self.topics = Topics(settings.namespace, settings.delay_tiers)
@@ -65,6 +67,7 @@ class Forwarder:
         # while a revoke forgets its hold, so a partition held before a rebalance comes back paused.
         self._fresh: set[TP] = set()
         self._clients: tuple[RecordSink, RecordSource] | None = None
+        self._predecessors = sorted(predecessors)
 
     def stop(self) -> None:
         """Finish the current transaction and stop."""
@@ -94,6 +97,7 @@ class Forwarder:
 
     def start(self) -> None:
         """Open the transactional producer and join the group (`run` does it; tests may step by hand)."""
+        self._fence_predecessors()
         sink = self._new_sink()
         self._held.clear()
         self._due.clear()
@@ -132,9 +136,31 @@ class Forwarder:
                 except TaskqError as exc:  # a fenced or given-up producer: its transaction ends elsewhere
                     log.warning("forwarder closing: %s", exc)
 
+    def _fence_predecessors(self) -> None:
+        """End the transactions a killed predecessor left open: at once, not after transaction.timeout.ms.
+
+        A transaction open on a tier topic holds back every read_committed reader of its partitions (the
+        workers), and one open on the group's offsets holds back the forwarder's own start. Registering the
+        dead instance's transactional id fences it, and the broker aborts what it had open.
+        """
+        while self._predecessors:
+            dead = self._predecessors[0]
+            try:
+                self.broker.sink(transactional_id=self._transactional_id(dead)).init_transactions(
+                    self._transaction_timeout
+                )
+            except KafkaAuthenticationError:
+                raise
+            except TaskqError as exc:  # the broker aborts it after transaction.timeout.ms anyway
+                log.warning("could not end the transaction of dead forwarder %s: %s", dead, exc)
+            self._predecessors.pop(0)
+
+    def _transactional_id(self, instance_id: str) -> str:
+        return f"{self.group}.{instance_id}"
+
     def _new_sink(self) -> RecordSink:
         # A transactional id per instance; the group metadata sent with the offsets fences zombie instances.
-        sink = self.broker.sink(transactional_id=f"{self.group}.{self.instance_id}")
+        sink = self.broker.sink(transactional_id=self._transactional_id(self.instance_id))
         sink.init_transactions(self._transaction_timeout)
         return sink
 

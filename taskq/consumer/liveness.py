@@ -58,6 +58,8 @@ class Liveness:
         self._alive = alive
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: The ids of the host's earlier workers that `start` found gone (marked dead by it).
+        self.predecessors: frozenset[str] = frozenset()
 
     def start(self) -> None:
         """Write the record, free the keys of the host's dead predecessors, and start beating."""
@@ -66,6 +68,7 @@ class Liveness:
         dead = self.store.enter(self.worker, self._alive)
         if dead:
             log.warning("earlier worker(s) of this host are gone, their keys are free: %s", sorted(dead))
+        self.predecessors = frozenset(dead)
         self._thread = threading.Thread(target=self._run, name="taskq-liveness", daemon=True)
         self._thread.start()
 

@@ -390,7 +390,12 @@ class Worker:
         )
         self._source.subscribe(self.topics.priority_topics)
         if self.config.forwarder:
-            forwarder = Forwarder(self.settings, instance_id=self.worker_id, broker=self.broker)
+            forwarder = Forwarder(
+                self.settings,
+                instance_id=self.worker_id,
+                broker=self.broker,
+                predecessors=self._liveness.predecessors,
+            )
             self._forwarder = (forwarder, run_in_thread(forwarder, "forwarder"))
         if self.config.relay and self._database is not None:  # the outbox is in Postgres, not in the fakes
             relay = OutboxRelay(self.settings, broker=self.broker)

@@ -13,7 +13,7 @@ from taskq._core.envelope import Envelope
 from taskq._core.kafka import Admin, Source
 from taskq.consumer.retry import RetryPolicy
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, all_committed, wait_until
+from tests.acceptance.helpers import WorkerProcess, all_committed, tier_records, wait_until
 
 
 def test_a_task_failing_twice_then_succeeding_runs_three_times_with_backoff(app: App) -> None:
@@ -223,4 +223,80 @@ def test_an_always_failing_task_is_dead_lettered_then_replayed_once_after_the_fi
     wait_until(lambda: all_committed(app.settings), timeout=60, what="the forced replay to be consumed")
     assert app.scalar("SELECT count(*) FROM ledger WHERE key = 'w1'") == 1, (
         "a forced replay caused a second effect"
+    )
+
+
+# A forwarder killed in the middle of a transaction, as `kill -9` leaves one: its records are on a tier topic,
+# the transaction neither committed nor aborted. The process sends them, then kills itself.
+_KILLED_MID_TRANSACTION = """
+import os, signal, sys
+from taskq._core.kafka import Sink
+from taskq._core.settings import Settings
+sink = Sink(Settings.from_env(), transactional_id=sys.argv[1])
+sink.init_transactions()
+sink.begin()
+for partition in range(int(sys.argv[3])):
+    sink.send(sys.argv[2], b"unfinished", key=None, headers=[], partition=partition)
+assert sink.flush(30) == 0
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_restarted_worker_ends_the_open_transaction_of_its_killed_forwarder_at_once(app: App) -> None:
+    # read_committed readers (the workers) stop at a transaction left open on their partition, until the
+    # successor of its producer fences it, or the broker aborts it after transaction.timeout.ms (60 s).
+    def worker_id(w: WorkerProcess) -> str | None:
+        rows = app.query("SELECT worker_id FROM taskq_workers WHERE worker_id LIKE %s", f"%:{w.proc.pid}:%")
+        return rows[0]["worker_id"] if rows else None
+
+    first = app.spawn("--concurrency", "2")
+    dead = wait_until(lambda: worker_id(first), timeout=60, what=f"the liveness record\n{app.logs()}")
+    keys = [f"d{i}" for i in range(4)]
+    for k in keys:  # delayed, sent before the kill
+        app.producer.enqueue(app.type("Ledger"), {"key": k, "amount": 1}, delay=timedelta(seconds=1))
+    first.kill()
+    tier = app.producer.topics.tier("normal")
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_TRANSACTION, f"{app.ns}.forwarder.{dead}", tier, "3"],
+        env=app.env_of(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert killed.returncode == -9, killed.stderr
+    keys += [f"n{i}" for i in range(6)]
+    for k in keys[4:]:  # behind the open transaction, from another producer
+        app.producer.enqueue(app.type("Ledger"), {"key": k, "amount": 1}, priority="normal")
+    app.producer.flush(30)
+    second = app.spawn("--concurrency", "2")  # the supervisor's restart, on the same host
+    wait_until(lambda: worker_id(second), timeout=60, what=f"the restarted worker's record\n{app.logs()}")
+    wait_until(
+        lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
+        timeout=15,  # the broker alone would abort the transaction about 50 s later
+        what=f"every task, the open transaction ended\n{app.logs()}",
+    )
+    app.assert_once_each(keys)
+
+
+def test_the_broker_ends_the_open_transaction_of_a_killed_forwarder_without_a_successor_within_35_s(
+    app: App,
+) -> None:
+    # A `taskq forwarder` killed on a host where none restarts: no successor fences its transactional id,
+    # and the broker's transaction timeout alone ends the wait of the records behind its transaction.
+    tier = app.producer.topics.tier("normal")
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_TRANSACTION, f"{app.ns}.forwarder.gone", tier, "3"],
+        env=app.env_of(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert killed.returncode == -9, killed.stderr
+    receipts = [app.producer.enqueue(app.type("Ledger"), {"key": f"n{i}", "amount": 1}) for i in range(6)]
+    app.producer.flush(30)
+    wait_until(
+        lambda: len(tier_records(app.settings)) == len(receipts),
+        timeout=52,  # aborted 35-45 s after it began (the broker looks every 10 s); it was 60-70 s
+        what="the records behind the killed forwarder's transaction",
+        every=1.0,
     )

@@ -6,7 +6,10 @@ from collections import Counter
 from datetime import timedelta
 from typing import Any
 
+import pytest
+
 from taskq._core.envelope import Envelope, Topics
+from taskq._core.errors import KafkaUnavailableError
 from taskq._core.settings import Settings
 from taskq.consumer.forwarder import Forwarder
 from taskq.producer.admin import topic_specs
@@ -60,3 +63,23 @@ def test_a_fenced_forwarder_replaces_its_producer_and_forwards_each_task_once_in
         assert forwarder._clients[1] is source  # the same group membership throughout
     finally:
         forwarder.close()
+
+
+def test_a_forwarder_ends_the_transaction_its_dead_predecessor_left_open_when_it_starts() -> None:
+    settings = Settings(namespace="unit")
+    broker = InMemoryBroker()
+    broker.admin().create_topics(topic_specs(settings, partitions=2))
+    topics = Topics(settings.namespace, settings.delay_tiers)
+    # A forwarder killed mid-transaction: its records sent, the transaction never ended.
+    killed = broker.sink(transactional_id=f"{settings.namespace}.forwarder.dead")
+    killed.init_transactions()
+    killed.begin()
+    killed.send(topics.tier("normal"), b"unfinished", key=None, headers=[])
+    forwarder = Forwarder(settings, instance_id="next", broker=broker, predecessors=["dead"])
+    forwarder.start()
+    try:
+        with pytest.raises(KafkaUnavailableError, match="fenced"):
+            killed.commit()
+    finally:
+        forwarder.close()
+    assert broker.records(topics.tier("normal")) == []
