@@ -383,8 +383,8 @@ ORDER BY started_at;
 -- name: task_by_id
 -- The record of the task with this id (the console's lookup). A scan of the namespace's records: task ids
 -- carry no index, kept off the claim's hot path; an operator's lookup can afford it.
-SELECT idempotency_key, task_id, task_type, state, attempts, interruptions, lease_owner, lease_expires_at,
-       last_error, result, created_at, updated_at, completed_at
+SELECT idempotency_key, task_id, task_type, state, attempts, takeovers, interruptions, lease_owner,
+       lease_expires_at, last_error, result, created_at, updated_at, completed_at
 FROM taskq_tasks WHERE namespace = %(namespace)s AND task_id = %(task_id)s;
 
 -- name: completed_since
