@@ -242,6 +242,19 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+def _kill_mid_transaction(app: App, transactional_id: str, tier: str) -> None:
+    """A forwarder killed mid-transaction: a process that opens a transaction under `transactional_id`,
+    writes 3 records to `tier` in it, and dies by kill -9."""
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_TRANSACTION, transactional_id, tier, "3"],
+        env=app.env_of(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert killed.returncode == -9, killed.stderr
+
+
 def test_a_restarted_worker_ends_the_open_transaction_of_its_killed_forwarder_at_once(app: App) -> None:
     # read_committed readers (the workers) stop at a transaction left open on their partition, until the
     # successor of its producer fences it, or the broker aborts it after transaction.timeout.ms (60 s).
@@ -256,14 +269,7 @@ def test_a_restarted_worker_ends_the_open_transaction_of_its_killed_forwarder_at
         app.producer.enqueue(app.type("Ledger"), {"key": k, "amount": 1}, delay=timedelta(seconds=1))
     first.kill()
     tier = app.producer.topics.tier("normal")
-    killed = subprocess.run(
-        [sys.executable, "-c", _KILLED_MID_TRANSACTION, f"{app.ns}.forwarder.{dead}", tier, "3"],
-        env=app.env_of(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert killed.returncode == -9, killed.stderr
+    _kill_mid_transaction(app, f"{app.ns}.forwarder.{dead}", tier)
     keys += [f"n{i}" for i in range(6)]
     for k in keys[4:]:  # behind the open transaction, from another producer
         app.producer.enqueue(app.type("Ledger"), {"key": k, "amount": 1}, priority="normal")
@@ -284,14 +290,7 @@ def test_the_broker_ends_the_open_transaction_of_a_killed_forwarder_without_a_su
     # A `taskq forwarder` killed on a host where none restarts: no successor fences its transactional id,
     # and the broker's transaction timeout alone ends the wait of the records behind its transaction.
     tier = app.producer.topics.tier("normal")
-    killed = subprocess.run(
-        [sys.executable, "-c", _KILLED_MID_TRANSACTION, f"{app.ns}.forwarder.gone", tier, "3"],
-        env=app.env_of(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert killed.returncode == -9, killed.stderr
+    _kill_mid_transaction(app, f"{app.ns}.forwarder.gone", tier)
     receipts = [app.producer.enqueue(app.type("Ledger"), {"key": f"n{i}", "amount": 1}) for i in range(6)]
     app.producer.flush(30)
     wait_until(

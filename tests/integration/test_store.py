@@ -427,23 +427,31 @@ def test_a_member_can_catch_its_own_statements_error_under_a_savepoint(db: Datab
     store.close()
 
 
+def _migrated_up_to(settings: Settings, count: int) -> Database:
+    """A database in a schema of its own with only the first `count` migrations applied, as an older
+    release left it."""
+    from taskq._core.db import migrations
+
+    db = Database(settings.database_url, schema="t" + uuid.uuid4().hex[:10])
+    with db.connection() as conn:
+        conn.execute(f'CREATE SCHEMA "{db.schema}"')
+        conn.execute(
+            "CREATE TABLE taskq_migrations (version integer PRIMARY KEY, name text NOT NULL, "
+            "applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for version, name, sql in migrations()[:count]:
+            conn.execute(sql.encode())
+            conn.execute("INSERT INTO taskq_migrations (version, name) VALUES (%s, %s)", (version, name))
+    return db
+
+
 def test_migrating_keeps_older_records_under_the_namespace_of_the_migrating_process(
     base_settings: Settings,
 ) -> None:
     # A database as 0002 left it: records keyed by idempotency key alone.
-    from taskq._core.db import migrations
-
-    db = Database(base_settings.database_url, schema="t" + uuid.uuid4().hex[:10])
+    db = _migrated_up_to(base_settings, 2)
     try:
         with db.connection() as conn:
-            conn.execute(f'CREATE SCHEMA "{db.schema}"')
-            conn.execute(
-                "CREATE TABLE taskq_migrations (version integer PRIMARY KEY, name text NOT NULL, "
-                "applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            for version, name, sql in migrations()[:2]:
-                conn.execute(sql.encode())
-                conn.execute("INSERT INTO taskq_migrations (version, name) VALUES (%s, %s)", (version, name))
             conn.execute(
                 "INSERT INTO taskq_tasks (idempotency_key, task_id, task_type, state, attempts) "
                 "VALUES ('done', 't1', 't', 'completed', 1), ('dead', 't2', 't', 'dead', 3)"
@@ -467,19 +475,9 @@ def test_migrating_to_takeovers_keeps_each_key_as_near_the_poison_pill_rule_as_i
     base_settings: Settings,
 ) -> None:
     # A database as 0008 left it: every takeover from a dead worker counted as an interruption.
-    from taskq._core.db import migrations
-
-    db = Database(base_settings.database_url, schema="t" + uuid.uuid4().hex[:10])
+    db = _migrated_up_to(base_settings, 8)
     try:
         with db.connection() as conn:
-            conn.execute(f'CREATE SCHEMA "{db.schema}"')
-            conn.execute(
-                "CREATE TABLE taskq_migrations (version integer PRIMARY KEY, name text NOT NULL, "
-                "applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            for version, name, sql in migrations()[:8]:
-                conn.execute(sql.encode())
-                conn.execute("INSERT INTO taskq_migrations (version, name) VALUES (%s, %s)", (version, name))
             conn.execute(
                 "INSERT INTO taskq_tasks (namespace, idempotency_key, task_id, task_type, state, attempts, "
                 "interruptions) VALUES ('shop', 'never', 't1', 't', 'completed', 1, 0), "
