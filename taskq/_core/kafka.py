@@ -35,6 +35,10 @@ from taskq._core.settings import Settings, redact
 
 log = logging.getLogger("taskq.kafka")
 
+#: Answers after which the client's own metadata of new topics may be what is behind: it asks for more.
+_STALE_METADATA = frozenset(
+    {KafkaError._NOENT, KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.FENCED_LEADER_EPOCH}
+)
 #: Errors meaning a partition's leader or a group's coordinator is not (yet) ready where asked: retried
 #: until the admin timeout.
 _NOT_READY = frozenset(
@@ -45,6 +49,11 @@ _NOT_READY = frozenset(
         KafkaError.NOT_COORDINATOR,
         KafkaError.COORDINATOR_NOT_AVAILABLE,
         KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        # A broker and a client whose metadata of a new topic's leader are at different epochs, as on a
+        # broker's first seconds: either catches up within moments (seen in CI: "Leader epoch is newer than
+        # broker epoch" on the first topics of a freshly started broker).
+        KafkaError.UNKNOWN_LEADER_EPOCH,
+        KafkaError.FENCED_LEADER_EPOCH,
     }
 )
 
@@ -750,7 +759,7 @@ class Admin:
                     future.result()
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else None
-                if isinstance(err, KafkaError) and err.code() == KafkaError._NOENT:
+                if isinstance(err, KafkaError) and err.code() in _STALE_METADATA:
                     # The client's metadata has no leader for them yet, and it may keep that answer: a
                     # metadata request of its own brings the leaders the broker knows by now.
                     self._a.list_topics(timeout=max(0.1, min(left, 5.0)))

@@ -1,0 +1,44 @@
+"""Admin requests wait out a broker that is not ready yet, and report anything else at once."""
+
+from __future__ import annotations
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from taskq._core.errors import KafkaUnavailableError
+from taskq._core.kafka import Admin
+from taskq._core.settings import Settings
+
+
+def _admin() -> Admin:
+    # No request reaches a broker here: `_answered` is given the call to make.
+    return Admin(Settings(bootstrap_servers="127.0.0.1:1", kafka_timeout=5.0))
+
+
+@pytest.mark.parametrize(
+    "code",
+    # The first topics of a freshly started broker answered "Leader epoch is newer than broker epoch" in CI.
+    [KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.FENCED_LEADER_EPOCH, KafkaError.NOT_LEADER_FOR_PARTITION],
+)
+def test_a_leader_not_settled_yet_is_waited_out(code: int) -> None:
+    answers = iter([KafkaException(KafkaError(code)), KafkaException(KafkaError(code)), "ready"])
+
+    def call(left: float) -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert _admin()._answered("waiting for the partitions of new topics", call) == "ready"
+
+
+def test_a_refusal_is_reported_at_once() -> None:
+    calls: list[float] = []
+
+    def call(left: float) -> str:
+        calls.append(left)
+        raise KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+
+    with pytest.raises(KafkaUnavailableError, match="waiting for the partitions"):
+        _admin()._answered("waiting for the partitions of new topics", call)
+    assert len(calls) == 1
