@@ -219,33 +219,39 @@ def base_config(settings: Settings) -> dict[str, Any]:
 
 def producer_config(settings: Settings) -> dict[str, Any]:
     """librdkafka settings of every taskq producer (a transactional one adds its id)."""
-    return base_config(settings) | {
-        # Delivery guarantee: a send is acknowledged only once every in-sync replica has it, and
-        # retries never duplicate or reorder (idempotent producer).
-        "acks": "all",
-        "enable.idempotence": True,
+    tuning = {
         "compression.type": "lz4",
         "linger.ms": 5,
         "batch.num.messages": 10000,
         "message.timeout.ms": 120000,
     }
+    return base_config(settings) | tuning | dict(settings.kafka) | {
+        # Delivery guarantee: a send is acknowledged only once every in-sync replica has it, and
+        # retries never duplicate or reorder (idempotent producer).
+        "acks": "all",
+        "enable.idempotence": True,
+    }
 
 
 def consumer_config(settings: Settings, *, group: str) -> dict[str, Any]:
     """librdkafka settings of every taskq consumer in `group`: manual commits, read_committed."""
-    conf = base_config(settings) | {
-        "group.id": group,
-        # Delivery guarantee: offsets are committed by taskq only after each task's outcome is durable.
-        "enable.auto.commit": False,
-        "enable.auto.offset.store": False,
-        "auto.offset.reset": "earliest",
-        "isolation.level": "read_committed",
+    tuning: dict[str, Any] = {
         "max.poll.interval.ms": 300000,
         "queued.max.messages.kbytes": 16384,
         # A resumed partition joins the next fetch request, which waits for the one in flight: by default
         # up to 500 ms when the other partitions have nothing new. A short wait keeps the worker's buffer
         # from running dry after flow control resumes a tier.
         "fetch.wait.max.ms": 10,
+    }
+    if settings.group_protocol == "classic":  # with KIP-848 the session timeout is the broker's
+        tuning |= {"session.timeout.ms": 15000, "heartbeat.interval.ms": 1000}
+    conf = base_config(settings) | tuning | dict(settings.kafka) | {
+        "group.id": group,
+        # Delivery guarantee: offsets are committed by taskq only after each task's outcome is durable.
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
     }
     # Every tier's partitions are spread over the members, topic by topic (range), so a second worker
     # takes half of a busy tier instead of the idle ones: a count-balancing assignor (sticky, uniform)
@@ -255,12 +261,7 @@ def consumer_config(settings: Settings, *, group: str) -> dict[str, Any]:
     if settings.group_protocol == "consumer":
         conf |= {"group.protocol": "consumer", "group.remote.assignor": "range"}
     else:
-        conf |= {
-            "group.protocol": "classic",
-            "partition.assignment.strategy": "range",
-            "session.timeout.ms": 15000,
-            "heartbeat.interval.ms": 1000,
-        }
+        conf |= {"group.protocol": "classic", "partition.assignment.strategy": "range"}
     return conf
 
 

@@ -17,9 +17,24 @@ from taskq._core.durations import DEFAULT_DELAY_TIERS, parse_duration
 from taskq._core.errors import ConfigurationError
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
-#: librdkafka settings the project sets itself; passing them through TASKQ_KAFKA_* would break a guarantee.
+#: librdkafka settings the project sets itself; passing them through TASKQ_KAFKA_* would break a guarantee
+#: (or, for the assignors, the spread of every tier over a group). The other defaults taskq picks (linger,
+#: compression, fetch waits) are tuning: a TASKQ_KAFKA_* setting replaces them.
 _RESERVED_KAFKA = frozenset(
-    {"bootstrap.servers", "enable.idempotence", "acks", "enable.auto.commit", "group.protocol"}
+    {
+        "bootstrap.servers",
+        "enable.idempotence",
+        "acks",
+        "enable.auto.commit",
+        "enable.auto.offset.store",
+        "isolation.level",
+        "auto.offset.reset",
+        "group.id",
+        "group.protocol",
+        "group.remote.assignor",
+        "partition.assignment.strategy",
+        "transactional.id",
+    }
 )
 #: Kafka's consumer group protocols: the broker-driven one (KIP-848) and the classic join/sync one.
 GROUP_PROTOCOLS = ("consumer", "classic")

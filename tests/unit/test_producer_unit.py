@@ -267,6 +267,32 @@ def test_settings_from_env_refuses_kafka_variables_that_would_break_a_guarantee(
         Settings.from_env({"TASKQ_KAFKA_ACKS": "0"})
     with pytest.raises(ValueError, match="enable.auto.commit"):
         Settings.from_env({"TASKQ_KAFKA_ENABLE_AUTO_COMMIT": "true"})
+    # Read uncommitted records of aborted forwarder transactions, store offsets before the outcome is
+    # durable, start a new group past its backlog, or leave the group taskq joins: each loses or doubles tasks.
+    for name in ("ISOLATION_LEVEL", "ENABLE_AUTO_OFFSET_STORE", "AUTO_OFFSET_RESET", "GROUP_ID"):
+        with pytest.raises(ValueError, match=name.lower().replace("_", ".")):
+            Settings.from_env({f"TASKQ_KAFKA_{name}": "x"})
+
+
+@pytest.mark.parametrize("protocol", ["consumer", "classic"])
+def test_kafka_variables_override_the_tuning_defaults_of_every_client(protocol: str) -> None:
+    # linger.ms, compression and fetch waits are defaults chosen for a workload: a user who measured theirs
+    # sets them through TASKQ_KAFKA_*, and the setting must reach the client, not be silently replaced.
+    env = {
+        "TASKQ_KAFKA_LINGER_MS": "0",
+        "TASKQ_KAFKA_COMPRESSION_TYPE": "zstd",
+        "TASKQ_KAFKA_FETCH_WAIT_MAX_MS": "50",
+        "TASKQ_KAFKA_QUEUED_MAX_MESSAGES_KBYTES": "4096",
+        "TASKQ_GROUP_PROTOCOL": protocol,
+    }
+    s = Settings.from_env(env)
+    producer = producer_config(s)
+    assert (producer["linger.ms"], producer["compression.type"]) == ("0", "zstd")
+    assert (producer["acks"], producer["enable.idempotence"]) == ("all", True)
+    consumer = consumer_config(s, group="g")
+    assert (consumer["fetch.wait.max.ms"], consumer["queued.max.messages.kbytes"]) == ("50", "4096")
+    assert (consumer["group.id"], consumer["isolation.level"]) == ("g", "read_committed")
+    assert consumer["enable.auto.commit"] is False and consumer["enable.auto.offset.store"] is False
 
 
 def test_settings_from_env_reports_a_bad_delay_tier():
