@@ -508,16 +508,20 @@ class Worker:
         room = max(1, min(500, self.config.buffer_capacity - waiting))
         now = self._clock()
         records: list[Record] = []
+        waited = False
         # Fetch in batches of at least a quarter of the buffer, so claims go to Postgres hundreds at a time,
         # not a slot's worth; and at least every 50 ms, which serves rebalance callbacks and keeps the group
-        # membership alive even when the buffer is full. With work in hand the poll must not block.
+        # membership alive even when the buffer is full.
         if room >= self.config.buffer_capacity // 4 or not busy or now - self._last_poll >= 0.05:
             self._last_poll = now
-            # consume(n, timeout) waits for all n records or the timeout: take what is there, and block
-            # only while idle, for one record (then the rest that came with it), never on a timeout.
+            # consume(n, timeout) waits for all n records or the timeout: take what is there, and block only
+            # for one record (then the rest that came with it), never on a timeout. Block while idle, and
+            # while slots are free with nothing buffered for them: what starts next is a record on its way,
+            # and consume() returns the moment it arrives (running tasks' outcomes wait for it, at most 5 ms).
             records = self._source.poll(room, 0.0)
-            if not records and not busy:
-                records = self._source.poll(1, 0.25)
+            if not records and (not busy or self._starved()):
+                records = self._source.poll(1, 0.005 if busy else 0.25)
+                waited = True
                 if records and room > 1:
                     records += self._source.poll(room - 1, 0.0)
         for record in self._undecoded_ready():
@@ -536,9 +540,13 @@ class Worker:
         if self._clock() - self._last_commit >= self.config.commit_interval:
             self._commit(asynchronous=True)
         self._observe()
-        if busy and not records:
+        if busy and not records and not waited:
             # Nothing new from Kafka: sleep until a running task reports (wakes at once), not a fixed tick.
             self._collect(block=0.005 if self.executor.free_slots() else 0.05)
+
+    def _starved(self) -> bool:
+        """Slots are free and nothing buffered is waiting for one."""
+        return not (len(self._scheduler) or self._held or self._undecoded) and self.executor.free_slots() > 0
 
     def _undecoded_ready(self) -> list[Record]:
         if not self._undecoded or self._clock() < self._registry_retry_at:
