@@ -30,12 +30,14 @@ _MIGRATION_LOCK = 0x7461736B71  # "taskq"
 
 @cache
 def queries() -> dict[str, str]:
-    """The named statements of sql/queries.sql."""
+    """The named statements of sql/queries.sql, without their comment lines: psycopg caches the parse of a
+    query only up to 4 KiB, and comments are for the file's readers."""
     text = resources.files(__package__).joinpath("sql/queries.sql").read_text(encoding="utf-8")
     out: dict[str, str] = {}
     for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
         name, _, body = block.partition("\n")
-        out[name.strip()] = body.strip().rstrip(";")
+        lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
+        out[name.strip()] = "\n".join(lines).strip().rstrip(";")
     return out
 
 
