@@ -321,6 +321,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         processes=args.processes,
         partitions=args.partitions,
         timeout=args.timeout,
+        bare=args.bare,
     )
 
     def ms(d: dict[str, float]) -> str:
@@ -329,7 +330,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     _print(
         args,
         data,
-        f"{data['completed']} of {data['tasks']} tasks at {data['achieved_rate_per_s']:.0f}/s "
+        ("framework-free loop (--bare): " if data["bare"] else "")
+        + f"{data['completed']} of {data['tasks']} tasks at {data['achieved_rate_per_s']:.0f}/s "
         f"(asked {data['rate']:g}/s; {data['late_sends']} sends late, at most "
         f"{data['max_behind_schedule_ms']:.1f} ms):\n"
         f"  enqueue to start       {ms(data['enqueue_to_start_ms'])}\n"
@@ -871,6 +873,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
     sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for assignment, then tasks")
+    sp.add_argument(
+        "--bare",
+        action="store_true",
+        help="run the framework-free loop of `bench ceiling` (consume, claim, complete, commit) instead of "
+        "workers: the floor of these latencies on this machine",
+    )
 
     sp = leaf(
         sub,

@@ -346,12 +346,94 @@ def _spawned_worker(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, 
     _run_worker(runner, spec, out, stop, parent, None)
 
 
+def _claim_requests(msgs: list[Message]) -> list[ClaimRequest]:
+    """What the worker asks of Postgres for a batch of task records: a claim of each one's key."""
+    requests = []
+    for m in msgs:
+        h = dict(_headers(m))
+        requests.append(
+            ClaimRequest(
+                h[H + "idempotency-key"].decode(),
+                h[H + "task-id"].decode(),
+                h[H + "task-type"].decode(),
+                _LEASE_SECONDS,
+            )
+        )
+    return requests
+
+
+def _spawned_bare(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, parent: int) -> None:
+    """A spawned process's entry: the framework-free loop of `bench ceiling` in place of a worker, for as
+    long as the bench runs. Per batch of records: claim every key, complete the claimed ones, commit (not
+    waiting for the broker). A task counts as started when its claim answers and as completed when its
+    completion does: what this design's floor is for a worker's enqueue->start and ->completion."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    s = Settings(**spec.settings)
+    launched_at, cpu0 = time.monotonic(), time.process_time()
+    partitions: set[TP] = set()
+    assigned_at: list[float] = []
+
+    def on_assign(_: Consumer, parts: list[TopicPartition]) -> None:
+        partitions.update((p.topic, p.partition) for p in parts)
+        assigned_at[:] = assigned_at or [time.monotonic()]
+
+    def on_revoke(_: Consumer, parts: list[TopicPartition]) -> None:
+        partitions.difference_update((p.topic, p.partition) for p in parts)
+
+    consumer = Consumer(consumer_config(s, group=s.worker_group))
+    consumer.subscribe(Topics(s.namespace).priority_topics, on_assign=on_assign, on_revoke=on_revoke)
+    store = Store(Database(s.database_url, schema=s.database_schema))
+    owner = f"bench-bare:{os.getpid()}"
+    report = _Report(runner)
+    reported = time.monotonic()
+    try:
+        while not stop.wait(0) and os.getppid() == parent:
+            # As the worker polls: what is there, else block for one record (and take what came with it).
+            msgs = consumer.consume(500, 0)
+            if not msgs:
+                msgs = consumer.consume(1, 0.05)
+                msgs += consumer.consume(499, 0) if msgs else []
+            msgs = [m for m in msgs if m.error() is None]
+            if msgs:
+                claims = store.claim(s.namespace, owner, _claim_requests(msgs), stale_after=10.0)
+                now = time.monotonic()
+                claimed = [c for c in claims if c.outcome == "claimed"]
+                report.started += [(c.idempotency_key, now) for c in claimed]
+                done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claimed]
+                store.complete(s.namespace, owner, done)
+                now = time.monotonic()
+                report.completed += [(c.idempotency_key, now) for c in claimed]
+                offsets = {(m.topic() or "", m.partition() or 0): (m.offset() or 0) + 1 for m in msgs}
+                consumer.commit(
+                    offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True
+                )
+            if time.monotonic() - reported >= _REPORT_EVERY:
+                report.partitions, report.assigned_at = len(partitions), next(iter(assigned_at), None)
+                out.put(report)
+                report, reported = _Report(runner), time.monotonic()
+    except Exception as exc:  # reported to the parent, which stops the bench with it
+        report.error = repr(exc)
+    finally:
+        report.cpu_s = time.process_time() - cpu0
+        consumer.close()
+        store.database.close()
+    report.partitions, report.assigned_at = len(partitions), next(iter(assigned_at), None)
+    report.launched_at, report.final = launched_at, True
+    out.put(report)
+
+
 class _Workers:
     """N bench workers in one group: a thread of this process for one (unless `spawn`), spawned processes
-    for more."""
+    for more; `bare`: spawned processes running the framework-free loop (`_spawned_bare`) instead."""
 
     def __init__(
-        self, spec: _WorkerSpec, *, processes: int = 1, profile: str | None = None, spawn: bool = False
+        self,
+        spec: _WorkerSpec,
+        *,
+        processes: int = 1,
+        profile: str | None = None,
+        spawn: bool = False,
+        bare: bool = False,
     ) -> None:
         if processes < 1:
             raise ConfigurationError(f"processes must be >= 1, got {processes}")
@@ -365,7 +447,7 @@ class _Workers:
         self.cpu_s = 0.0
         self._finals: list[_Report] = []
         self._runners: list[threading.Thread | multiprocessing.process.BaseProcess] = []
-        if processes == 1 and not spawn:
+        if processes == 1 and not (spawn or bare):
             self._out: _Channel = queue.Queue()
             self._stop: _Flag = threading.Event()
             self._runners.append(
@@ -377,10 +459,9 @@ class _Workers:
             # spawn, never fork: this process already runs librdkafka and psycopg threads.
             ctx = multiprocessing.get_context("spawn")
             self._out, self._stop = ctx.Queue(), ctx.Event()
+            target = _spawned_bare if bare else _spawned_worker
             self._runners += [
-                ctx.Process(
-                    target=_spawned_worker, args=(i, spec, self._out, self._stop, os.getpid()), daemon=True
-                )
+                ctx.Process(target=target, args=(i, spec, self._out, self._stop, os.getpid()), daemon=True)
                 for i in range(processes)
             ]
 
@@ -513,9 +594,11 @@ def bench_latency(
     processes: int = 1,
     partitions: int = 6,
     timeout: float = 120.0,
+    bare: bool = False,
 ) -> dict[str, Any]:
     """Run Workers in processes of their own, enqueue `rate` tasks/s on a fixed schedule for `duration` s
-    from this one, and time each task's way."""
+    from this one, and time each task's way. `bare`: the framework-free loop of `bench ceiling` in place of
+    the workers, the floor of these figures on the same machine."""
     if not rate > 0:
         raise ConfigurationError(f"rate must be > 0, got {rate}")
     if not duration > 0:
@@ -530,7 +613,7 @@ def bench_latency(
         # The workers never share this process's interpreter with the sender: under one GIL each would
         # delay the other, and the figures would be of the benchmark.
         spec = _WorkerSpec.of(run, "noop", concurrency)
-        with _Workers(spec, processes=processes, spawn=True) as workers:
+        with _Workers(spec, processes=processes, spawn=True, bare=bare) as workers:
             workers.wait(
                 lambda: sum(workers.partitions.values()) >= all_partitions,
                 timeout,
@@ -567,6 +650,7 @@ def bench_latency(
         "concurrency": concurrency,
         "processes": processes,
         "partitions": partitions,
+        "bare": bare,
         "namespace": run.settings.namespace,
         # Sends per second actually made over the schedule (the rate when the sender kept up).
         "achieved_rate_per_s": count / sent_s if sent_s > 0 else None,
@@ -646,18 +730,7 @@ def bench_ceiling(
         def claim_and_complete(msgs: list[Message]) -> None:
             # The worker's own two statements, each once per batch: claim every key, complete the claimed.
             nonlocal claimed
-            requests = []
-            for m in msgs:
-                h = dict(_headers(m))
-                requests.append(
-                    ClaimRequest(
-                        h[H + "idempotency-key"].decode(),
-                        h[H + "task-id"].decode(),
-                        h[H + "task-type"].decode(),
-                        _LEASE_SECONDS,
-                    )
-                )
-            answers = store.claim(s.namespace, owner, requests, stale_after=10.0)
+            answers = store.claim(s.namespace, owner, _claim_requests(msgs), stale_after=10.0)
             claims = [c for c in answers if c.outcome == "claimed"]
             done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claims]
             store.complete(s.namespace, owner, done)

@@ -13,6 +13,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from taskq._core.db import Database
 from taskq._core.envelope import Topics
 from taskq._core.kafka import Admin, Sink
@@ -121,11 +123,13 @@ def test_bench_ceiling_claims_and_completes_every_task(
     _assert_namespace_gone(settings, data["worker"]["namespace"])
 
 
+@pytest.mark.parametrize("bare", [False, True])
 def test_bench_latency_runs_every_scheduled_task(
-    settings: Settings, env_of: Callable[..., dict[str, str]]
+    settings: Settings, env_of: Callable[..., dict[str, str]], bare: bool
 ) -> None:
-    data = _bench(env_of(), "latency", "--rate", "100", "--duration", "1")
-    assert data["tasks"] == 100 and data["completed"] == 100
+    # --bare: the framework-free loop (claims and completions in Postgres, commits) in place of the worker.
+    data = _bench(env_of(), "latency", "--rate", "100", "--duration", "1", *(["--bare"] if bare else []))
+    assert data["tasks"] == 100 and data["completed"] == 100 and data["bare"] is bare
     assert data["achieved_rate_per_s"] > 0
     assert _percentiles(data["enqueue_to_start_ms"]) and _percentiles(data["enqueue_to_completion_ms"])
     _assert_namespace_gone(settings, data["namespace"])
