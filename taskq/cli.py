@@ -333,7 +333,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         ("framework-free loop (--bare): " if data["bare"] else "")
         + f"{data['completed']} of {data['tasks']} tasks at {data['achieved_rate_per_s']:.0f}/s "
         f"(asked {data['rate']:g}/s; {data['late_sends']} sends late, at most "
-        f"{data['max_behind_schedule_ms']:.1f} ms):\n"
+        f"{data['max_behind_schedule_ms']:.1f} ms; "
+        f"worker CPU {data['worker_cpu_ms_per_task']:.2f} ms/task):\n"
         f"  enqueue to start       {ms(data['enqueue_to_start_ms'])}\n"
         f"  enqueue to completion  {ms(data['enqueue_to_completion_ms'])}",
     )

@@ -639,7 +639,7 @@ def bench_latency(
             workers.wait(
                 lambda: len(workers.completed) >= count, timeout, f"not every one of {count} tasks ran"
             )
-        completed, started = workers.completed, workers.started
+        completed, started, cpu_s = workers.completed, workers.started, workers.cpu_s
 
     keys = [k for k in enqueued if k in completed]
     return {
@@ -657,6 +657,9 @@ def bench_latency(
         # Sends that found themselves behind their scheduled time, and by how much at most.
         "late_sends": len(behind),
         "max_behind_schedule_ms": max(behind, default=0.0) * 1e3,
+        # Process CPU of the workers (or bare loops), all threads, from launch to the stop request (joining
+        # the group and idle waits included), per task sent.
+        "worker_cpu_ms_per_task": cpu_s / count * 1e3,
         "enqueue_to_start_ms": _ms([started[k] - enqueued[k] for k in keys if k in started]),
         "enqueue_to_completion_ms": _ms([completed[k] - enqueued[k] for k in keys]),
     }

@@ -130,6 +130,7 @@ def test_bench_latency_runs_every_scheduled_task(
     # --bare: the framework-free loop (claims and completions in Postgres, commits) in place of the worker.
     data = _bench(env_of(), "latency", "--rate", "100", "--duration", "1", *(["--bare"] if bare else []))
     assert data["tasks"] == 100 and data["completed"] == 100 and data["bare"] is bare
+    assert data["worker_cpu_ms_per_task"] > 0
     assert data["achieved_rate_per_s"] > 0
     assert _percentiles(data["enqueue_to_start_ms"]) and _percentiles(data["enqueue_to_completion_ms"])
     _assert_namespace_gone(settings, data["namespace"])
