@@ -280,6 +280,12 @@ def cmd_bench_ceiling(args: argparse.Namespace) -> int:
             f"(the ceiling of a worker; {data['completed']} completions recorded)",
         ),
         row(
+            "the same + a savepoint and INSERT a task",
+            data["transactional_per_s"],
+            f"(the ceiling of a transactional worker; {data['transactional_effects']} effects, "
+            f"{data['transactional_completed']} completions recorded)",
+        ),
+        row(
             "raw produce, acks=all",
             data["raw_produce_per_s"],
             f"(CPU {data['raw_produce_cpu_us']:.1f} us/task)",

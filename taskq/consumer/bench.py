@@ -22,11 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Protocol
 
+import psycopg
+
 # The ceiling measures librdkafka itself, so this is the one module besides taskq._core.kafka that holds its
 # clients; their settings are the adapter's own (producer_config, consumer_config).
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
-from taskq._core.db import Database
+from taskq._core.db import Database, Transaction
 from taskq._core.envelope import PRIORITIES, H, Topics
 from taskq._core.errors import ConfigurationError, KafkaUnavailableError, TaskqError
 from taskq._core.kafka import TP, Admin, consumer_config, producer_config
@@ -50,7 +52,7 @@ _EFFECTS_TABLE = "bench_effects"
 #: The lease a bench task's claim asks for: the worker's default for a task type without a timeout.
 _LEASE_SECONDS = WorkerConfig.default_lease
 #: The ceiling's two consuming passes, each in a group of its own (`<namespace>.ceiling-<pass>`).
-_CEILING_PASSES = ("commit", "claim")
+_CEILING_PASSES = ("commit", "claim", "transactional")
 #: How often a bench worker reports its new start and completion times to the parent.
 _REPORT_EVERY = 0.1
 
@@ -720,7 +722,7 @@ def bench_ceiling(
     """What Kafka and Postgres allow this design without the framework: consume, claim, complete, produce."""
     if count < 1:
         raise ConfigurationError(f"count must be >= 1, got {count}")
-    with _namespace(settings, partitions=partitions) as run:
+    with _namespace(settings, partitions=partitions, handler="transactional") as run:
         s = run.settings
         _, enqueue_s, enqueue_cpu_s = _enqueue(run, count)
         commit_only = _consume_pass(run, f"{s.namespace}.ceiling-commit", count, timeout, None)
@@ -744,6 +746,37 @@ def bench_ceiling(
             run, f"{s.namespace}.ceiling-claim", count, timeout, claim_and_complete
         )
         recorded = store.counts(s.namespace).get("completed", 0)
+
+        # The same with a transactional handler's work, in a namespace of keys of its own: per batch one
+        # claim, then one transaction holding, per task, a savepoint and the bench handler's INSERT, and
+        # the completions; its statements pipelined, so a batch is three round trips (claim, statements
+        # and completions, commit). What group commit does, without the framework around it.
+        tx_namespace = f"{s.namespace}.tx"
+        conn = store.database.connect(autocommit=False)
+        insert = f"INSERT INTO {_EFFECTS_TABLE} (key, i) VALUES (%s, %s)"
+        tx = Transaction(store.database, conn)
+
+        def claim_write_complete(msgs: list[Message]) -> None:
+            answers = store.claim(tx_namespace, owner, _claim_requests(msgs), stale_after=10.0)
+            claims = [c for c in answers if c.outcome == "claimed"]
+            done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claims]
+            with conn.pipeline(), psycopg.Transaction(conn):
+                cur = conn.cursor()
+                for i, c in enumerate(claims):
+                    cur.execute(f"SAVEPOINT taskq_member_{i}", prepare=False)
+                    cur.execute(insert, (c.idempotency_key, i))
+                answered = store.send_complete(tx_namespace, owner, done, tx=tx)
+            if len(answered()) != len(done):
+                raise TaskqError("bench: a completion of the transactional pass was not recorded")
+
+        transactional = _consume_pass(
+            run, f"{s.namespace}.ceiling-transactional", count, timeout, claim_write_complete
+        )
+        conn.close()
+        with store.database.connection() as c:
+            row = c.execute(f"SELECT count(*) AS n FROM {_EFFECTS_TABLE}").fetchone()
+            effects = int(row["n"]) if row else 0
+        recorded_tx = store.counts(tx_namespace).get("completed", 0)
         store.database.close()
 
         # A real TaskProducer record, value and headers as they are, sent again as fast as acks=all allows.
@@ -792,6 +825,10 @@ def bench_ceiling(
         "consume_claim_complete_commit_per_s": claim_complete["tasks_per_s"],
         "claimed": claimed,
         "completed": recorded,
+        # Claim, then per task a savepoint and one INSERT, and the completions, in one transaction a batch.
+        "transactional_per_s": transactional["tasks_per_s"],
+        "transactional_completed": recorded_tx,
+        "transactional_effects": effects,
         # acks=all, idempotent, the producer's own settings; from the first send to the last ack.
         "raw_produce_per_s": acked / produce_s,
         "produced": acked,
