@@ -280,7 +280,7 @@ def cmd_bench_ceiling(args: argparse.Namespace) -> int:
             f"(the ceiling of a worker; {data['completed']} completions recorded)",
         ),
         row(
-            "the same + a savepoint and INSERT a task",
+            "+ a savepoint and an INSERT per task",
             data["transactional_per_s"],
             f"(the ceiling of a transactional worker; {data['transactional_effects']} effects, "
             f"{data['transactional_completed']} completions recorded)",
