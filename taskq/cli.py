@@ -282,8 +282,14 @@ def cmd_bench_ceiling(args: argparse.Namespace) -> int:
         row(
             "+ a savepoint and an INSERT per task",
             data["transactional_per_s"],
-            f"(the ceiling of a transactional worker; {data['transactional_effects']} effects, "
-            f"{data['transactional_completed']} completions recorded)",
+            f"(the ceiling of a transactional worker, groups of {data['group_max']}; "
+            f"{data['transactional_effects']} effects, {data['transactional_completed']} completions)",
+        ),
+        row(
+            "the same in 2 processes",
+            data["transactional_2_processes_per_s"],
+            f"({data['transactional_2_processes_effects']} effects, "
+            f"{data['transactional_2_processes_completed']} completions)",
         ),
         row(
             "raw produce, acks=all",

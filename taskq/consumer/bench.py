@@ -36,7 +36,7 @@ from taskq._core.settings import Settings
 from taskq._core.store import ClaimRequest, Finished, Store
 from taskq.consumer.events import AttemptStarted, Event, PartitionsAssigned, PartitionsRevoked, TaskCompleted
 from taskq.consumer.handlers import Handlers, TaskContext
-from taskq.consumer.worker import Worker, WorkerConfig
+from taskq.consumer.worker import GROUP_MAX, Worker, WorkerConfig
 from taskq.producer.admin import create_topics
 from taskq.producer.producer import TaskProducer
 from taskq.schemas import Registry
@@ -709,40 +709,96 @@ def _consume_pass(
     return {"tasks_per_s": seen / (t_end - t_assigned), "startup_s": t_assigned - t_subscribed}
 
 
-def _transactional_pass(run: _Run, count: int, timeout: float) -> dict[str, float]:
-    """The ceiling of group commit without the framework: per batch one claim, then one transaction holding,
-    per task, a savepoint and the transactional bench handler's INSERT, and the completions, its statements
-    pipelined (a batch is three round trips: the claim, the statements and completions, the commit)."""
-    s = run.settings
+def _transactional_loop(values: dict[str, Any], count: int, timeout: float, seen: Any, out: _Channel) -> None:
+    """A spawned process's entry: the transactional ceiling's loop, in a group with the others, until they
+    have consumed `count` records together (`seen`, shared). Per batch of records one claim, then per
+    GROUP_MAX claimed tasks one transaction holding, per task, a savepoint and the transactional bench
+    handler's INSERT, and the completions, its statements pipelined (two round trips a group), then the
+    commit of the batch. Puts (first assignment, last commit, records consumed, error) to `out`."""
+    s = Settings(**values)
     store = Store(Database(s.database_url, schema=s.database_schema))
     conn = store.database.connect(autocommit=False)
     tx = Transaction(store.database, conn)
     owner = f"bench-ceiling:{os.getpid()}"
     insert = f"INSERT INTO {_EFFECTS_TABLE} (key, i) VALUES (%s, %s)"
-
-    def claim_write_complete(msgs: list[Message]) -> None:
-        answers = store.claim(s.namespace, owner, _claim_requests(msgs), stale_after=10.0)
-        claims = [c for c in answers if c.outcome == "claimed"]
-        done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claims]
-        with conn.pipeline(), psycopg.Transaction(conn):
-            cur = conn.cursor()
-            for i, c in enumerate(claims):
-                cur.execute(f"SAVEPOINT taskq_member_{i}", prepare=False)
-                cur.execute(insert, (c.idempotency_key, i))
-            answered = store.send_complete(s.namespace, owner, done, tx=tx)
-        if len(answered()) != len(done):
-            raise TaskqError("bench: a completion of the transactional pass was not recorded")
-
+    consumer = Consumer(consumer_config(s, group=f"{s.namespace}.ceiling-transactional"))
+    assigned: list[float] = []
+    consumer.subscribe(
+        Topics(s.namespace).priority_topics,
+        on_assign=lambda c, parts: assigned.append(time.monotonic()) if not assigned else None,
+    )
+    mine, ended, error = 0, None, None
+    deadline = time.monotonic() + timeout
     try:
-        group = f"{s.namespace}.ceiling-transactional"
-        rates = _consume_pass(run, group, count, timeout, claim_write_complete)
-        row = conn.execute(f"SELECT count(*) AS n FROM {_EFFECTS_TABLE}").fetchone()
-        conn.rollback()
-        completed = store.counts(s.namespace).get("completed", 0)
+        while seen.value < count and time.monotonic() < deadline:
+            msgs = [m for m in consumer.consume(500, 0.1) if m.error() is None]
+            if not msgs:
+                continue
+            answers = store.claim(s.namespace, owner, _claim_requests(msgs), stale_after=10.0)
+            claimed = [c for c in answers if c.outcome == "claimed"]
+            # Groups as the worker bounds them: past 64 subtransactions a transaction overflows a cache.
+            for claims in (claimed[i : i + GROUP_MAX] for i in range(0, len(claimed), GROUP_MAX)):
+                done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claims]
+                with conn.pipeline(), psycopg.Transaction(conn):
+                    cur = conn.cursor()
+                    for i, c in enumerate(claims):
+                        cur.execute(f"SAVEPOINT taskq_member_{i}", prepare=False)
+                        cur.execute(insert, (c.idempotency_key, i))
+                    answered = store.send_complete(s.namespace, owner, done, tx=tx)
+                if len(answered()) != len(done):
+                    raise TaskqError("bench: a completion of the transactional pass was not recorded")
+            offsets = {(m.topic() or "", m.partition() or 0): (m.offset() or 0) + 1 for m in msgs}
+            consumer.commit(
+                offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False
+            )
+            ended = time.monotonic()
+            mine += len(msgs)
+            with seen.get_lock():
+                seen.value += len(msgs)
+    except Exception as exc:  # reported to the parent, which raises it
+        error = repr(exc)
     finally:
+        consumer.close()
         conn.close()
         store.database.close()
-    return {**rates, "effects": int(row["n"]) if row else 0, "completed": completed}
+    out.put((assigned[0] if assigned else None, ended, mine, error))
+
+
+def _transactional_pass(run: _Run, count: int, timeout: float, processes: int) -> dict[str, float]:
+    """The ceiling of group commit without the framework (`_transactional_loop`), in `processes` spawned
+    processes of one group: tasks/s from the first assignment to the last commit."""
+    values = {f.name: getattr(run.settings, f.name) for f in fields(run.settings)}
+    values["kafka"] = dict(values["kafka"])
+    ctx = multiprocessing.get_context("spawn")
+    seen, out = ctx.Value("q", 0), ctx.Queue()
+    loops = [
+        ctx.Process(target=_transactional_loop, args=(values, count, timeout, seen, out), daemon=True)
+        for _ in range(processes)
+    ]
+    for loop in loops:
+        loop.start()
+    try:
+        results = [out.get(timeout=timeout + 60) for _ in loops]
+    except queue.Empty:
+        raise TaskqError(f"bench: the transactional pass did not end within {timeout}s") from None
+    finally:
+        for loop in loops:
+            loop.join(30)
+    errors = [r[3] for r in results if r[3]]
+    if errors or seen.value < count:
+        raise TaskqError(f"bench: transactional pass: {errors[0] if errors else f'{seen.value} of {count}'}")
+    start = min(r[0] for r in results if r[0] is not None)
+    end = max(r[1] for r in results if r[1] is not None)
+    db = Database(run.settings.database_url, schema=run.settings.database_schema)
+    with db.connection() as conn:
+        row = conn.execute(f"SELECT count(*) AS n FROM {_EFFECTS_TABLE}").fetchone()
+    completed = Store(db).counts(run.settings.namespace).get("completed", 0)
+    db.close()
+    return {
+        "tasks_per_s": seen.value / (end - start),
+        "effects": int(row["n"]) if row else 0,
+        "completed": completed,
+    }
 
 
 def bench_ceiling(
@@ -821,10 +877,12 @@ def bench_ceiling(
         # The warm-up task goes to a delay topic, so these are the batches' records alone.
         bulk_acked = sum(admin.end_offsets(topics).values()) - before
 
-    # Like every figure, from a new deployment's empty idempotency table: a namespace of its own.
-    with _namespace(settings, partitions=partitions, handler="transactional") as tx_run:
-        _enqueue(tx_run, count)
-        transactional = _transactional_pass(tx_run, count, timeout)
+    # Like every figure, from a new deployment's empty idempotency table: a namespace of its own each.
+    transactional = {}
+    for n in (1, 2):
+        with _namespace(settings, partitions=partitions, handler="transactional") as tx_run:
+            _enqueue(tx_run, count)
+            transactional[n] = _transactional_pass(tx_run, count, timeout, n)
 
     data: dict[str, Any] = {
         "tasks": count,
@@ -837,9 +895,14 @@ def bench_ceiling(
         "claimed": claimed,
         "completed": recorded,
         # Claim, then per task a savepoint and one INSERT, and the completions, in one transaction a batch.
-        "transactional_per_s": transactional["tasks_per_s"],
-        "transactional_completed": transactional["completed"],
-        "transactional_effects": transactional["effects"],
+        # In one process, and in two of one group (as `bench worker --processes 2` is compared with it).
+        "group_max": GROUP_MAX,
+        "transactional_per_s": transactional[1]["tasks_per_s"],
+        "transactional_completed": transactional[1]["completed"],
+        "transactional_effects": transactional[1]["effects"],
+        "transactional_2_processes_per_s": transactional[2]["tasks_per_s"],
+        "transactional_2_processes_completed": transactional[2]["completed"],
+        "transactional_2_processes_effects": transactional[2]["effects"],
         # acks=all, idempotent, the producer's own settings; from the first send to the last ack.
         "raw_produce_per_s": acked / produce_s,
         "produced": acked,
