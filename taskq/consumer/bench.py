@@ -51,7 +51,7 @@ BENCH_HANDLERS: tuple[BenchHandler, ...] = ("noop", "transactional")
 _EFFECTS_TABLE = "bench_effects"
 #: The lease a bench task's claim asks for: the worker's default for a task type without a timeout.
 _LEASE_SECONDS = WorkerConfig.default_lease
-#: The ceiling's two consuming passes, each in a group of its own (`<namespace>.ceiling-<pass>`).
+#: The ceiling's consuming passes, each in a group of its own (`<namespace>.ceiling-<pass>`).
 _CEILING_PASSES = ("commit", "claim", "transactional")
 #: How often a bench worker reports its new start and completion times to the parent.
 _REPORT_EVERY = 0.1
@@ -348,6 +348,16 @@ def _spawned_worker(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, 
     _run_worker(runner, spec, out, stop, parent, None)
 
 
+def _commit_batch(consumer: Consumer, msgs: list[Message], *, asynchronous: bool) -> None:
+    """Commit the offsets after a consumed batch, partition by partition."""
+    offsets = {(m.topic() or "", m.partition() or 0): (m.offset() or 0) + 1 for m in msgs}
+    parts = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
+    if asynchronous:
+        consumer.commit(offsets=parts, asynchronous=True)
+    else:
+        consumer.commit(offsets=parts, asynchronous=False)
+
+
 def _claim_requests(msgs: list[Message]) -> list[ClaimRequest]:
     """What the worker asks of Postgres for a batch of task records: a claim of each one's key."""
     requests = []
@@ -405,10 +415,7 @@ def _spawned_bare(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, pa
                 store.complete(s.namespace, owner, done)
                 now = time.monotonic()
                 report.completed += [(c.idempotency_key, now) for c in claimed]
-                offsets = {(m.topic() or "", m.partition() or 0): (m.offset() or 0) + 1 for m in msgs}
-                consumer.commit(
-                    offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True
-                )
+                _commit_batch(consumer, msgs, asynchronous=True)
             if time.monotonic() - reported >= _REPORT_EVERY:
                 report.partitions, report.assigned_at = len(partitions), next(iter(assigned_at), None)
                 out.put(report)
@@ -697,10 +704,7 @@ def _consume_pass(
                 continue
             if batch is not None:
                 batch(msgs)
-            offsets = {(m.topic() or "", m.partition() or 0): (m.offset() or 0) + 1 for m in msgs}
-            consumer.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False
-            )
+            _commit_batch(consumer, msgs, asynchronous=False)
             seen += len(msgs)
         t_end = time.monotonic()
     finally:
@@ -747,10 +751,7 @@ def _transactional_loop(values: dict[str, Any], count: int, timeout: float, seen
                     answered = store.send_complete(s.namespace, owner, done, tx=tx)
                 if len(answered()) != len(done):
                     raise TaskqError("bench: a completion of the transactional pass was not recorded")
-            offsets = {(m.topic() or "", m.partition() or 0): (m.offset() or 0) + 1 for m in msgs}
-            consumer.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False
-            )
+            _commit_batch(consumer, msgs, asynchronous=False)
             ended = time.monotonic()
             mine += len(msgs)
             with seen.get_lock():
