@@ -206,13 +206,15 @@ def _on_error(err: KafkaError) -> None:
     LIBRDKAFKA_LOG.debug("error %s", err.str())
 
 
-def base_config(settings: Settings) -> dict[str, Any]:
-    """librdkafka settings common to every client: brokers plus the pass-through security settings."""
+def base_config(settings: Settings, tuning: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """librdkafka settings common to every client: brokers, then a client kind's `tuning` defaults, then the
+    TASKQ_KAFKA_* settings (security, and whatever tuning the user chose instead)."""
     LIBRDKAFKA_LOG.addFilter(_REPEATS)  # once: addFilter ignores a filter it has
     return {
         "bootstrap.servers": settings.bootstrap_servers,
         "logger": LIBRDKAFKA_LOG,
         "error_cb": _on_error,
+        **(tuning or {}),
         **settings.kafka,
     }
 
@@ -225,7 +227,7 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         "batch.num.messages": 10000,
         "message.timeout.ms": 120000,
     }
-    return base_config(settings) | tuning | dict(settings.kafka) | {
+    return base_config(settings, tuning) | {
         # Delivery guarantee: a send is acknowledged only once every in-sync replica has it, and
         # retries never duplicate or reorder (idempotent producer).
         "acks": "all",
@@ -245,7 +247,7 @@ def consumer_config(settings: Settings, *, group: str) -> dict[str, Any]:
     }
     if settings.group_protocol == "classic":  # with KIP-848 the session timeout is the broker's
         tuning |= {"session.timeout.ms": 15000, "heartbeat.interval.ms": 1000}
-    conf = base_config(settings) | tuning | dict(settings.kafka) | {
+    conf = base_config(settings, tuning) | {
         "group.id": group,
         # Delivery guarantee: offsets are committed by taskq only after each task's outcome is durable.
         "enable.auto.commit": False,

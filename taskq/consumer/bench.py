@@ -240,9 +240,14 @@ class _WorkerSpec:
     @classmethod
     def of(cls, run: _Run, handler: BenchHandler, concurrency: int) -> _WorkerSpec:
         """The spec of a worker in `run`'s namespace."""
-        values = {f.name: getattr(run.settings, f.name) for f in fields(run.settings)}
-        values["kafka"] = dict(values["kafka"])
-        return cls(values, run.task_type, run.schema, handler, concurrency)
+        return cls(_picklable(run.settings), run.task_type, run.schema, handler, concurrency)
+
+
+def _picklable(settings: Settings) -> dict[str, Any]:
+    """Settings as keyword arguments a spawned process can be given (Settings holds a mapping proxy)."""
+    values = {f.name: getattr(settings, f.name) for f in fields(settings)}
+    values["kafka"] = dict(values["kafka"])
+    return values
 
 
 class _Channel(Protocol):
@@ -768,8 +773,7 @@ def _transactional_loop(values: dict[str, Any], count: int, timeout: float, seen
 def _transactional_pass(run: _Run, count: int, timeout: float, processes: int) -> dict[str, float]:
     """The ceiling of group commit without the framework (`_transactional_loop`), in `processes` spawned
     processes of one group: tasks/s from the first assignment to the last commit."""
-    values = {f.name: getattr(run.settings, f.name) for f in fields(run.settings)}
-    values["kafka"] = dict(values["kafka"])
+    values = _picklable(run.settings)
     ctx = multiprocessing.get_context("spawn")
     seen, out = ctx.Value("q", 0), ctx.Queue()
     loops = [
