@@ -220,7 +220,7 @@ def cmd_bench_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_worker(args: argparse.Namespace) -> int:
-    from taskq.consumer.bench import bench_worker
+    from taskq.tools.bench import bench_worker
 
     data = bench_worker(
         _settings(args),
@@ -255,7 +255,7 @@ def _worker_text(data: dict[str, Any]) -> str:
 
 
 def cmd_bench_ceiling(args: argparse.Namespace) -> int:
-    from taskq.consumer.bench import bench_ceiling
+    from taskq.tools.bench import bench_ceiling
 
     data = bench_ceiling(
         _settings(args),
@@ -323,7 +323,7 @@ def cmd_bench_ceiling(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
-    from taskq.consumer.bench import bench_latency
+    from taskq.tools.bench import bench_latency
 
     data = bench_latency(
         _settings(args),
@@ -355,7 +355,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------------------------------------- chaos
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from taskq.consumer.chaos import run_chaos
+    from taskq.tools.chaos import run_chaos
 
     report = run_chaos(
         _settings(args),

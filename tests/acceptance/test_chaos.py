@@ -16,7 +16,7 @@ from taskq._core.db import Database
 from taskq._core.envelope import Topics
 from taskq._core.kafka import Admin
 from taskq._core.settings import Settings
-from taskq.consumer.chaos import (
+from taskq.tools.chaos import (
     CREATE_LEDGER,
     LEDGER_TABLE,
     SCHEMA,

@@ -14,7 +14,7 @@ import pytest
 
 from taskq._core.db import Database
 from taskq._core.settings import Settings
-from taskq.consumer.bench import scratch_namespace
+from taskq.tools.bench import scratch_namespace
 
 
 @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from taskq.consumer.chaos import _Monkey
+from taskq.tools.chaos import _Monkey
 
 
 def test_a_failed_restart_command_is_reported_with_its_last_line() -> None:

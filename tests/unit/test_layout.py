@@ -74,3 +74,12 @@ def test_importing_the_library_registers_no_metrics() -> None:
         "assert after == before, sorted(after - before)\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_the_runtime_packages_hold_no_tools_and_import_none() -> None:
+    runtime = [REPO / "taskq" / p for p in ("producer", "consumer", "schemas", "_core")]
+    for package in runtime:
+        for path in package.rglob("*.py"):
+            assert path.stem not in ("bench", "chaos"), path
+            text = path.read_text()
+            assert "taskq.tools" not in text, f"{path} imports the tools package"

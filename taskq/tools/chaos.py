@@ -40,13 +40,13 @@ from taskq._core.errors import ConfigurationError, TaskqError
 from taskq._core.kafka import TP, Admin, Source
 from taskq._core.settings import Settings
 from taskq._core.store import Store
-from taskq.consumer.bench import scratch_namespace
 from taskq.consumer.dlq import DeadLetters
 from taskq.consumer.handlers import Handlers, TaskContext
 from taskq.consumer.retry import RetryPolicy
 from taskq.producer.producer import Receipt, TaskProducer
 from taskq.schemas import Registry
 from taskq.schemas.errors import SchemaError
+from taskq.tools.bench import scratch_namespace
 
 __all__ = ["ChaosReport", "LedgerCheck", "check_ledger", "run_chaos", "uncommitted"]
 
@@ -60,7 +60,7 @@ SCHEMA: dict[str, Any] = {
     "fields": [{"name": "i", "type": "long"}, {"name": "kind", "type": "string"}],
 }
 #: `taskq worker` runs these; the handlers are built when the worker reads the attribute (see __getattr__).
-HANDLERS = "taskq.consumer.chaos:handlers"
+HANDLERS = "taskq.tools.chaos:handlers"
 #: In the run's own Postgres schema. No unique key on purpose: a second effect of one key is a second row.
 LEDGER_TABLE = "chaos_ledger"
 CREATE_LEDGER = (
@@ -103,7 +103,7 @@ def _handlers() -> Handlers:
 
 
 def __getattr__(name: str) -> Any:
-    # `taskq worker taskq.consumer.chaos:handlers` reads this attribute: nothing is registered at import.
+    # `taskq worker taskq.tools.chaos:handlers` reads this attribute: nothing is registered at import.
     if name == "handlers":
         return _handlers()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
