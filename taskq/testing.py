@@ -339,6 +339,10 @@ class _Source:
         with self._broker._lock:
             return self._position.get(tp, -1)
 
+    def high_watermarks(self, tps: Iterable[TP]) -> dict[TP, int]:
+        with self._broker._lock:
+            return {tp: len(self._broker._logs[tp[0]][tp[1]]) for tp in tps}
+
     def group_metadata(self) -> object:
         return _Membership(self._group_name, self)
 

@@ -65,12 +65,13 @@ class PartitionsRevoked:
 
 @dataclass(frozen=True, slots=True)
 class AttemptStarted:
-    """An attempt of a task started on a slot (its key claimed)."""
+    """An attempt of a task started on a slot (its key claimed); `quarantined`: a suspect's run, alone."""
 
     task_type: str
     task_id: str
     key: str
     attempt: int
+    quarantined: bool = False
 
 
 @dataclass(frozen=True, slots=True)

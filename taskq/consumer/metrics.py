@@ -50,6 +50,12 @@ class PrometheusHook:
         self._bound: dict[str, _Bound] = {}
         r = self.registry
         self.started = Counter("taskq_tasks_started_total", "Attempts started", ["task_type"], registry=r)
+        self.quarantined = Counter(
+            "taskq_quarantined_runs_total",
+            "Attempts of suspects (keys taken over from a dead worker) run alone in their process",
+            ["task_type"],
+            registry=r,
+        )
         self.succeeded = Counter(
             "taskq_tasks_succeeded_total", "Attempts that completed the task", ["task_type"], registry=r
         )
@@ -134,8 +140,10 @@ class PrometheusHook:
     def __call__(self, event: Event) -> None:
         """Count and time what the event says."""
         match event:
-            case AttemptStarted(task_type=t):
+            case AttemptStarted(task_type=t, quarantined=quarantined):
                 self._of(t).started.inc()
+                if quarantined:
+                    self.quarantined.labels(t).inc()
             case AttemptSucceeded(task_type=t, seconds=seconds, enqueued_at=enqueued_at):
                 bound = self._of(t)
                 bound.processing.observe(seconds)

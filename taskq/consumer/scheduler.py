@@ -83,9 +83,21 @@ class PriorityScheduler(Generic[T]):
         self._len += 1
 
     def push_front(self, tier: Priority, item: T) -> None:
-        """Put `item` back at the head of `tier`'s FIFO (popped, then not taken after all)."""
+        """Put `item` back at the head of `tier`'s FIFO (popped, then not taken after all).
+
+        Its pick is refunded: `tier` gets back what it paid and the tiers with work give back what they
+        earned, so weights count the tasks that started, not the pops. Without it a dispatch that pops more
+        than will start (a group commit stopped by its window) skews the shares by where it stops.
+        """
         self._buffers[tier].appendleft(item)
         self._len += 1
+        active = [t for t in PRIORITIES if self._buffers[t]]
+        total = sum(self._weights[t] for t in active)
+        for t in active:
+            self._credit[t] -= self._weights[t]
+        # At most a full round's credit: a pop made while fewer tiers had work paid less than `total`, and
+        # refunding it in full would let the tier burst ahead.
+        self._credit[tier] = min(self._credit[tier] + total, total)
 
     def pop(self, skip: Collection[str] = ()) -> T | None:
         """Remove and return the next item by weighted round-robin over tiers, or None when all are empty.
@@ -125,12 +137,22 @@ class PriorityScheduler(Generic[T]):
         """Items buffered in `tier`."""
         return len(self._buffers[tier])
 
-    def saturated(self, tier: Priority) -> bool:
-        """Whether `tier`'s partitions should be paused (see the class docstring for the rule)."""
-        if len(self._buffers[tier]) < self._reserves[tier]:
+    def saturated(self, tier: Priority, incoming: Mapping[Priority, int] | None = None) -> bool:
+        """Whether `tier`'s partitions should be paused (see the class docstring for the rule).
+
+        `incoming`: tasks per tier taken from Kafka and about to be pushed, counted as buffered already.
+        """
+        extra = incoming or {}
+        if len(self._buffers[tier]) + extra.get(tier, 0) < self._reserves[tier]:
             return False
-        claimed = sum(max(len(self._buffers[t]), self._reserves[t]) for t in PRIORITIES)
-        return claimed >= self._capacity
+        return self.headroom(incoming) <= 0
+
+    def headroom(self, incoming: Mapping[Priority, int] | None = None) -> int:
+        """Tasks of any tier that may still be taken before some tier is saturated: the capacity less
+        every tier's claim, max(depth, reserve), with `incoming` counted as buffered."""
+        extra = incoming or {}
+        claimed = sum(max(len(self._buffers[t]) + extra.get(t, 0), self._reserves[t]) for t in PRIORITIES)
+        return self._capacity - claimed
 
     def remove_if(self, pred: Callable[[T], bool]) -> list[T]:
         """Drop buffered items matching `pred` (e.g. of revoked partitions), returning them in tier order."""

@@ -87,6 +87,11 @@ GROUP_MAX = 50
 #: A group starts no member after it has run this long (seconds): slow tasks commit in small groups, and
 #: no effect waits long for the rest of its group.
 GROUP_WINDOW = 0.05
+#: Records taken from Kafka at a time once a tier may be saturated by them, with flow control in between:
+#: fewer than the smallest reserve of the default weights, so no tier can take another's place for long.
+POLL_CHUNK = 16
+#: Dispatch waits at most this long (seconds) for newly assigned partitions' first fetch.
+SETTLE = 0.25
 
 
 class GroupRolledBack(TaskqError):
@@ -94,24 +99,24 @@ class GroupRolledBack(TaskqError):
 
 
 def max_worker_deaths(max_attempts: int) -> int:
-    """Runs ended with their worker's death after which a key is dead-lettered as a poison pill, unrun.
+    """Deaths of its own after which a key is dead-lettered as a poison pill, unrun.
 
     A task merely in flight (or claimed ahead) on a worker that died is not charged an attempt; but a task
-    that kills every worker running it must still end in the DLQ: after max_attempts runs, and never after
-    one death alone, so a single crash never dead-letters a healthy task with max_attempts=1.
+    that kills every worker running it must still end in the DLQ: after max_attempts deaths of its own,
+    and never after one alone, so a single crash never dead-letters a task with max_attempts=1.
     """
     return max(max_attempts, 2)
 
 
 def worker_deaths(claim: Claim) -> int:
-    """Runs of a key that ended with their worker's death, as far as the store can tell.
+    """Deaths charged to a key: interruptions of its runs in quarantine (invariant 10).
 
-    Each interruption (a takeover of a run marked started) is one. So is the first takeover: a key's first
-    run is never marked (plain tasks write nothing before they start), so that run may have started. Other
-    takeovers, of keys merely claimed ahead in a buffer, are none: a key taken over before is marked
-    started before it runs.
+    A key taken over from a dead worker is a suspect: it runs alone in its process, outside group commit,
+    marked started just before it runs. Only such a run's death is an interruption. The death that made it
+    a suspect is charged to nobody: whatever ran, was buffered or was claimed ahead beside the task that
+    killed the worker cannot be told apart from it.
     """
-    return claim.interruptions + 1 if claim.takeovers else 0
+    return claim.interruptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,6 +280,18 @@ class Worker:
         self._resume_at: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)  # depth a paused tier resumes at
         self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
         self._assigned: set[TP] = set()
+        self._settling: dict[TP, float] = {}  # assigned, not fetched yet: when they were assigned
+        self._dispatched = False  # nothing started yet: the first dispatch waits for every tier's partitions
+        self._first_assigned: float | None = None
+        self._starts: dict[TP, int] = {}  # committed offsets of partitions being settled
+        self._fed: dict[Priority, float] = dict.fromkeys(PRIORITIES, -float("inf"))  # last record taken
+        self._fetching: set[Priority | None] = set()  # tiers with a partition assigned and not paused
+        # Recent group members' run time, a moving average; until members have run, a guess that starts
+        # groups of about 8 (pops a group gives back unstarted cost weighted order its precision).
+        self._member_seconds = GROUP_WINDOW / 8
+        self._quarantine: _Task | None = None  # the suspect running alone, until its outcome is recorded
+        self._suspect_waits = False  # a suspect is next: nothing starts until the running tasks end
+        self._members_running = 0  # members of group commits started and not reported yet
         self.heartbeat = metrics.Heartbeat()
         self._clock = clock
         self.broker: Broker = broker or KafkaBroker(self.settings)
@@ -512,27 +529,29 @@ class Worker:
         # Fetch in batches of at least a quarter of the buffer, so claims go to Postgres hundreds at a time,
         # not a slot's worth; and at least every 50 ms, which serves rebalance callbacks and keeps the group
         # membership alive even when the buffer is full.
-        if room >= self.config.buffer_capacity // 4 or not busy or now - self._last_poll >= 0.05:
+        if room >= self.config.buffer_capacity // 4 or not busy or now - self._last_poll >= 0.05 or self._short():  # noqa: E501
             self._last_poll = now
             # consume(n, timeout) waits for all n records or the timeout: take what is there, and block only
             # for one record (then the rest that came with it), never on a timeout. Block while idle, and
             # while slots are free with nothing buffered for them: what starts next is a record on its way,
             # and consume() returns the moment it arrives (running tasks' outcomes wait for it, at most 5 ms).
-            records = self._source.poll(room, 0.0)
+            records = self._take(room)
             if not records and (not busy or self._starved()):
                 records = self._source.poll(1, 0.005 if busy else 0.25)
                 waited = True
                 if records and room > 1:
-                    records += self._source.poll(room - 1, 0.0)
+                    records += self._take(room - 1, records)
         for record in self._undecoded_ready():
             self._accept(record, tracked=True)
+        self._arrived_from(records)
         for record in records:
             self._accept(record)
         self._claim_arrived()
         self._read_pauses()
         self._flow_control()
         self._release_held()
-        self._dispatch()
+        if self._settled():
+            self._dispatch()
         self._collect(block=0.0)
         self._limits.flush()
         self._completer.flush(linger=0.005)
@@ -543,6 +562,92 @@ class Worker:
         if busy and not records and not waited:
             # Nothing new from Kafka: sleep until a running task reports (wakes at once), not a fixed tick.
             self._collect(block=0.005 if self.executor.free_slots() else 0.05)
+
+    def _take(self, room: int, taken: Sequence[Record] = ()) -> list[Record]:
+        """Up to `room` records that Kafka has fetched already, without waiting.
+
+        librdkafka hands out fetched records in the order they came, tier after tier, so one large take
+        could fill the buffer with the first tiers fetched and leave none for the others. Records are taken
+        in chunks no larger than what can be taken before some tier is saturated (POLL_CHUNK at least), and
+        saturated tiers are paused between chunks: pausing drops their fetched records, and the next chunk
+        comes from the tiers still short of their reserve (invariant 4).
+        """
+        assert self._source is not None
+        incoming: Counter[Priority] = Counter()
+        for record in taken:
+            tier = self.topics.priority_of(record.topic)
+            if tier is not None:
+                incoming[tier] += 1
+        records: list[Record] = []
+        while room > 0:
+            chunk = min(room, max(POLL_CHUNK, self._scheduler.headroom(incoming)))
+            got = self._source.poll(chunk, 0.0)
+            records += got
+            room -= len(got)
+            if len(got) < chunk:
+                break  # nothing more fetched for now
+            for record in got:
+                tier = self.topics.priority_of(record.topic)
+                if tier is not None:
+                    incoming[tier] += 1
+            self._flow_control(incoming)
+        return records
+
+    def _settled(self) -> bool:
+        """Whether every newly assigned partition with records to read has delivered one, or waited SETTLE
+        seconds for it; and, before the first dispatch, whether partitions of every tier are assigned (or
+        SETTLE passed since the first assignment).
+
+        Until then nothing starts: a worker that starts on a backlog would otherwise run the first tier
+        fetched (librdkafka may even assign a group's partitions topic by topic) alone, before the others'
+        records arrive a few milliseconds later (invariant 4).
+        """
+        if self._first_assigned is None:
+            return True  # nothing assigned, nothing to start
+        assert self._source is not None
+        now = self._clock()
+        if not self._dispatched:
+            tiers = {self.topics.priority_of(t) for t, _ in self._assigned} - {None}
+            if len(tiers) < len(PRIORITIES) and now - self._first_assigned < SETTLE:
+                return False
+        if self._settling:
+            waiting = [tp for tp, at in self._settling.items() if now - at < SETTLE and tp in self._assigned]
+            unknown = [tp for tp in waiting if tp not in self._starts]
+            if unknown:  # where each starts: the group's committed offset, once per assignment
+                try:
+                    self._starts.update(self._source.committed(unknown, timeout=1.0))
+                except TaskqError as exc:
+                    log.warning("could not read committed offsets: %s", exc)
+                    self._starts.update(dict.fromkeys(unknown, -1))
+            ends = self._source.high_watermarks(waiting) if waiting else {}
+            # Nothing to wait for in a partition read to its end (an unknown start counts as the log's start).
+            self._settling = {
+                tp: self._settling[tp] for tp, end in ends.items() if end < 0 or end > max(0, self._starts[tp])  # noqa: E501
+            }
+        self._dispatched = not self._settling
+        return self._dispatched
+
+    def _arrived_from(self, records: Sequence[Record]) -> None:
+        """Tiers that delivered records were fed now; partitions that delivered a record are settled."""
+        now = self._clock()
+        for topic in {r.topic for r in records}:
+            tier = self.topics.priority_of(topic)
+            if tier is not None:
+                self._fed[tier] = now
+        if self._settling:
+            for record in records:
+                self._settling.pop(record.tp, None)
+
+    def _short(self) -> bool:
+        """A tier being fetched holds under half its reserve: take what Kafka has for it now, not in 50 ms,
+        or a heavy tier runs dry while its records wait and the lighter ones take its turns (invariant 4)."""
+        recent = self._clock() - 1.0
+        return any(
+            self._fed[tier] > recent
+            and self._scheduler.depth(tier) < self._scheduler.reserve(tier) // 2
+            and tier in self._fetching
+            for tier in PRIORITIES
+        )
 
     def _starved(self) -> bool:
         """Slots are free and nothing buffered is waiting for one."""
@@ -635,13 +740,17 @@ class Worker:
             arrived, self._arrived = self._arrived, []
             self._claim(arrived)
 
-    def _flow_control(self) -> None:
-        """Pause the partitions of saturated tiers, resume the others (bounded memory, no starvation)."""
+    def _flow_control(self, incoming: Mapping[Priority, int] | None = None) -> None:
+        """Pause the partitions of saturated tiers, resume the others (bounded memory, no starvation).
+
+        `incoming`: records per tier taken from Kafka this tick and not yet buffered, counted as buffered.
+        """
         assert self._source is not None
         to_pause, to_resume = [], []
         # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
-        full = len(self._scheduler) + len(self._held) + len(self._on_hold) >= self.config.buffer_capacity
+        taken = sum(incoming.values()) if incoming else 0
+        full = len(self._scheduler) + taken + len(self._held) + len(self._on_hold) >= self.config.buffer_capacity  # noqa: E501
         held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
         held.update(t.tier for t in self._on_hold if full)
         # Over the byte bound every partition waits: what is buffered runs first, then fetching resumes.
@@ -650,10 +759,10 @@ class Worker:
             tier = self.topics.priority_of(tp[0])
             if tier is None:
                 continue
-            depth = self._scheduler.depth(tier)
+            depth = self._scheduler.depth(tier) + (incoming or {}).get(tier, 0)
             over = full and held[tier] + depth >= self._scheduler.reserve(tier)
             paused = tier in self._pauses.tiers  # by an operator: nothing more is fetched
-            if self._scheduler.saturated(tier) or over or heavy or paused or self._stop.is_set():
+            if self._scheduler.saturated(tier, incoming) or over or heavy or paused or self._stop.is_set():
                 if tp not in self._paused:
                     to_pause.append(tp)
                     self._resume_at[tier] = depth // 2
@@ -666,6 +775,7 @@ class Worker:
         self._source.resume(to_resume)
         self._paused |= set(to_pause)
         self._paused -= set(to_resume)
+        self._fetching = {self.topics.priority_of(tp[0]) for tp in self._assigned - self._paused} - {None}
         self._fresh.clear()
 
     def _over_bytes(self) -> bool:
@@ -737,25 +847,38 @@ class Worker:
 
     def _dispatch(self) -> None:
         """Start claimed tasks in weighted order, one slot each; transactional tasks ready together share
-        a slot and a transaction (group commit), in as few groups as GROUP_MAX allows."""
+        a slot and a transaction (group commit), in as few groups as GROUP_MAX allows. A suspect (a key
+        taken over from a dead worker) runs alone, outside any group (invariant 10)."""
+        if self._quarantine is not None:
+            return  # a suspect runs: nothing starts beside it until its outcome is recorded
         free = self.executor.free_slots()
-        if not free or not len(self._scheduler):
-            return
+        if not free or not len(self._scheduler) or (self._suspect_waits and self._running):
+            return  # (a suspect waits for the tasks running to end)
+        self._suspect_waits = False
         # At most half of what is buffered goes into the groups of one dispatch: the rest, and what is
         # fetched meanwhile, keeps the weighted order deciding what runs next. That half goes into as few
-        # groups as GROUP_MAX allows, not one per free slot: a group's transaction, completion statement
-        # and commit are shared by more attempts.
+        # groups as the members' pace allows, not one per free slot: a group's transaction, completion
+        # statement and commit are shared by more attempts.
         half = len(self._scheduler) // 2
-        groups = min(free, -(-half // GROUP_MAX)) if half > free else free
-        per_group = min(GROUP_MAX, -(-half // groups)) if half > free else 1
-        jobs: list[list[_Task]] = []
-        group: list[_Task] = []
-        opened = 0
+        size = self._group_fits()
+        groups = min(free, -(-half // size)) if half > free else free
+        per_group = min(size, -(-half // groups)) if half > free else 1
+        # Groups start in waves, never beside the groups of an earlier dispatch: groups run side by side
+        # member by member, and the members of one wave are dealt out in turn (below), so effects land in
+        # the order of the picks. Groups started one by one as others end would each run a stretch of
+        # picks at once, and a tier's share over a window would depend on which stretches it cut.
+        most = groups * per_group if not self._members_running else 0  # members of this dispatch's groups
+        singles: list[_Task] = []
+        members: list[_Task] = []
         # Ordered tasks whose key is held by an earlier task, and limited tasks whose key has no slot or
         # token now: they keep their place in the buffer, and the tasks behind them go by.
         waiting: list[_Task] = []
         popped: dict[int, int] = {}  # pop order, to put the waiting tasks back in place
-        while len(jobs) < free or 0 < len(group) < per_group:
+        while True:
+            used = len(singles) + -(-len(members) // per_group)
+            open_group = len(members) % per_group != 0 and len(members) < most
+            if used >= free and not open_group:
+                break
             task = self._scheduler.pop(skip=self._pauses.tiers)
             if task is None:
                 break
@@ -769,22 +892,32 @@ class Worker:
             if task.gate is not None and not self._limits.ready(task.gate):
                 waiting.append(task)
                 continue
+            if task.suspect:
+                # Quarantine: blamed for its worker's death only if it ran alone, a suspect starts only
+                # when nothing else runs, and nothing else starts until its outcome is recorded.
+                if singles or members or self._running:
+                    self._scheduler.push_front(task.tier, task)  # next in line (its pick is refunded)
+                    self._suspect_waits = True
+                else:
+                    singles.append(task)
+                    self._hold_key(task)
+                break
             if not (task.spec.transactional and task.spec.group_commit):
-                if len(jobs) >= free:  # only the open group had room: the task waits, first in line
+                if used >= free:  # only the open group had room: the task waits, first in line
                     self._scheduler.push_front(task.tier, task)
                     break
-                jobs.append([task])
+                singles.append(task)
                 self._hold_key(task)
                 continue
-            if not group or len(group) >= per_group:
-                if len(jobs) >= free or opened >= groups:
-                    self._scheduler.push_front(task.tier, task)
-                    break
-                group = []
-                jobs.append(group)
-                opened += 1
-            group.append(task)
+            if len(members) >= most or (not open_group and used >= free):
+                self._scheduler.push_front(task.tier, task)
+                break
+            members.append(task)
             self._hold_key(task)
+        # Members are dealt to the groups in turn, not in runs: groups run side by side, member by member,
+        # so effects land in the order of the picks, and weighted order holds over any window of them.
+        n = -(-len(members) // per_group)
+        jobs: list[list[_Task]] = [[t] for t in singles] + [members[i::n] for i in range(n)]
         gated = [t for job in jobs for t in job if t.gate is not None]
         if gated:
             # One round trip for the batch's slots, one per bucket whose leased tokens ran out: a task
@@ -826,10 +959,18 @@ class Worker:
         for task in reversed(waiting):
             self._scheduler.push_front(task.tier, task)
         for job in jobs:
-            if job and job[0].spec.transactional and job[0].spec.group_commit:
+            if job and job[0].suspect:
+                self._quarantine = job[0]
+                self._start(job[0])
+            elif job and job[0].spec.transactional and job[0].spec.group_commit:
                 self._start_group(job)
             elif job:
                 self._start(job[0])
+
+    def _group_fits(self) -> int:
+        """Members a group starts within GROUP_WINDOW, at the recent members' pace: a group popped larger
+        gives the rest back unstarted, and weighted order is kept best by pops that start."""
+        return max(1, min(GROUP_MAX, int(GROUP_WINDOW / max(self._member_seconds, 1e-6)) + 1))
 
     def _run_lease(self, task: _Task) -> float:
         timeout = task.spec.timeout or task.envelope.timeout
@@ -966,7 +1107,9 @@ class Worker:
 
         timeout = task.spec.timeout or env.timeout
         self._running[id(task)] = task
-        self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
+        self._emit(
+            AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts, task.suspect)
+        )
         trace = None
         if self._tracer.active():
             task.span, trace = self._attempt_span(task)
@@ -1064,6 +1207,7 @@ class Worker:
         for task in tasks:
             self._running[id(task)] = task
             task.grouped = True  # AttemptStarted is emitted when it reports: a member may never start
+        self._members_running += len(tasks)
         self.executor.submit(
             Job(
                 spec=tasks[0].spec,
@@ -1100,6 +1244,7 @@ class Worker:
             self._limits.release(env.idempotency_key)  # the attempt ended (or never started): its slot frees
         if task.grouped:
             task.grouped = False
+            self._members_running -= 1
             if isinstance(outcome.error, NotStarted):
                 tp = task.record.tp
                 current = tp in self._assigned and self._generation.get(tp) == task.generation
@@ -1109,6 +1254,7 @@ class Worker:
                     self._unstarted.append(task)  # its claim is given back; its offset stays uncommitted
                 return
             self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
+            self._member_seconds += (outcome.seconds - self._member_seconds) / 8
         if outcome.ok:
             self._end_span(task, "completed")
             self._emit(
@@ -1161,7 +1307,10 @@ class Worker:
             # Retried in place: its offset stays pending and its key stays held, so the key's later tasks
             # wait for it (what ordering means); a restart or rebalance redelivers it first.
             self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
-            self._completer.record(Finished(env.idempotency_key, task.attempts, "failed", error=message))
+            self._completer.record(
+                Finished(env.idempotency_key, task.attempts, "failed", error=message),
+                lambda: self._lift_quarantine(task),
+            )
             self._held.append(_Held(task, self._clock() + delay.total_seconds()))
             return
         now = datetime.now(UTC)
@@ -1244,7 +1393,14 @@ class Worker:
 
     def _done(self, task: _Task) -> None:
         self._free_key(task)
+        self._lift_quarantine(task)
         self._offset_done(task.record, task.generation)
+
+    def _lift_quarantine(self, task: _Task) -> None:
+        """The suspect running alone has its outcome recorded: other tasks may start again. (Until then,
+        its run is still marked started, and a death would be charged to it.)"""
+        if self._quarantine is task:
+            self._quarantine = None
 
     def _hold_key(self, task: _Task) -> None:
         if task.spec.ordered:
@@ -1323,6 +1479,12 @@ class Worker:
         # librdkafka keeps a partition's pause across revoke and re-assign: one paused before it was revoked
         # (or lost) comes back paused. Flow control resumes fresh partitions explicitly, or they would stall.
         self._fresh |= set(tps)
+        now = self._clock()
+        self._settling.update(dict.fromkeys(tps, now))
+        for tp in tps:
+            self._starts.pop(tp, None)
+        if self._first_assigned is None:
+            self._first_assigned = now
         log.info("assigned %s", ", ".join(f"{t}[{p}]" for t, p in tps))
         self._emit(PartitionsAssigned(list(tps)))
 

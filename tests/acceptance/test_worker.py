@@ -7,6 +7,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from taskq._core.envelope import PRIORITIES
 from taskq._core.store import Store
 from taskq.producer.admin import create_topics
@@ -226,6 +228,50 @@ def test_tiers_share_one_slot_by_weight_without_starving_low(app: App) -> None:
     # Low keeps moving: at least one low completion in every 30 consecutive completions of the window.
     for start in range(0, len(window) - 30, 15):
         assert "low" in window[start : start + 30], f"low starved in completions {start + 15}..{start + 45}"
+
+
+WEIGHTS = {"critical": 8, "high": 4, "normal": 2, "low": 1}
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("kind", ["Ledger", "Plain"])
+def test_dispatch_follows_the_weights_over_every_window_of_150_completions(
+    app: App, kind: str, concurrency: int
+) -> None:
+    # 600 tasks a tier, the lowest enqueued first; a handler of about 4 ms, transactional (group commit) or
+    # not. While every tier has work, each tier's share of the first 600 completions, and of every 150 of
+    # them, is within 15 % of its weight (invariant 4).
+    per_tier = 600
+    extra = {"amount": 0} if kind == "Ledger" else {}
+    for p in reversed(PRIORITIES):
+        app.producer.enqueue_many(
+            [
+                TaskSpec(
+                    task_type=app.type(kind),
+                    payload={"key": f"{p}-{i}", "sleep": 0.004, **extra},
+                    priority=p,
+                )
+                for i in range(per_tier)
+            ]
+        )
+    app.producer.flush(60)
+    app.spawn("--concurrency", str(concurrency))
+    wait_until(lambda: app.scalar("SELECT count(*) FROM ledger") >= 600, timeout=120, what="600 completions")
+    order = [r["priority"] for r in app.query("SELECT priority FROM ledger ORDER BY seq LIMIT 600")]
+    total = sum(WEIGHTS.values())
+
+    def off(window: list[str]) -> dict[str, tuple[int, float]]:
+        counts = Counter(window)
+        expected = {t: len(window) * w / total for t, w in WEIGHTS.items()}
+        return {t: (counts[t], e) for t, e in expected.items() if abs(counts[t] - e) > 0.15 * e}
+
+    assert not off(order), f"shares of the first 600 completions: {Counter(order)}; order: {''.join(t[0] for t in order)}"
+    bad = {start: off(order[start : start + 150]) for start in range(0, 451)}
+    bad = {start: v for start, v in bad.items() if v}
+    assert not bad, (
+        f"{len(bad)} windows of 150 off their weights, e.g. at {min(bad)}: {bad[min(bad)]} "
+        f"(tier: (completions, expected)); order: {''.join(t[0] for t in order)}"
+    )
 
 
 def test_timeouts_fail_the_attempt_and_crashes_spare_the_worker(app: App) -> None:

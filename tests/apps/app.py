@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +30,12 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
         "SleepProc": sleep,
         "Exit": [{"name": "code", "type": "int"}],
         "Die": [{"name": "code", "type": "int"}],
+        "Mixed": [
+            {"name": "key", "type": "string"},
+            {"name": "fail_times", "type": "int", "default": 0},
+            {"name": "exit_code", "type": "int", "default": 0},
+        ],
+        "Plain": [{"name": "key", "type": "string"}, {"name": "sleep", "type": "double", "default": 0.0}],
         "Fragile": [{"name": "key", "type": "string"}],
         "RejectProc": [{"name": "code", "type": "int"}],
         "Flaky": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
@@ -149,6 +156,40 @@ def hold(payload: dict[str, Any], ctx: TaskContext) -> None:
 @handlers.task(f"{NS}.Die", schema=S["Die"], timeout=1, max_attempts=2)
 def die_in_worker(payload: dict[str, Any], ctx: TaskContext) -> None:
     os._exit(payload["code"])  # takes the whole worker down: a poison pill unless attempts are counted first
+
+
+@handlers.task(
+    f"{NS}.Mixed", schema=S["Mixed"], transactional=True, timeout=10, max_attempts=3,
+    retry=RetryPolicy(max_attempts=3, base=timedelta(seconds=0.2)),
+)
+def mixed(payload: dict[str, Any], ctx: TaskContext) -> None:
+    # One transactional task type for healthy, flaky, failing and killing tasks, so they share group commits.
+    if payload["exit_code"]:
+        os._exit(payload["exit_code"])  # a poison pill: takes the whole worker process down
+    with _log() as log:  # outside the task's transaction: failed attempts leave a trace too
+        log.execute("INSERT INTO attempt_log (key, attempt) VALUES (%s, %s)", (payload["key"], ctx.attempt))
+    if ctx.attempt <= payload["fail_times"]:
+        raise RuntimeError(f"{payload['key']}: failure on attempt {ctx.attempt}")
+    ctx.db.execute(
+        "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
+        (payload["key"], ctx.task_id, ctx.priority, os.getpid()),
+    )
+
+
+_plain_log = threading.local()
+
+
+@handlers.task(f"{NS}.Plain", schema=S["Plain"], timeout=10)
+def plain(payload: dict[str, Any], ctx: TaskContext) -> None:
+    # Not transactional: the ledger row is written on a connection of the slot's own, after the work.
+    if payload["sleep"]:
+        time.sleep(payload["sleep"])
+    if getattr(_plain_log, "conn", None) is None:
+        _plain_log.conn = _log()
+    _plain_log.conn.execute(
+        "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, 0, %s, %s, %s)",
+        (payload["key"], ctx.task_id, ctx.priority, os.getpid()),
+    )
 
 
 @handlers.task(f"{NS}.Fragile", schema=S["Fragile"], transactional=True, timeout=10, max_attempts=5)

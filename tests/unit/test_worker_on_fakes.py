@@ -147,12 +147,14 @@ def test_keys_of_a_dead_worker_run_at_once_uncharged_unless_their_runs_keep_kill
         runs.append((payload["n"], ctx.attempt))
 
     with InMemoryQueue(handlers, namespace="unit") as q:
-        # Another worker leased both keys for 300 s, then died; "pill" had already killed one worker before.
+        # Another worker leased both keys for 300 s, then died; "pill" had already killed workers before.
         ghost = InMemoryStore(owner="ghost", clock=q.clock.time, rows=q.store.rows, workers=q.store.workers)
         ghost.enter(WorkerRecord("ghost", "unit", "unit.workers", "h", 1, 4, datetime.now(UTC)), lambda pid: True)
         ghost.claim([ClaimRequest(k, "t", "unit.Job", 300.0) for k in ("healthy", "pill")])
-        # The ghost had taken "pill" over from a worker it killed, so it marked its own run started.
-        q.store.rows["pill"].takeovers, q.store.rows["pill"].started = 1, True
+        # "pill" had been taken over twice: its first run in quarantine (alone, marked started) killed a
+        # worker already, and the ghost's own quarantined run of it was marked started too.
+        row = q.store.rows["pill"]
+        row.takeovers, row.interruptions, row.started = 2, 1, True
         q.clock.advance(11)  # the ghost's heartbeat is stale: no lease waited out
         q.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="healthy")
         q.producer.enqueue("unit.Job", {"n": 2}, idempotency_key="pill")
