@@ -273,8 +273,16 @@ class DeadLetters:
         out: builtins.list[DlqRecord] = []
         if limit == 0:
             return out
+        # A worker killed between a DLQ record's acknowledgement and the commit of its offset leaves the
+        # record to be dead-lettered again from the same delivery: one dead task, two DLQ records. The
+        # first stands for both, replayed or not.
+        seen: set[tuple[str, int | None, int | None, str | None]] = set()
         for raw in self._read():  # read as needed: a limit stops the reading, not only the output
             rec = parse_record(raw, replayed.get(raw.offset))
+            origin = (rec.topic, rec.partition, rec.original_offset, rec.task_id)
+            if rec.original_offset is not None and origin in seen:
+                continue
+            seen.add(origin)
             if rec.replayed_at is not None and not include_replayed:
                 continue
             if task_type is not None and rec.task_type != task_type:

@@ -7,8 +7,10 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+from taskq._core.envelope import PRIORITIES as PRIORITY
 from taskq._core.envelope import Envelope
 from taskq._core.kafka import Admin, Source
 from taskq.consumer.retry import RetryPolicy
@@ -128,12 +130,14 @@ def test_a_task_that_kills_its_worker_every_time_ends_in_the_dlq_while_restarts_
         if not live:
             app.spawn("--concurrency", "2")  # the supervisor's restart
         time.sleep(0.2)
-    # Max attempts is 2: two workers died running it. Each restart took the key over from its dead
-    # predecessor as the same attempt; the second run was marked started (the key had been taken over), so
-    # its death counted an interruption, and the first run's death with it parked the key unrun.
-    assert deaths == 2, app.logs()
-    row = app.query("SELECT attempts, takeovers, interruptions FROM taskq_tasks WHERE idempotency_key = 'poison'")
-    assert row == [{"attempts": 1, "takeovers": 2, "interruptions": 1}], row
+    # Max attempts is 2: three workers died running it. Each restart took the key over from its dead
+    # predecessor as the same attempt. The first run, beside others, is charged nothing; the next two ran
+    # alone in quarantine, marked started, so each death counted an interruption, and two parked the key.
+    assert deaths == 3, app.logs()
+    row = app.query(
+        "SELECT attempts, takeovers, interruptions FROM taskq_tasks WHERE idempotency_key = 'poison'"
+    )
+    assert row == [{"attempts": 1, "takeovers": 3, "interruptions": 2}], row
     wait_until(
         lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
         timeout=90,
@@ -164,11 +168,14 @@ def test_a_poison_pill_under_a_restarting_supervisor_reaches_the_dlq_within_a_mi
     def state() -> str | None:
         return app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = 'poison'")
 
-    wait_until(lambda: state() == "dead", timeout=60, what=f"the poison pill in the DLQ\n{app.logs()}")
+    # Four deaths: the first, unmarked run's and three in quarantine; each moves the dead worker's
+    # partitions after the broker's session timeout (10 s).
+    wait_until(lambda: state() == "dead", timeout=90, what=f"the poison pill in the DLQ\n{app.logs()}")
     row = app.query(
-        "SELECT attempts, takeovers, interruptions, last_error FROM taskq_tasks WHERE idempotency_key = 'poison'"
+        "SELECT attempts, takeovers, interruptions, last_error FROM taskq_tasks "
+        "WHERE idempotency_key = 'poison'"
     )
-    assert (row[0]["attempts"], row[0]["takeovers"], row[0]["interruptions"]) == (1, 3, 2), row
+    assert (row[0]["attempts"], row[0]["takeovers"], row[0]["interruptions"]) == (1, 4, 3), row
     assert "3 run(s) ended with their worker's death" in row[0]["last_error"], row
     wait_until(
         lambda: app.scalar("SELECT count(DISTINCT key) FROM ledger") == len(keys),
@@ -176,8 +183,8 @@ def test_a_poison_pill_under_a_restarting_supervisor_reaches_the_dlq_within_a_mi
         what=f"the other tasks\n{app.logs()}",
     )
     app.assert_once_each(keys)
-    assert supervisor.proc.poll() is None, app.logs()  # three deaths in a minute: below its give-up rule
-    assert supervisor.output().count("died after") == 3, app.logs()
+    assert supervisor.proc.poll() is None, app.logs()  # four deaths over two slots: below its give-up rule
+    assert supervisor.output().count("died after") == 4, app.logs()
 
 
 def test_an_always_failing_task_is_dead_lettered_then_replayed_once_after_the_fix(app: App) -> None:
@@ -299,3 +306,123 @@ def test_the_broker_ends_the_open_transaction_of_a_killed_forwarder_without_a_su
         what="the records behind the killed forwarder's transaction",
         every=1.0,
     )
+
+
+def _dlq_keys(app: App) -> Counter[str]:
+    """Idempotency keys of the namespace's DLQ records, with how many records each has."""
+    source = Source(app.settings, group=f"{app.ns}.dlq-reader-{time.monotonic_ns()}")
+    source.assign([(app.producer.topics.dlq, 0, 0)])
+    keys: Counter[str] = Counter()
+    try:
+        idle = 0
+        while idle < 3:
+            records = source.poll(500, 0.3)
+            idle = 0 if records else idle + 1
+            keys.update(Envelope.of(r).idempotency_key for r in records)
+    finally:
+        source.close()
+    return keys
+
+
+def _supervise(
+    app: App, slots: list[WorkerProcess], *args: str, until: Callable[[], bool], timeout: float, what: str
+) -> int:
+    """Keep the worker processes of `slots` running, restarting the dead ones in their slots (as a
+    supervisor would), until `until()`; the number of deaths."""
+    deaths = 0
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}\n{app.logs()}"
+        for i, w in enumerate(slots):
+            if w.proc.poll() is not None:
+                deaths += 1
+                slots[i] = app.spawn(*args)
+        time.sleep(0.2)
+    return deaths
+
+
+def test_a_crashing_task_takes_no_healthy_task_to_the_dlq(app: App) -> None:
+    # Transactional tasks under group commit, max_attempts=3: 20 flaky (attempts 1-2 fail), 10 that always
+    # fail, 2 poison pills that kill their worker. Two workers, restarted when they die. Only the pills'
+    # own deaths may count against them; the tasks that shared their groups and buffers run as if nothing
+    # happened (invariant 10).
+    flaky = [f"flaky:{i}" for i in range(20)]
+    bad = [f"bad:{i}" for i in range(10)]
+    pills = ["pill:0", "pill:1"]
+    mixed = app.type("Mixed")
+    for i, k in enumerate(flaky):
+        app.producer.enqueue(mixed, {"key": k, "fail_times": 2}, idempotency_key=k, priority=PRIORITY[i % 4])
+    for k in bad:
+        app.producer.enqueue(mixed, {"key": k, "fail_times": 99}, idempotency_key=k)
+    for k in pills:
+        app.producer.enqueue(mixed, {"key": k, "exit_code": 17}, idempotency_key=k)
+    app.producer.flush(30)
+    args = ("--concurrency", "4")
+    slots = [app.spawn(*args) for _ in range(2)]
+
+    def states() -> dict[str, str]:
+        return {
+            r["idempotency_key"]: r["state"]
+            for r in app.query("SELECT idempotency_key, state FROM taskq_tasks")
+        }
+
+    deaths = _supervise(
+        app,
+        slots,
+        *args,
+        until=lambda: all(states().get(k) == "dead" for k in pills),
+        timeout=120,  # a death moves the dead worker's partitions after the broker's session timeout (10 s)
+        what="both poison pills in the DLQ",
+    )
+    deaths += _supervise(
+        app,
+        slots,
+        *args,
+        until=lambda: sum(1 for s in states().values() if s in ("completed", "dead")) == 32,
+        timeout=120,
+        what="every task to end",
+    )
+    final = states()
+    assert sorted(k for k, s in final.items() if s == "dead") == sorted(bad + pills), (final, app.logs())
+    app.assert_once_each(flaky)
+    rows = {
+        r["idempotency_key"]: r
+        for r in app.query("SELECT idempotency_key, attempts, interruptions, last_error FROM taskq_tasks")
+    }
+    for k in pills:  # max(max_attempts, 2) = 3 deaths of its own, each in quarantine
+        assert (
+            rows[k]["interruptions"] == 3
+            and "3 run(s) ended with their worker's death" in rows[k]["last_error"]
+        )
+    for k in bad:
+        assert rows[k]["attempts"] == 3 and "failed 3 attempt(s)" in rows[k]["last_error"], rows[k]
+    assert deaths == 8, (
+        f"{deaths} deaths: each pill kills its first, unmarked run's worker and 3 in quarantine"
+    )
+    dlq = _dlq_keys(app)
+    assert set(dlq) == set(bad + pills) and max(dlq.values()) == 1, dlq
+
+
+def test_one_pill_among_200_healthy_tasks_dead_letters_only_itself_under_kills_and_restarts(app: App) -> None:
+    # max_attempts=1: a healthy task charged for one death beside the pill would be dead-lettered.
+    keys = [f"ok:{i}" for i in range(200)]
+    mixed = app.type("Mixed")
+    for i, k in enumerate(keys):
+        app.producer.enqueue(mixed, {"key": k}, idempotency_key=k, max_attempts=1, priority=PRIORITY[i % 4])
+        if i == 60:
+            app.producer.enqueue(
+                mixed, {"key": "pill", "exit_code": 17}, idempotency_key="pill", max_attempts=1
+            )
+    app.producer.flush(30)
+    args = ("--concurrency", "8")
+    slots = [app.spawn(*args) for _ in range(3)]
+    ended = lambda: app.scalar("SELECT count(*) FROM taskq_tasks WHERE state IN ('completed', 'dead')")  # noqa: E731
+    # A kill -9 of a healthy worker too, once work is under way: its keys are taken over uncharged.
+    _supervise(app, slots, *args, until=lambda: ended() >= 50, timeout=120, what="50 tasks to end")
+    next(w for w in slots if w.proc.poll() is None).kill()
+    _supervise(app, slots, *args, until=lambda: ended() == 201, timeout=180, what="every task to end")
+    app.assert_once_each(keys)
+    dead = app.query("SELECT idempotency_key, last_error FROM taskq_tasks WHERE state = 'dead'")
+    assert [r["idempotency_key"] for r in dead] == ["pill"], dead
+    assert "2 run(s) ended with their worker's death" in dead[0]["last_error"], dead
+    assert _dlq_keys(app) == Counter({"pill": 1})

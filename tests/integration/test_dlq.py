@@ -404,3 +404,30 @@ def test_depth_counts_records_not_the_forwarders_transaction_markers(
     dlq.replay([0])
     publish_garbage(settings)  # read on from where the last count stopped
     assert dlq.depth() == 2
+
+
+def test_a_task_dead_lettered_twice_in_the_repeat_window_is_listed_once_and_stays_hidden_once_replayed(
+    settings: Settings, dlq: DeadLetters, store: IdempotencyStore, email_type: str
+) -> None:
+    # A worker killed between the DLQ acknowledgement and the 'dead' write leaves the task's offset
+    # uncommitted: its redelivery is dead-lettered again by the next worker, from the same original record.
+    task = dead_letter(settings, store, email_type, 1)
+    env = Envelope.from_headers(task.headers)
+    again = replace(task, headers=replace(env, attempt=3, not_before=datetime.now(UTC)).to_headers())
+    out = dead_letter_record(
+        again,
+        reason="failed 3 attempt(s): ValueError: smtp down",
+        error_type="builtins.ValueError",
+        traceback="",
+        attempts=3,
+        worker_id="host:2:def",
+        topics=Topics(settings.namespace),
+    )
+    publish(settings, out)
+    publish_garbage(settings)
+    publish_garbage(settings)  # the same undecodable record, dead-lettered twice likewise
+    listed = dlq.list()
+    assert [(r.task_id, r.attempts) for r in listed] == [(env.task_id, 3), (None, 0)], listed
+    assert dlq.replay([listed[0].offset])[0].replayed
+    assert [r.task_id for r in dlq.list()] == [None]  # the copy of the replayed record stays hidden
+    assert len(dlq.list(include_replayed=True)) == 2
