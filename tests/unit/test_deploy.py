@@ -100,7 +100,8 @@ def parse(args: list[str]) -> Namespace:
         with contextlib.redirect_stderr(err):
             return build_parser().parse_args(args)
     except SystemExit:
-        pytest.fail(f"taskq refuses {args}: {err.getvalue().strip()}")
+        pass  # argparse's way of refusing: its message is in `err`
+    pytest.fail(f"taskq refuses {args}: {err.getvalue().strip()}")
 
 
 def help_of(args: list[str]) -> str:
@@ -174,9 +175,10 @@ def test_each_container_gives_taskq_exactly_what_its_help_lists(
     # argparse also takes an unambiguous prefix (--shutdown for --shutdown-timeout): each option must be
     # written whole, as `taskq <command> --help` lists it.
     text = help_of(args)
+    command = " ".join(args[: next((i for i, a in enumerate(args) if a.startswith("-")), len(args))])
     for option in (a.partition("=")[0] for a in args if a.startswith("--")):
         assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text), (
-            f"{where}: {option} is not an option of `taskq {' '.join(a for a in args if a[0] != '-')}`"
+            f"{where}: {option} is not an option of `taskq {command}` (see its --help)"
         )
 
 
