@@ -32,6 +32,8 @@ from taskq.consumer.handlers import Handlers, load
 from tests.conftest import REPO
 
 DEPLOY = REPO / "deploy" / "kubernetes"
+#: The how-to page whose YAML quotes the manifests.
+HOW_TO = REPO / "docs" / "how-to" / "kubernetes.md"
 #: The oldest Kubernetes the manifests are written for, and the newest kubernetes-validate knows.
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 #: Custom resources and the vendored schemas of their CRDs.
@@ -234,6 +236,11 @@ def test_max_replicas_is_the_partitions_per_tier() -> None:
     assert scaled["maxReplicaCount"] == created.partitions
     # The workers run the periodic scheduler: one stays while no task waits.
     assert scaled["minReplicaCount"] >= 1
+    # KEDA counts offsets: each forwarder transaction leaves a commit marker, which can leave one offset
+    # per partition uncommitted in an empty tier. A threshold at or above the partitions keeps that from
+    # asking for a second worker.
+    for trigger in scaled["triggers"]:
+        assert int(trigger["metadata"]["lagThreshold"]) >= created.partitions, trigger["metadata"]
 
 
 def test_prometheus_scrapes_what_the_workers_serve() -> None:
@@ -285,6 +292,31 @@ def test_the_forwarder_and_the_relay_run_once_beside_the_workers() -> None:
     assert beside["spec"]["replicas"] >= 1
     # KEDA scales the workers only: scaling them to a count must never stop the forwarder or the relay.
     assert one("ScaledObject", "taskq-worker")["spec"]["scaleTargetRef"]["name"] == "taskq-worker"
+
+
+def quotes(part: Any, whole: Any) -> bool:
+    """Whether `part` is `whole` with things left out: keys of a mapping, items of a list of mappings (the
+    rest in order); a list of plain values is quoted whole."""
+    if isinstance(part, dict):
+        return isinstance(whole, dict) and all(k in whole and quotes(v, whole[k]) for k, v in part.items())
+    if isinstance(part, list) and all(isinstance(p, dict) for p in part):
+        rest = iter(whole) if isinstance(whole, list) else iter(())
+        return all(any(quotes(p, w) for w in rest) for p in part)
+    return bool(part == whole)
+
+
+def yaml_blocks(path: Path) -> list[str]:
+    """The ```yaml blocks of a Markdown page, unindented."""
+    blocks = re.findall(r"^( *)```yaml\n(.*?)^\1```", path.read_text(), flags=re.MULTILINE | re.DOTALL)
+    return [re.sub(rf"(?m)^{indent}", "", body) for indent, body in blocks]
+
+
+@pytest.mark.parametrize("block", yaml_blocks(HOW_TO), ids=lambda b: b.split("\n", 2)[1].strip())
+def test_the_how_to_quotes_the_manifests_as_they_are(block: str) -> None:
+    part = yaml.safe_load(block)
+    assert any(quotes(part, doc) for _, doc in manifests()), (
+        f"{HOW_TO.relative_to(REPO)} shows YAML that no manifest in deploy/kubernetes holds:\n{block}"
+    )
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
