@@ -18,8 +18,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links=/wheels /wheels/kafka_taskq-*.whl
-# A fixed numeric uid, so that Kubernetes' runAsNonRoot can check it (deploy/kubernetes uses the same).
-RUN useradd --no-log-init --system --uid 10001 --user-group --no-create-home taskq
+# A fixed numeric uid and gid, so that Kubernetes' runAsNonRoot can check it (deploy/kubernetes uses the same).
+RUN groupadd --system --gid 10001 taskq \
+    && useradd --no-log-init --system --uid 10001 --gid 10001 --no-create-home taskq
 WORKDIR /app
 USER 10001:10001
 # --metrics-port: /metrics and /healthz (deploy/kubernetes uses 9400). No HEALTHCHECK: a worker serves
