@@ -18,7 +18,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links=/wheels /wheels/kafka_taskq-*.whl
-# A fixed numeric uid and gid, so that Kubernetes' runAsNonRoot can check it (deploy/kubernetes uses the same).
+# A fixed numeric uid and gid: Kubernetes' runAsNonRoot can check a numeric user only, and
+# deploy/kubernetes runs the pods as the same ids.
 RUN groupadd --system --gid 10001 taskq \
     && useradd --no-log-init --system --uid 10001 --gid 10001 --no-create-home taskq
 WORKDIR /app

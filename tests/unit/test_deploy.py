@@ -329,11 +329,12 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 def test_pods_run_as_the_images_unprivileged_user() -> None:
     instructions = dockerfile_instructions()
     assert [json.loads(a) for i, a in instructions if i == "ENTRYPOINT"][-1] == ["taskq"]
-    user = [a for i, a in instructions if i == "USER"][-1].partition(":")[0]
+    user, _, group = [a for i, a in instructions if i == "USER"][-1].partition(":")
     assert user.isdigit() and int(user) != 0, f"USER {user}: a numeric, non-root uid (runAsNonRoot checks it)"
     for name, spec in pod_specs():
         assert spec["securityContext"]["runAsNonRoot"] is True, name
         assert spec["securityContext"]["runAsUser"] == int(user), name
+        assert str(spec["securityContext"].get("runAsGroup", group)) == group, name
     for where, container in containers():
         context = container["securityContext"]
         assert context["allowPrivilegeEscalation"] is False, where
