@@ -26,16 +26,38 @@ MARKER = re.compile(r"<!-- gen:([a-z-]+) -->")
 #: Sections of the API page. A public name in no section lands in "Other", so none is ever left out.
 API_SECTIONS = {
     "Enqueueing": [
-        "TaskProducer", "AsyncTaskProducer", "TaskSpec", "Receipt", "RateLimit", "derive_idempotency_key",
+        "TaskProducer",
+        "AsyncTaskProducer",
+        "TaskSpec",
+        "Receipt",
+        "RateLimit",
+        "derive_idempotency_key",
     ],
     "Handling and running": [
-        "Handlers", "TaskContext", "Retry", "Reject", "RetryPolicy", "Worker", "WorkerConfig", "DeadLetters",
+        "Handlers",
+        "TaskContext",
+        "Retry",
+        "Reject",
+        "RetryPolicy",
+        "Worker",
+        "WorkerConfig",
+        "DeadLetters",
     ],
     "Configuration and vocabulary": ["Settings", "PRIORITIES", "Priority", "__version__"],
     "Errors": [
-        "TaskqError", "DeliveryError", "InvalidPriorityError", "InvalidTaskError", "KafkaUnavailableError",
-        "PayloadTooLargeError", "ProducerClosedError", "QueueFullError", "RateLimitedError",
-        "StoreUnavailableError", "UnknownTaskTypeError", "SchemaError", "PayloadValidationError",
+        "TaskqError",
+        "DeliveryError",
+        "InvalidPriorityError",
+        "InvalidTaskError",
+        "KafkaUnavailableError",
+        "PayloadTooLargeError",
+        "ProducerClosedError",
+        "QueueFullError",
+        "RateLimitedError",
+        "StoreUnavailableError",
+        "UnknownTaskTypeError",
+        "SchemaError",
+        "PayloadValidationError",
     ],
 }
 
@@ -87,7 +109,9 @@ def _options_table(p: argparse.ArgumentParser) -> str:
     for a in p._actions:
         if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
             continue
-        name = ", ".join(f"`{s}`" for s in a.option_strings) if a.option_strings else f"`{a.metavar or a.dest}`"
+        name = (
+            ", ".join(f"`{s}`" for s in a.option_strings) if a.option_strings else f"`{a.metavar or a.dest}`"
+        )
         default = ""
         if a.default not in (None, False, argparse.SUPPRESS) and not a.required:
             default = f"`{a.default}`"
@@ -129,7 +153,10 @@ def cli() -> str:
 
 #: Variables read by the `taskq` command itself rather than by `Settings`: name -> (default, what).
 COMMAND_VARIABLES = {
-    "TASKQ_LOG_FORMAT": ("text", "Log lines as `text` or one JSON object each (`json`); `--log-format` wins."),
+    "TASKQ_LOG_FORMAT": (
+        "text",
+        "Log lines as `text` or one JSON object each (`json`); `--log-format` wins.",
+    ),
     "TASKQ_CONSOLE_TOKEN": (
         "",
         "The console's access token; required when `taskq console` listens on any address but loopback.",
@@ -209,7 +236,9 @@ def metrics() -> list[Metric]:
         tree = ast.parse(path.read_text())
         module = ".".join(path.relative_to(REPO).with_suffix("").parts)
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _KINDS):
+            if not (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _KINDS
+            ):
                 continue
             if not (node.args and isinstance(node.args[0], ast.Constant) and str(node.args[0].value)):
                 continue
@@ -257,13 +286,13 @@ def metrics_table() -> str:
     return "| metric | type | labels | what | exported by |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
 
 
-# --- the wire format ------------------------------------------------------------------------------------------
+# --- the wire format ----------------------------------------------------------------------------------------
 
 #: What each envelope header holds. A header constant of the code without an entry here fails the build.
 HEADER_MEANINGS = {
     "taskq-task-id": "32 hex digits, new for each enqueue (the idempotency key, not this, decides effects)",
     "taskq-task-type": "the full name of the task's Avro record, e.g. `demo.SendEmail`",
-    "taskq-idempotency-key": "one effect per key (`charge:<payment-id>`); derived from the payload if not given",
+    "taskq-idempotency-key": "one effect per key (`charge:<payment-id>`); from the payload if not given",
     "taskq-priority": "`critical`, `high`, `normal` or `low`",
     "taskq-attempt": "the attempt this record is for, from 1",
     "taskq-max-attempts": "attempts allowed, 1 to 1000 (absent: the handler's)",
@@ -322,7 +351,7 @@ def topics() -> str:
     return "| topic | carries |\n|---|---|\n" + "\n".join(rows) + "\n"
 
 
-# --- the Postgres schema --------------------------------------------------------------------------------------
+# --- the Postgres schema ------------------------------------------------------------------------------------
 
 
 def postgres_schema() -> str:
@@ -339,7 +368,7 @@ def tables() -> list[str]:
     return sorted(set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", sql)))
 
 
-# --- the hook ------------------------------------------------------------------------------------------------
+# --- the hook -----------------------------------------------------------------------------------------------
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "python-api": python_api,

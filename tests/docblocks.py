@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<lang>[\w+-]*)[^\n]*$")
-_MARKER = re.compile(r"^\s*<!--\s*(?P<kind>run|file|test)(?::\s*(?P<arg>[^#]*?))?\s*(?:#(?P<id>[\w-]+))?\s*-->\s*$")
+_MARKER = re.compile(
+    r"^\s*<!--\s*(?P<kind>run|file|test)(?::\s*(?P<arg>[^#]*?))?\s*(?:#(?P<id>[\w-]+))?\s*-->\s*$"
+)
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,9 @@ class PageRun:
                 text=True,
                 timeout=120,
             )
-            assert out.returncode == 0, f"{block} exited {out.returncode}:\n{code}\n{out.stdout}\n{out.stderr}"
+            assert out.returncode == 0, (
+                f"{block} exited {out.returncode}:\n{code}\n{out.stdout}\n{out.stderr}"
+            )
             if block.id:
                 self.outputs[block.id] = out.stdout
         else:
@@ -180,15 +184,18 @@ class PageRun:
     def run_shell(self, command: str) -> str:
         """Run a command of the test's own (not from the page) in the page's directory; its stdout."""
         out = subprocess.run(
-            ["bash", "-c", command], cwd=self.workdir, env=self.env, capture_output=True, text=True, timeout=60
+            ["bash", "-c", command],
+            cwd=self.workdir,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         return out.stdout
 
     def background_log(self) -> str:
         """What the background processes printed so far."""
-        return "\n".join(
-            p.read_text(errors="replace") for p in sorted(self.workdir.glob("background-*.log"))
-        )
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob("background-*.log")))
 
     def stop_background(self) -> None:
         """SIGTERM every background process (a graceful stop) and wait for it."""

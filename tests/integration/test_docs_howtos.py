@@ -16,7 +16,9 @@ def test_the_schema_evolution_page_runs_as_written(
     settings: Settings, env_of: Callable[..., dict[str, str]], tmp_path: Path
 ) -> None:
     ns = settings.namespace
-    page = PageRun("how-to/schema-evolution.md", tmp_path, env_of(), rename=lambda t: re.sub(r"\bshop\b", ns, t))
+    page = PageRun(
+        "how-to/schema-evolution.md", tmp_path, env_of(), rename=lambda t: re.sub(r"\bshop\b", ns, t)
+    )
     page.run_until("check-compatible")
     assert page.outputs["check-compatible"].split()[:2] == ["compatible", f"{ns}.Charge"]
     with Registry(settings.schema_registry_url) as registry:
