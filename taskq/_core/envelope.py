@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from taskq._core.kafka import Record
 
 Priority = Literal["critical", "high", "normal", "low"]
-#: Priority tiers, highest first. The order is the dispatch preference of workers.
+"""A priority tier's name; each tier is its own topic, `<namespace>.<tier>`."""
 PRIORITIES: Final[tuple[Priority, ...]] = get_args(Priority)
+"""Priority tiers, highest first. The order is the dispatch preference of workers."""
 #: Default weights of the worker's weighted round-robin, in PRIORITIES order.
 DEFAULT_WEIGHTS: Final[dict[Priority, int]] = {"critical": 8, "high": 4, "normal": 2, "low": 1}
 

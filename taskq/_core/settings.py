@@ -89,37 +89,99 @@ def _password_of(url: str) -> str:
     return authority.partition(":")[2]
 
 
+def _setting(default: Any = dataclasses.MISSING, *, doc: str, env: str = "", factory: Any = None) -> Any:
+    """A settings field with its description and environment variable, which the settings reference
+    (docs) and `Settings.from_env` read."""
+    metadata = {"doc": doc, "env": env}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     """Where the services are and how topics are named; frozen and validated when created."""
 
-    bootstrap_servers: str = "127.0.0.1:19092"
-    schema_registry_url: str = "http://127.0.0.1:18081/apis/ccompat/v7"
-    database_url: str = "postgresql://postgres@127.0.0.1:15432/taskq"
-    namespace: str = "taskq"
-    #: Postgres schema holding the project's tables (tests give each namespace its own).
-    database_schema: str = "public"
-    #: Extra librdkafka properties (SASL/SSL and the like), passed through unchanged.
-    kafka: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    delay_tiers: tuple[timedelta, ...] = DEFAULT_DELAY_TIERS
-    #: Consumer group of the workers; the producer's depth limits read its committed offsets.
-    worker_group: str = ""
-    #: Kafka's group protocol: "consumer" (KIP-848, Kafka 4.0+ brokers) or "classic" (older brokers).
-    group_protocol: str = "consumer"
-    #: Seconds an admin request (topics, offsets) waits for the broker; the CLI's one-off commands use 10,
-    #: so that an unreachable broker is reported in about that long.
-    kafka_timeout: float = 30.0
-    #: Registry credentials, outside the URL: HTTP basic auth (user and password) or a bearer token.
-    schema_registry_user: str = ""
-    schema_registry_password: str = ""
-    schema_registry_token: str = ""
-    #: PEM files for the registry's TLS: the CA that signed its certificate (default: the system's, or
-    #: certifi's), and a client certificate and key where the registry asks for one.
-    schema_registry_ca_file: str = ""
-    schema_registry_cert_file: str = ""
-    schema_registry_key_file: str = ""
-    #: Headers and payload fields `taskq dlq show` prints as '***': names, dotted paths or `*` patterns.
-    dlq_redact: tuple[str, ...] = DEFAULT_DLQ_REDACT
+    bootstrap_servers: str = _setting(
+        "127.0.0.1:19092", env="TASKQ_BOOTSTRAP_SERVERS", doc="Kafka brokers to start from, `host:port,...`."
+    )
+    schema_registry_url: str = _setting(
+        "http://127.0.0.1:18081/apis/ccompat/v7",
+        env="TASKQ_SCHEMA_REGISTRY_URL",
+        doc="The schema registry's Confluent-compatible REST API (Apicurio's `ccompat/v7`, or Confluent's).",
+    )
+    database_url: str = _setting(
+        "postgresql://postgres@127.0.0.1:15432/taskq",
+        env="TASKQ_DATABASE_URL",
+        doc="Postgres, as a libpq connection URL: idempotency records, outbox, leases, buckets, pauses.",
+    )
+    namespace: str = _setting(
+        "taskq",
+        env="TASKQ_NAMESPACE",
+        doc="Topic prefix: `<namespace>.<tier>`, `.delay.<tier>`, `.dlq`; also scopes idempotency records.",
+    )
+    database_schema: str = _setting(
+        "public",
+        env="TASKQ_DATABASE_SCHEMA",
+        doc="Postgres schema holding the project's tables (tests give each namespace its own).",
+    )
+    kafka: Mapping[str, str] = _setting(
+        factory=lambda: MappingProxyType({}),
+        env="TASKQ_KAFKA_*",
+        doc="Extra librdkafka properties (SASL/SSL and the like), passed through unchanged: "
+        "`TASKQ_KAFKA_SASL_MECHANISM` becomes `sasl.mechanism`.",
+    )
+    delay_tiers: tuple[timedelta, ...] = _setting(
+        DEFAULT_DELAY_TIERS,
+        env="TASKQ_DELAY_TIERS",
+        doc="Delay-tier topics' durations, comma-separated (`1s,5s,30s,2m,10m,1h`).",
+    )
+    worker_group: str = _setting(
+        "",
+        env="TASKQ_WORKER_GROUP",
+        doc="Consumer group of the workers (empty: `<namespace>.workers`); the producer's depth limits "
+        "read its committed offsets.",
+    )
+    group_protocol: str = _setting(
+        "consumer",
+        env="TASKQ_GROUP_PROTOCOL",
+        doc="Kafka's group protocol: `consumer` (KIP-848, Kafka 4.0+ brokers) or `classic` (older brokers).",
+    )
+    kafka_timeout: float = _setting(
+        30.0,
+        doc="Seconds an admin request (topics, offsets) waits for the broker; the CLI's one-off commands "
+        "use 10, so that an unreachable broker is reported in about that long.",
+    )
+    schema_registry_user: str = _setting(
+        "", env="TASKQ_SCHEMA_REGISTRY_USER", doc="Registry HTTP basic auth user (with the password)."
+    )
+    schema_registry_password: str = _setting(
+        "", env="TASKQ_SCHEMA_REGISTRY_PASSWORD", doc="Registry HTTP basic auth password; never shown."
+    )
+    schema_registry_token: str = _setting(
+        "",
+        env="TASKQ_SCHEMA_REGISTRY_TOKEN",
+        doc="Registry bearer token (instead of a user and password); never shown.",
+    )
+    schema_registry_ca_file: str = _setting(
+        "",
+        env="TASKQ_SCHEMA_REGISTRY_CA_FILE",
+        doc="PEM file of the CA that signed the registry's certificate (empty: the system's, or certifi's).",
+    )
+    schema_registry_cert_file: str = _setting(
+        "",
+        env="TASKQ_SCHEMA_REGISTRY_CERT_FILE",
+        doc="PEM client certificate, where the registry asks for one.",
+    )
+    schema_registry_key_file: str = _setting(
+        "", env="TASKQ_SCHEMA_REGISTRY_KEY_FILE", doc="PEM key of the client certificate."
+    )
+    dlq_redact: tuple[str, ...] = _setting(
+        DEFAULT_DLQ_REDACT,
+        env="TASKQ_DLQ_REDACT",
+        doc="Headers and payload fields `taskq dlq show` prints as `***`: names, dotted paths or `*` "
+        "patterns, comma-separated (set but empty: nothing is hidden).",
+    )
 
     def __post_init__(self) -> None:
         if not _NAMESPACE.match(self.namespace):
@@ -207,23 +269,10 @@ class Settings:
         """Settings from TASKQ_* variables (overrides win); TASKQ_KAFKA_SASL_MECHANISM -> sasl.mechanism."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for name, var in (
-            ("bootstrap_servers", "TASKQ_BOOTSTRAP_SERVERS"),
-            ("schema_registry_url", "TASKQ_SCHEMA_REGISTRY_URL"),
-            ("database_url", "TASKQ_DATABASE_URL"),
-            ("namespace", "TASKQ_NAMESPACE"),
-            ("database_schema", "TASKQ_DATABASE_SCHEMA"),
-            ("worker_group", "TASKQ_WORKER_GROUP"),
-            ("group_protocol", "TASKQ_GROUP_PROTOCOL"),
-            ("schema_registry_user", "TASKQ_SCHEMA_REGISTRY_USER"),
-            ("schema_registry_password", "TASKQ_SCHEMA_REGISTRY_PASSWORD"),
-            ("schema_registry_token", "TASKQ_SCHEMA_REGISTRY_TOKEN"),
-            ("schema_registry_ca_file", "TASKQ_SCHEMA_REGISTRY_CA_FILE"),
-            ("schema_registry_cert_file", "TASKQ_SCHEMA_REGISTRY_CERT_FILE"),
-            ("schema_registry_key_file", "TASKQ_SCHEMA_REGISTRY_KEY_FILE"),
-        ):
-            if env.get(var):
-                values[name] = env[var]
+        for f in dataclasses.fields(cls):
+            var = f.metadata.get("env", "")
+            if f.type == "str" and var and env.get(var):  # the plain text settings; the rest below
+                values[f.name] = env[var]
         if env.get("TASKQ_DELAY_TIERS"):
             values["delay_tiers"] = tuple(parse_duration(t) for t in env["TASKQ_DELAY_TIERS"].split(","))
         if "TASKQ_DLQ_REDACT" in env:  # set but empty: nothing is hidden

@@ -2,7 +2,8 @@
 lost effect, a doubled one, a task never committed and a DLQ missing a task meant to fail.
 
 Broker and Postgres restarts (`--restart-kafka-cmd`, `--restart-postgres-cmd`) are left out here: the stack
-is shared with every other test of the session. They are run by hand against a private stack (README).
+is shared with every other test of the session. They are run by hand against a private stack
+(docs/explanation/failure-modes.md).
 """
 
 from __future__ import annotations
