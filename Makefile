@@ -25,11 +25,14 @@ help:
 	@echo "make docs          build the documentation site into site/ (mkdocs build --strict)"
 
 # The stamp is rebuilt whenever pyproject.toml changes, so new dependencies get installed.
+# Quietly: pip's and the build backend's notices (setuptools warns about every editable install) go to
+# install.log, which is printed only if the install fails.
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev]'
-	touch $@
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing kafka-taskq[dev] into $(VENV) (log: $(VENV)/install.log)"
+	@{ $(VENV)/bin/pip install -q --upgrade pip && $(VENV)/bin/pip install -q -e '.[dev]'; } \
+		> $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
+	@touch $@
 
 .venv venv: $(VENV)/.installed
 

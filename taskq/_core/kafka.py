@@ -186,6 +186,26 @@ class RepeatFilter(logging.Filter):
 
 _REPEATS = RepeatFilter()
 
+#: librdkafka's lines about a transient condition it is retrying: a group or transaction coordinator still
+#: loading (a freshly started broker) while a producer acquires its idempotence or transactional PID.
+_TRANSIENT = re.compile(
+    r"(Failed to acquire .*PID|coordinator load in progress|coordinator not available|not coordinator)"
+    r".*retrying",
+    re.IGNORECASE,
+)
+
+
+class TransientFilter(logging.Filter):
+    """Keeps librdkafka's lines about transient conditions it retries (`_TRANSIENT`) out of the log unless
+    it is verbose (DEBUG, as `-v` sets): a newcomer's first commands otherwise print them as warnings."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether to log this record."""
+        return LIBRDKAFKA_LOG.isEnabledFor(logging.DEBUG) or not _TRANSIENT.search(record.getMessage())
+
+
+_TRANSIENTS = TransientFilter()
+
 
 #: Errors that retrying cannot fix: the broker refused the credentials (SASL), or the TLS handshake failed
 #: (for example the broker's certificate does not verify against ssl.ca.location).
@@ -209,7 +229,8 @@ def _on_error(err: KafkaError) -> None:
 def base_config(settings: Settings, tuning: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """librdkafka settings common to every client: brokers, then a client kind's `tuning` defaults, then the
     TASKQ_KAFKA_* settings (security, and whatever tuning the user chose instead)."""
-    LIBRDKAFKA_LOG.addFilter(_REPEATS)  # once: addFilter ignores a filter it has
+    LIBRDKAFKA_LOG.addFilter(_TRANSIENTS)  # once each: addFilter ignores a filter it has
+    LIBRDKAFKA_LOG.addFilter(_REPEATS)
     return {
         "bootstrap.servers": settings.bootstrap_servers,
         "logger": LIBRDKAFKA_LOG,

@@ -88,3 +88,17 @@ def test_a_real_client_with_the_broker_away_logs_each_kind_once(
     assert held() >= 10, "librdkafka did not repeat itself"
     failures = [line for line in lines.lines if "Connect to" in line]
     assert len(failures) == 1, lines.lines
+
+
+def test_transient_retries_of_a_starting_broker_are_kept_out_unless_verbose(lines: Lines) -> None:
+    kafka.base_config(Settings())  # installs the filters
+    pid = (
+        "Failed to acquire idempotence PID from broker 127.0.0.1:19092/1: "
+        "Broker: Coordinator load in progress: retrying"
+    )
+    LIBRDKAFKA_LOG.warning("%s [%s] %s", "GETPID", "rdkafka#producer-1", pid)
+    connect_failed(LIBRDKAFKA_LOG, "rdkafka#producer-1", 0)
+    assert [line.split(" ")[0] for line in lines.lines] == ["FAIL"]
+    LIBRDKAFKA_LOG.setLevel(logging.DEBUG)  # -v
+    LIBRDKAFKA_LOG.warning("%s [%s] %s", "GETPID", "rdkafka#producer-2", pid)
+    assert lines.lines[-1].startswith("GETPID [rdkafka#producer-2] Failed to acquire idempotence PID")
