@@ -49,6 +49,10 @@ class DlqFilter:
         return not self.error_type or rec.error_type == self.error_type
 
 
+#: What the overview shows for a namespace whose topics do not exist yet.
+NO_TOPICS = "no topics yet: run `taskq topics create`"
+
+
 class Console:
     """The data behind the console's pages, for one namespace."""
 
@@ -64,10 +68,17 @@ class Console:
         self._last_done: tuple[float, dict[TP, int]] | None = None
 
     def start(self) -> None:
-        """Bring the store's tables up to date (the pauses table may be new) and check the topics exist."""
+        """Bring the store's tables up to date (the pauses table may be new) and check Kafka answers."""
         self._database.migrate(namespace=self.settings.namespace)
         with self._locked():
-            self._dead_letters().depth()  # a missing namespace fails here, before anything is served
+            if not self._missing_topics():  # a namespace with no topics yet is shown with a hint
+                self._dead_letters().depth()
+
+    def _missing_topics(self) -> list[str]:
+        """The namespace's tier and DLQ topics that do not exist (yet)."""
+        wanted = [*self.topics.priority_topics, self.topics.dlq]
+        found = self._admin.partitions(wanted)
+        return [t for t in wanted if t not in found]
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -85,6 +96,15 @@ class Console:
         delay tiers' contents, the DLQ depth, the workers alive and what is paused."""
         with self._locked():
             s = self.settings
+            missing = self._missing_topics()
+            if missing:
+                return {
+                    "namespace": s.namespace,
+                    "group": s.worker_group,
+                    "missing_topics": missing,
+                    "hint": NO_TOPICS,
+                    "at": datetime.now(UTC).isoformat(timespec="seconds"),
+                }
             # The figures `taskq stats` prints, from the same offsets (tier_depths is depths_of(backlog)).
             tiers_backlog = backlog(self._admin, self.topics.priority_topics, s.worker_group)
             depths = depths_of(tiers_backlog, self.topics)

@@ -3,8 +3,10 @@ many of those runs were known to be running."""
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,3 +43,16 @@ def test_a_task_taken_over_from_dead_workers_says_so(
     finally:
         a.close()
         b.close()
+
+
+def test_the_console_of_a_namespace_with_no_topics_yet_serves_its_pages_with_the_hint(
+    env_of: Callable[..., dict[str, str]], tmp_path: Path
+) -> None:
+    env = env_of(TASKQ_NAMESPACE=f"bare{uuid.uuid4().hex[:10]}")  # nobody created its topics
+    with console_process(env, tmp_path / "console.log", "--host", "127.0.0.1", probe="/") as url:
+        with urllib.request.urlopen(url + "/", timeout=30) as r:
+            assert r.status == 200
+            assert "no topics yet: run `taskq topics create`" in r.read().decode()
+        with urllib.request.urlopen(url + "/api/overview", timeout=30) as r:
+            data = json.loads(r.read())
+        assert data["hint"] == "no topics yet: run `taskq topics create`" and len(data["missing_topics"]) == 5
