@@ -396,9 +396,9 @@ def test_a_crashing_task_takes_no_healthy_task_to_the_dlq(app: App) -> None:
         )
     for k in bad:
         assert rows[k]["attempts"] == 3 and "failed 3 attempt(s)" in rows[k]["last_error"], rows[k]
-    assert deaths == 8, (
-        f"{deaths} deaths: each pill kills its first, unmarked run's worker and 3 in quarantine"
-    )
+    # Each pill kills the worker of its first, unmarked run (one death for both when they ran in one group)
+    # and three in quarantine; nothing else kills.
+    assert deaths in (7, 8), f"{deaths} deaths"
     dlq = _dlq_keys(app)
     assert set(dlq) == set(bad + pills) and max(dlq.values()) == 1, dlq
 
