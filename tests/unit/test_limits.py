@@ -77,7 +77,7 @@ def test_a_key_function_that_raises_dead_letters_the_task_with_the_reason_and_th
 
 def test_at_most_n_tasks_of_a_key_run_at_once_and_other_keys_go_by() -> None:
     handlers = Handlers()
-    lock = threading.Lock()
+    changed = threading.Condition()
     running: dict[str, int] = {}
     most: dict[str, int] = {}
     b_done = threading.Event()
@@ -85,15 +85,19 @@ def test_at_most_n_tasks_of_a_key_run_at_once_and_other_keys_go_by() -> None:
     @handlers.task("unit.Call", schema=JOB, concurrency_limit=2, concurrency_key=lambda p: p["partner"])
     def call(payload: dict[str, Any], ctx: TaskContext) -> None:
         key = payload["partner"]
-        with lock:
+        with changed:
             running[key] = running.get(key, 0) + 1
             most[key] = max(most.get(key, 0), running[key])
+            changed.notify_all()
         if key == "a":
             # a's tasks hold their slots until b's task ran: b is not stuck behind a's waiting tasks.
             assert b_done.wait(10)
         else:
+            # b runs while two of a's hold both of a's slots (whatever order the threads are scheduled in).
+            with changed:
+                assert changed.wait_for(lambda: running.get("a", 0) == 2, timeout=10), running
             b_done.set()
-        with lock:
+        with changed:
             running[key] -= 1
 
     with InMemoryQueue(handlers, namespace="unit", concurrency=8) as q:
