@@ -170,7 +170,7 @@ def test_a_poison_pill_under_a_restarting_supervisor_reaches_the_dlq_within_a_mi
 
     # Four deaths: the first, unmarked run's and three in quarantine; each moves the dead worker's
     # partitions after the broker's session timeout (10 s).
-    wait_until(lambda: state() == "dead", timeout=90, what=f"the poison pill in the DLQ\n{app.logs()}")
+    wait_until(lambda: state() == "dead", timeout=60, what=f"the poison pill in the DLQ\n{app.logs()}")
     row = app.query(
         "SELECT attempts, takeovers, interruptions, last_error FROM taskq_tasks "
         "WHERE idempotency_key = 'poison'"
@@ -371,7 +371,7 @@ def test_a_crashing_task_takes_no_healthy_task_to_the_dlq(app: App) -> None:
         slots,
         *args,
         until=lambda: all(states().get(k) == "dead" for k in pills),
-        timeout=120,  # a death moves the dead worker's partitions after the broker's session timeout (10 s)
+        timeout=60,  # each death moves the dead worker's partitions after the session timeout (10 s)
         what="both poison pills in the DLQ",
     )
     deaths += _supervise(
