@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from taskq import cli
+from taskq.cli.operate import tier_depth_gauge
 from taskq.consumer.dlq import dlq_depth_gauge
 from taskq.consumer.metrics import PrometheusHook
 from taskq.producer.metrics import producer_metrics
@@ -24,7 +24,7 @@ def exported() -> set[str]:
     """Every series name the code's registries export, collected from the real metric objects."""
     # Created as the processes that export them create them: the worker's hook in a registry of its own,
     # the producer's, the relay's and the stats command's gauges in the default registry.
-    producer_metrics(), relay_metrics(), dlq_depth_gauge(), cli._tier_depth_gauge()
+    producer_metrics(), relay_metrics(), dlq_depth_gauge(), tier_depth_gauge()
     names: set[str] = set()
     for registry in (PrometheusHook(CollectorRegistry()).registry, REGISTRY):
         for family in registry.collect():

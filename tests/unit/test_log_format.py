@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from taskq.cli import _JsonLines
+from taskq.cli.logs import JsonLines
 
 
 def test_a_json_line_carries_the_standard_fields_the_extra_and_the_traceback() -> None:
@@ -25,7 +25,7 @@ def test_a_json_line_carries_the_standard_fields_the_extra_and_the_traceback() -
             sys.exc_info(),
             extra={"task_id": "t1", "attempt": 2, "tier": "high"},
         )
-    line = json.loads(_JsonLines().format(record))
+    line = json.loads(JsonLines().format(record))
     assert line["level"] == "WARNING" and line["logger"] == "taskq.worker"
     assert line["message"] == "task t1 failed" and line["ts"].endswith("+00:00")
     assert (line["task_id"], line["attempt"], line["tier"]) == ("t1", 2, "high")

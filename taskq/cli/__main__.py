@@ -1,0 +1,7 @@
+"""`python -m taskq.cli`: the `taskq` command."""
+
+import sys
+
+from taskq.cli import main
+
+sys.exit(main())
