@@ -83,3 +83,14 @@ def test_the_runtime_packages_hold_no_tools_and_import_none() -> None:
             assert path.stem not in ("bench", "chaos"), path
             text = path.read_text()
             assert "taskq.tools" not in text, f"{path} imports the tools package"
+
+
+def test_the_fakes_are_importable_from_taskq_testing() -> None:
+    import taskq.testing
+
+    assert set(taskq.testing.__all__) == {
+        "Clock", "InMemoryBroker", "InMemoryQueue", "InMemoryRegistry", "InMemoryStore", "RecordingHook"
+    }  # fmt: skip
+    for name in taskq.testing.__all__:
+        value = getattr(taskq.testing, name)
+        assert value.__module__.startswith("taskq.testing."), (name, value.__module__)
