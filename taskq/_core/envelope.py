@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Final, Literal, get_args
 from taskq._core.durations import tier_name
 
 if TYPE_CHECKING:
-    from taskq._core.kafka import Record
+    from taskq._core.broker import Record
 
 Priority = Literal["critical", "high", "normal", "low"]
 """A priority tier's name; each tier is its own topic, `<namespace>.<tier>`."""

@@ -20,7 +20,7 @@ from taskq.cli.common import Commands, leaf, print_result, progress_to, settings
 def cmd_stats(args: argparse.Namespace) -> int:
     from taskq._core.db import Database
     from taskq._core.envelope import Topics
-    from taskq._core.kafka import Admin
+    from taskq._core.kafka_admin import Admin
     from taskq._core.store import Store
     from taskq.consumer.dlq import DeadLetters
     from taskq.consumer.store import IdempotencyStore
@@ -83,7 +83,7 @@ def _serve_stats(s: Settings, port: int, interval: float, host: str, progress: C
     import threading
 
     from taskq._core.envelope import Topics
-    from taskq._core.kafka import Admin
+    from taskq._core.kafka_admin import Admin
     from taskq.consumer.dlq import DeadLetters
     from taskq.consumer.metrics import serve
     from taskq.producer.backpressure import tier_depths

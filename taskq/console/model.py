@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from taskq._core.broker import TP
 from taskq._core.db import Database
 from taskq._core.envelope import PRIORITIES, Topics
 from taskq._core.errors import ConfigurationError
-from taskq._core.kafka import TP, Admin, Source
+from taskq._core.kafka_admin import Admin
+from taskq._core.kafka_clients import Source
 from taskq._core.settings import Settings
 from taskq._core.store import Store, pause_target
 from taskq.consumer.dlq import DeadLetters, DlqRecord, ReplayResult

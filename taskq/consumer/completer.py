@@ -15,8 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from taskq._core.broker import Record, RecordSink
 from taskq._core.errors import RecordTooLargeError, StoreUnavailableError
-from taskq._core.kafka import Record, RecordSink
 from taskq.consumer.routing import Outgoing
 from taskq.consumer.store import Finished, TaskStore
 

@@ -19,10 +19,11 @@ from typing import Any, Protocol
 
 from prometheus_client import Gauge
 
+from taskq._core.broker import Broker, Record, RecordSink
 from taskq._core.db import Database
-from taskq._core.envelope import Envelope, EnvelopeError, H, Topics
+from taskq._core.envelope import Envelope, EnvelopeError, H, Headers, Topics
 from taskq._core.errors import ConfigurationError, DeliveryError, KafkaUnavailableError, TaskqError
-from taskq._core.kafka import Broker, Headers, KafkaBroker, Record, RecordSink
+from taskq._core.kafka_clients import KafkaBroker
 from taskq._core.settings import Settings
 from taskq._core.store import Store
 from taskq.consumer import routing

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
+from taskq._core.broker import TP
 from taskq._core.envelope import Priority
-from taskq._core.kafka import TP
 
 __all__ = [
     "AttemptFailed",

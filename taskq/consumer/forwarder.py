@@ -21,10 +21,11 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
+from taskq._core.broker import TP, TRANSACTION_TIMEOUT, Broker, Record, RecordSink, RecordSource
 from taskq._core.durations import pick_delay_tier
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
 from taskq._core.errors import KafkaAuthenticationError, RecordTooLargeError, TaskqError
-from taskq._core.kafka import TP, TRANSACTION_TIMEOUT, Broker, KafkaBroker, Record, RecordSink, RecordSource
+from taskq._core.kafka_clients import KafkaBroker
 from taskq._core.settings import Settings
 from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id
 

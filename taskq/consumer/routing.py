@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from hashlib import sha256
 
+from taskq._core.broker import Record
 from taskq._core.durations import pick_delay_tier
 from taskq._core.envelope import MAX_HEADER_BYTES, Envelope, H, Headers, Topics
-from taskq._core.kafka import Record
 
 #: Bound on the traceback a DLQ record carries (Kafka records should stay small).
 MAX_TRACEBACK = 8 * 1024

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from taskq._core.broker import TopicSpec
 from taskq._core.envelope import Topics
 from taskq._core.errors import ConfigurationError
-from taskq._core.kafka import Admin, TopicSpec
+from taskq._core.kafka_admin import Admin
 from taskq._core.settings import Settings
 
 #: DLQ records wait for an operator: keep them 30 days (overridable).

@@ -6,9 +6,9 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 
+from taskq._core.broker import TP, TopicAdmin
 from taskq._core.envelope import PRIORITIES, Priority, Topics
 from taskq._core.errors import ConfigurationError, QueueFullError, TaskqError
-from taskq._core.kafka import TP, TopicAdmin
 
 log = logging.getLogger("taskq.backpressure")
 

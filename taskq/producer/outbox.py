@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from prometheus_client import Counter, Histogram
 
+from taskq._core.broker import Broker, RecordSink
 from taskq._core.db import Connection, Database, Transaction
 from taskq._core.errors import (
     KafkaAuthenticationError,
@@ -27,7 +28,7 @@ from taskq._core.errors import (
     StoreUnavailableError,
     TaskqError,
 )
-from taskq._core.kafka import Broker, KafkaBroker, RecordSink
+from taskq._core.kafka_clients import KafkaBroker
 from taskq._core.settings import Settings, redact
 from taskq._core.store import Store
 

@@ -21,6 +21,7 @@ from uuid import UUID
 import psycopg
 from psycopg import sql
 
+from taskq._core.broker import Broker, OutRecord, Record
 from taskq._core.db import Database
 from taskq._core.durations import pick_delay_tier
 from taskq._core.envelope import (
@@ -57,7 +58,7 @@ from taskq._core.errors import (
     StoreUnavailableError,
     UnknownTaskTypeError,
 )
-from taskq._core.kafka import Broker, KafkaBroker, OutRecord, Record
+from taskq._core.kafka_clients import KafkaBroker
 from taskq._core.settings import Settings, redact
 from taskq._core.store import outbox_stage
 from taskq._core.tracing import Tracer

@@ -11,9 +11,7 @@ from functools import partial
 from itertools import count
 from typing import Any
 
-from taskq._core.envelope import Headers
-from taskq._core.errors import KafkaUnavailableError, RecordTooLargeError
-from taskq._core.kafka import (
+from taskq._core.broker import (
     TP,
     TRANSACTION_TIMEOUT,
     BatchCallback,
@@ -24,6 +22,8 @@ from taskq._core.kafka import (
     RecordSource,
     TopicSpec,
 )
+from taskq._core.envelope import Headers
+from taskq._core.errors import KafkaUnavailableError, RecordTooLargeError
 
 
 @dataclass

@@ -34,10 +34,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from taskq._core.broker import TP
 from taskq._core.db import Database
 from taskq._core.envelope import PRIORITIES, Topics
 from taskq._core.errors import ConfigurationError, TaskqError
-from taskq._core.kafka import TP, Admin, Source
+from taskq._core.kafka_admin import Admin
+from taskq._core.kafka_clients import Source
 from taskq._core.settings import Settings
 from taskq._core.store import Store
 from taskq.consumer.dlq import DeadLetters
