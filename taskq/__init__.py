@@ -16,9 +16,9 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "AsyncTaskProducer": "taskq.producer.aio",
     "TaskProducer": "taskq.producer.producer",
-    "TaskSpec": "taskq.producer.producer",
-    "Receipt": "taskq.producer.producer",
-    "derive_idempotency_key": "taskq.producer.producer",
+    "TaskSpec": "taskq.producer.tasks",
+    "Receipt": "taskq.producer.tasks",
+    "derive_idempotency_key": "taskq.producer.tasks",
     "RateLimit": "taskq.producer.ratelimit",
     "Handlers": "taskq.consumer.handlers",
     "TaskContext": "taskq.consumer.handlers",
@@ -101,8 +101,9 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from taskq.consumer.retry import Reject, Retry, RetryPolicy
     from taskq.consumer.worker import Worker, WorkerConfig
     from taskq.producer.aio import AsyncTaskProducer
-    from taskq.producer.producer import Receipt, TaskProducer, TaskSpec, derive_idempotency_key
+    from taskq.producer.producer import TaskProducer
     from taskq.producer.ratelimit import RateLimit
+    from taskq.producer.tasks import Receipt, TaskSpec, derive_idempotency_key
     from taskq.schemas.errors import PayloadValidationError, SchemaError
 
 

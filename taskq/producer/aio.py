@@ -22,7 +22,8 @@ import psycopg
 
 from taskq._core.errors import KafkaAuthenticationError, ProducerClosedError
 from taskq._core.settings import Settings
-from taskq.producer.producer import Receipt, TaskProducer, TaskSpec, _Bulk, _settled
+from taskq.producer.producer import TaskProducer, _settled
+from taskq.producer.tasks import Receipt, TaskSpec, _Bulk
 
 __all__ = ["AsyncTaskProducer"]
 
