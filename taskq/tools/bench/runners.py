@@ -1,0 +1,363 @@
+"""The bench workers: Workers (or the framework-free loop of `bench ceiling`) in a thread or in spawned
+processes of one group, reporting when each key's attempt started and its completion was recorded."""
+
+from __future__ import annotations
+
+import cProfile
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
+
+# The bare loop measures librdkafka itself, so this module and the ceiling's are the only ones besides
+# taskq._core's Kafka adapter that hold its clients; their settings are the adapter's own (consumer_config).
+from confluent_kafka import Consumer, Message, TopicPartition
+
+from taskq._core.broker import TP
+from taskq._core.db import Database
+from taskq._core.envelope import H, Topics
+from taskq._core.errors import ConfigurationError, TaskqError
+from taskq._core.kafka import consumer_config
+from taskq._core.settings import Settings
+from taskq._core.store import ClaimRequest, Finished, Store
+from taskq.consumer.events import AttemptStarted, Event, PartitionsAssigned, PartitionsRevoked, TaskCompleted
+from taskq.consumer.handlers import Handlers, TaskContext
+from taskq.consumer.worker import Worker, WorkerConfig
+from taskq.tools.bench.run import _EFFECTS_TABLE, BenchHandler, _Run
+
+#: The lease a bench task's claim asks for: the worker's default for a task type without a timeout.
+_LEASE_SECONDS = WorkerConfig.default_lease
+#: How often a bench worker reports its new start and completion times to the parent.
+_REPORT_EVERY = 0.1
+
+
+def _handlers(task_type: str, schema: dict[str, Any], handler: BenchHandler) -> Handlers:
+    handlers = Handlers()
+    if handler == "transactional":
+
+        @handlers.task(task_type, schema=schema, transactional=True)
+        def write_one_row(payload: dict[str, Any], ctx: TaskContext) -> None:
+            ctx.db.execute(
+                f"INSERT INTO {_EFFECTS_TABLE} (key, i) VALUES (%s, %s)", (ctx.idempotency_key, payload["i"])
+            )
+
+    else:
+
+        @handlers.task(task_type, schema=schema)
+        def noop(payload: dict[str, Any], ctx: TaskContext) -> None:
+            return None
+
+    return handlers
+
+
+@dataclass(frozen=True)
+class _WorkerSpec:
+    """What a bench worker is built from, picklable for a spawned process (Settings holds a mapping proxy)."""
+
+    settings: dict[str, Any]
+    task_type: str
+    schema: dict[str, Any]
+    handler: BenchHandler
+    concurrency: int
+
+    @classmethod
+    def of(cls, run: _Run, handler: BenchHandler, concurrency: int) -> _WorkerSpec:
+        """The spec of a worker in `run`'s namespace."""
+        return cls(_picklable(run.settings), run.task_type, run.schema, handler, concurrency)
+
+
+def _picklable(settings: Settings) -> dict[str, Any]:
+    """Settings as keyword arguments a spawned process can be given (Settings holds a mapping proxy)."""
+    values = {f.name: getattr(settings, f.name) for f in fields(settings)}
+    values["kafka"] = dict(values["kafka"])
+    return values
+
+
+class _Channel(Protocol):
+    def put(self, obj: Any) -> None: ...
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+
+class _Flag(Protocol):
+    def set(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+@dataclass
+class _Report:
+    """What one bench worker sends its parent every _REPORT_EVERY seconds, and once more when it stops."""
+
+    runner: int
+    started: list[tuple[str, float]] = field(default_factory=list)
+    completed: list[tuple[str, float]] = field(default_factory=list)
+    partitions: int = 0
+    assigned_at: float | None = None
+    launched_at: float | None = None
+    cpu_s: float | None = None  # set in the last report: process CPU from launch to the stop request
+    error: str | None = None
+    final: bool = False
+
+
+class _Recorder:
+    """A worker hook keeping when each key's attempt started and its completion was recorded."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started: list[tuple[str, float]] = []
+        self._completed: list[tuple[str, float]] = []
+        self._partitions: set[TP] = set()
+        self.assigned_at: float | None = None
+
+    def __call__(self, event: Event) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if isinstance(event, TaskCompleted):
+                self._completed.append((event.key, now))
+            elif isinstance(event, AttemptStarted):
+                self._started.append((event.key, now))
+            elif isinstance(event, PartitionsAssigned):
+                self._partitions.update(event.partitions)
+                if self.assigned_at is None:
+                    self.assigned_at = now
+            elif isinstance(event, PartitionsRevoked):
+                self._partitions.difference_update(event.partitions)
+
+    def report(self, runner: int) -> _Report:
+        """The times recorded since the last report."""
+        with self._lock:
+            started, self._started = self._started, []
+            completed, self._completed = self._completed, []
+            return _Report(runner, started, completed, len(self._partitions), self.assigned_at)
+
+
+def _run_worker(
+    runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, parent: int | None, profile: str | None
+) -> None:
+    """Run one bench Worker until `stop` (or until its parent process dies), reporting to `out`."""
+    recorder = _Recorder()
+    failure: list[BaseException] = []
+    cpu0 = time.process_time()
+    worker = Worker(
+        _handlers(spec.task_type, spec.schema, spec.handler),
+        Settings(**spec.settings),
+        WorkerConfig(concurrency=spec.concurrency, forwarder=False, metrics_port=None),
+        hooks=[recorder],
+    )
+    profiler = cProfile.Profile() if profile else None
+
+    def run() -> None:
+        try:
+            if profiler is not None:
+                profiler.runcall(worker.run)
+            else:
+                worker.run()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="taskq-bench-worker", daemon=True)
+    launched_at = time.monotonic()
+    thread.start()
+    while not stop.wait(_REPORT_EVERY) and not failure and (parent is None or os.getppid() == parent):
+        out.put(recorder.report(runner))
+    cpu_s = time.process_time() - cpu0  # before shutdown: leaving the group is not part of the burn-down
+    worker.stop()
+    thread.join(60)
+    if profiler is not None and profile is not None:
+        profiler.dump_stats(profile)
+    last = recorder.report(runner)
+    last.launched_at, last.cpu_s, last.final = launched_at, cpu_s, True
+    last.error = repr(failure[0]) if failure else None
+    out.put(last)
+
+
+def _spawned_worker(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, parent: int) -> None:
+    """A spawned process's entry: one bench worker."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _run_worker(runner, spec, out, stop, parent, None)
+
+
+def _commit_batch(consumer: Consumer, msgs: list[Message], *, asynchronous: bool) -> None:
+    """Commit the offsets after a consumed batch, partition by partition."""
+    offsets = {(m.topic() or "", m.partition() or 0): (m.offset() or 0) + 1 for m in msgs}
+    parts = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
+    if asynchronous:
+        consumer.commit(offsets=parts, asynchronous=True)
+    else:
+        consumer.commit(offsets=parts, asynchronous=False)
+
+
+def _claim_requests(msgs: list[Message]) -> list[ClaimRequest]:
+    """What the worker asks of Postgres for a batch of task records: a claim of each one's key."""
+    requests = []
+    for m in msgs:
+        h = dict(_headers(m))
+        requests.append(
+            ClaimRequest(
+                h[H + "idempotency-key"].decode(),
+                h[H + "task-id"].decode(),
+                h[H + "task-type"].decode(),
+                _LEASE_SECONDS,
+            )
+        )
+    return requests
+
+def _headers(msg: Message) -> list[tuple[str, bytes]]:
+    raw: Any = msg.headers() or []
+    return [(str(k), v.encode() if isinstance(v, str) else (v or b"")) for k, v in raw]
+
+
+def _spawned_bare(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, parent: int) -> None:
+    """A spawned process's entry: the framework-free loop of `bench ceiling` in place of a worker, for as
+    long as the bench runs. Per batch of records: claim every key, complete the claimed ones, commit (not
+    waiting for the broker). A task counts as started when its claim answers and as completed when its
+    completion does: what this design's floor is for a worker's enqueue->start and ->completion."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    s = Settings(**spec.settings)
+    launched_at, cpu0 = time.monotonic(), time.process_time()
+    partitions: set[TP] = set()
+    assigned_at: list[float] = []
+
+    def on_assign(_: Consumer, parts: list[TopicPartition]) -> None:
+        partitions.update((p.topic, p.partition) for p in parts)
+        assigned_at[:] = assigned_at or [time.monotonic()]
+
+    def on_revoke(_: Consumer, parts: list[TopicPartition]) -> None:
+        partitions.difference_update((p.topic, p.partition) for p in parts)
+
+    consumer = Consumer(consumer_config(s, group=s.worker_group))
+    consumer.subscribe(Topics(s.namespace).priority_topics, on_assign=on_assign, on_revoke=on_revoke)
+    store = Store(Database(s.database_url, schema=s.database_schema))
+    owner = f"bench-bare:{os.getpid()}"
+    report = _Report(runner)
+    reported = time.monotonic()
+    try:
+        while not stop.wait(0) and os.getppid() == parent:
+            # As the worker polls: what is there, else block for one record (and take what came with it).
+            msgs = consumer.consume(500, 0)
+            if not msgs:
+                msgs = consumer.consume(1, 0.05)
+                msgs += consumer.consume(499, 0) if msgs else []
+            msgs = [m for m in msgs if m.error() is None]
+            if msgs:
+                claims = store.claim(s.namespace, owner, _claim_requests(msgs), stale_after=10.0)
+                now = time.monotonic()
+                claimed = [c for c in claims if c.outcome == "claimed"]
+                report.started += [(c.idempotency_key, now) for c in claimed]
+                done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claimed]
+                store.complete(s.namespace, owner, done)
+                now = time.monotonic()
+                report.completed += [(c.idempotency_key, now) for c in claimed]
+                _commit_batch(consumer, msgs, asynchronous=True)
+            if time.monotonic() - reported >= _REPORT_EVERY:
+                report.partitions, report.assigned_at = len(partitions), next(iter(assigned_at), None)
+                out.put(report)
+                report, reported = _Report(runner), time.monotonic()
+    except Exception as exc:  # reported to the parent, which stops the bench with it
+        report.error = repr(exc)
+    finally:
+        report.cpu_s = time.process_time() - cpu0
+        consumer.close()
+        store.database.close()
+    report.partitions, report.assigned_at = len(partitions), next(iter(assigned_at), None)
+    report.launched_at, report.final = launched_at, True
+    out.put(report)
+
+
+class _Workers:
+    """N bench workers in one group: a thread of this process for one (unless `spawn`), spawned processes
+    for more; `bare`: spawned processes running the framework-free loop (`_spawned_bare`) instead."""
+
+    def __init__(
+        self,
+        spec: _WorkerSpec,
+        *,
+        processes: int = 1,
+        profile: str | None = None,
+        spawn: bool = False,
+        bare: bool = False,
+    ) -> None:
+        if processes < 1:
+            raise ConfigurationError(f"processes must be >= 1, got {processes}")
+        if profile and processes > 1:
+            raise ConfigurationError("--profile profiles an in-process worker: use it with --processes 1")
+        self.started: dict[str, float] = {}
+        self.completed: dict[str, float] = {}
+        self.partitions: dict[int, int] = {}
+        self.assigned_at: float | None = None
+        self.launched_at: float | None = None
+        self.cpu_s = 0.0
+        self._finals: list[_Report] = []
+        self._runners: list[threading.Thread | multiprocessing.process.BaseProcess] = []
+        if processes == 1 and not (spawn or bare):
+            self._out: _Channel = queue.Queue()
+            self._stop: _Flag = threading.Event()
+            self._runners.append(
+                threading.Thread(
+                    target=_run_worker, args=(0, spec, self._out, self._stop, None, profile), daemon=True
+                )
+            )
+        else:
+            # spawn, never fork: this process already runs librdkafka and psycopg threads.
+            ctx = multiprocessing.get_context("spawn")
+            self._out, self._stop = ctx.Queue(), ctx.Event()
+            target = _spawned_bare if bare else _spawned_worker
+            self._runners += [
+                ctx.Process(target=target, args=(i, spec, self._out, self._stop, os.getpid()), daemon=True)
+                for i in range(processes)
+            ]
+
+    def __enter__(self) -> _Workers:
+        for runner in self._runners:
+            runner.start()
+        return self
+
+    def _take(self, timeout: float) -> bool:
+        try:
+            report: _Report = self._out.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        for key, t in report.started:
+            self.started.setdefault(key, t)
+        for key, t in report.completed:
+            self.completed.setdefault(key, t)  # a copy redelivered across a rebalance counts once
+        self.partitions[report.runner] = report.partitions
+        if report.assigned_at is not None:
+            self.assigned_at = min(self.assigned_at or report.assigned_at, report.assigned_at)
+        if report.final:
+            self._finals.append(report)
+            self.cpu_s += report.cpu_s or 0.0
+            if report.launched_at is not None:
+                self.launched_at = min(self.launched_at or report.launched_at, report.launched_at)
+        return True
+
+    def wait(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+        """Take reports until `done()`; TaskqError if a worker stopped or `timeout` seconds passed."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            if self._finals:
+                raise TaskqError(f"bench: a worker stopped: {self._finals[0].error}")
+            if not any(r.is_alive() for r in self._runners):  # died before it could report (see stderr)
+                raise TaskqError("bench: every worker exited")
+            if time.monotonic() > deadline:
+                raise TaskqError(f"bench: {what} within {timeout}s")
+            self._take(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + 90
+        while len(self._finals) < len(self._runners) and time.monotonic() < deadline:
+            if not any(r.is_alive() for r in self._runners):
+                while self._take(1.0):  # what the runners put last may still be in the pipe
+                    pass
+                break
+            self._take(0.5)
+        for runner in self._runners:
+            runner.join(30)
+        errors = [r.error for r in self._finals if r.error]
+        if errors and exc[0] is None:
+            raise TaskqError(f"bench: a worker stopped: {errors[0]}")
