@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -94,3 +95,51 @@ def test_the_fakes_are_importable_from_taskq_testing() -> None:
     for name in taskq.testing.__all__:
         value = getattr(taskq.testing, name)
         assert value.__module__.startswith("taskq.testing."), (name, value.__module__)
+
+
+#: The only modules that import a driver: the adapters at the edge (and the producer's outbox staging, which
+#: runs in the application's own transaction), and the benchmarks that measure the drivers themselves.
+DRIVER_MODULES = {
+    "confluent_kafka": {
+        "taskq/_core/kafka.py",
+        "taskq/_core/kafka_admin.py",
+        "taskq/_core/kafka_clients.py",
+        "taskq/schemas/registry.py",
+        "taskq/tools/bench/ceiling.py",
+        "taskq/tools/bench/runners.py",
+    },
+    "psycopg": {
+        "taskq/_core/db.py",
+        "taskq/_core/store.py",
+        "taskq/consumer/store.py",
+        "taskq/producer/aio.py",
+        "taskq/producer/outbox.py",
+        "taskq/producer/producer.py",
+        "taskq/tools/bench/ceiling.py",
+    },
+}
+
+
+def test_only_the_adapters_import_the_drivers() -> None:
+    importers: dict[str, set[str]] = {driver: set() for driver in DRIVER_MODULES}
+    for path in sorted((REPO / "taskq").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                if module.split(".")[0] in importers:
+                    importers[module.split(".")[0]].add(path.relative_to(REPO).as_posix())
+    assert importers == DRIVER_MODULES
+
+
+def test_the_records_and_the_broker_protocol_load_no_driver() -> None:
+    loaded = loaded_after(
+        "import taskq._core.broker, taskq.consumer.events, taskq.consumer.routing\n"
+        "import taskq.producer.backpressure"
+    )
+    assert "taskq._core.broker" in loaded
+    assert not {m for m in loaded if m.split(".")[0] in ("confluent_kafka", "psycopg")}, sorted(loaded)
