@@ -227,6 +227,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         seed=args.seed,
         kill_every=args.kill_every,
+        pills=args.pills,
         restart_kafka_cmd=args.restart_kafka_cmd,
         restart_postgres_cmd=args.restart_postgres_cmd,
         service_restarts=args.service_restarts,
@@ -323,6 +324,14 @@ def add_chaos(sub: Commands) -> None:
         default=5.0,
         metavar="SECONDS",
         help="mean seconds between two kill -9 of a random worker, each restarted after 0.5-3 s (0: none)",
+    )
+    sp.add_argument(
+        "--pills",
+        type=float,
+        default=3.0,
+        metavar="PER_THOUSAND",
+        help="poison pills per thousand tasks, each killing the worker running it (default 3); only they "
+        "may be dead-lettered for workers' deaths",
     )
     sp.add_argument(
         "--restart-kafka-cmd",

@@ -9,7 +9,9 @@ left uncommitted, and the DLQ holding exactly the tasks meant to fail.
 
 The task type `taskq_chaos.Ledger` is the same for every run (its subject stays registered); each task says
 what it is meant to do: `ok` writes its ledger row, `retry` fails its first attempt then writes it,
-`delayed` is enqueued with a delay, `fail` always fails and must end in the DLQ.
+`delayed` is enqueued with a delay, `fail` always fails and must end in the DLQ, and `pill` (a poison pill,
+a few per thousand) kills the worker process running it: it must end in the DLQ, and it alone may be
+dead-lettered for the deaths of workers (invariant 10).
 """
 
 from __future__ import annotations
@@ -70,10 +72,12 @@ CREATE_LEDGER = (
     "at timestamptz NOT NULL DEFAULT clock_timestamp())"
 )
 
-Kind = Literal["ok", "retry", "delayed", "fail"]
-#: Share of each kind of task; the rest are `ok`.
+Kind = Literal["ok", "retry", "delayed", "fail", "pill"]
+#: Share of each kind of task but pills (`pills` per thousand, an option); the rest are `ok`.
 _SHARES: tuple[tuple[Kind, float], ...] = (("fail", 0.05), ("retry", 0.10), ("delayed", 0.10))
-#: Attempts of a `fail` task (a header of its own): it reaches the DLQ after these.
+#: The exit code of a worker process a poison pill kills.
+PILL_EXIT = 17
+#: Attempts of a `fail` task and of a pill (a header of their own): they reach the DLQ after these.
 _FAIL_ATTEMPTS = 2
 #: Attempts of every other task: room for several kills while it is claimed, none of them its fault.
 _ATTEMPTS = 10
@@ -92,6 +96,8 @@ def _handlers() -> Handlers:
 
     @handlers.task(TASK_TYPE, schema=SCHEMA, transactional=True, timeout=_TIMEOUT, retry=_RETRIES)
     def ledger(payload: dict[str, Any], ctx: TaskContext) -> None:
+        if payload["kind"] == "pill":
+            os._exit(PILL_EXIT)  # the whole worker process goes down, as a segfaulting library would take it
         if payload["kind"] == "fail":
             raise ChaosFailure(f"task {payload['i']} is meant to fail (attempt {ctx.attempt})")
         if payload["kind"] == "retry" and ctx.attempt == 1:
@@ -187,11 +193,12 @@ class _Task:
         return f"chaos:{self.i}"
 
 
-def _plan(rng: random.Random, i: int) -> _Task:
-    """Task `i` of a run: its kind drawn by the shares, a delay of 1 to 8 s if delayed."""
+def _plan(rng: random.Random, i: int, pills: float = 0.0) -> _Task:
+    """Task `i` of a run: its kind drawn by the shares (`pills` per thousand of poison pills), a delay of 1
+    to 8 s if delayed."""
     draw = rng.random()
     kind: Kind = "ok"
-    for k, share in _SHARES:
+    for k, share in (("pill", pills / 1000), *_SHARES):
         if draw < share:
             kind = k
             break
@@ -234,7 +241,7 @@ class _Sender:
                 priority=PRIORITIES[task.i % len(PRIORITIES)],
                 idempotency_key=task.key,
                 delay=task.delay,
-                max_attempts=_FAIL_ATTEMPTS if task.kind == "fail" else None,
+                max_attempts=_FAIL_ATTEMPTS if task.kind in ("fail", "pill") else None,
             )
         except (TaskqError, SchemaError, BufferError) as exc:
             if first:  # never handed over: it does not count until it is
@@ -506,6 +513,10 @@ class ChaosReport:
     dlq_repeats: int = 0
     dlq_missing: int = 0
     dlq_unexpected: int = 0
+    #: Poison pills enqueued; of them dead-lettered for their workers' deaths; other tasks so dead-lettered.
+    pills: int = 0
+    pills_dead: int = 0
+    blamed_for_deaths: int = 0
     kills: int = 0
     worker_restarts: int = 0
     #: Workers that exited on their own and were started again (not a failed check: a worker may refuse to
@@ -528,6 +539,7 @@ class ChaosReport:
             or self.uncommitted
             or self.dlq_missing
             or self.dlq_unexpected
+            or self.blamed_for_deaths
             or self.unacknowledged
             or self.problems
         )
@@ -558,6 +570,8 @@ class ChaosReport:
             f"  DLQ                 {self.dlq_records} records ({self.dlq_repeats} repeating a key): "
             f"{self.meant_to_fail - self.dlq_missing} of "
             f"{self.meant_to_fail} meant to fail, {self.dlq_missing} missing, {self.dlq_unexpected} others",
+            f"  poison pills        {self.pills}: {self.pills_dead} dead-lettered for their workers' deaths, "
+            f"{self.blamed_for_deaths} other tasks blamed for deaths",
             f"  kills               {self.kills} (kill -9), {self.worker_restarts} worker restarts, "
             f"{len(self.worker_exits)} exits on their own",
             f"  service restarts    {services}",
@@ -582,6 +596,7 @@ def run_chaos(
     concurrency: int = 4,
     seed: int | None = None,
     kill_every: float = 5.0,
+    pills: float = 3.0,
     restart_kafka_cmd: str | None = None,
     restart_postgres_cmd: str | None = None,
     service_restarts: int = 1,
@@ -600,6 +615,8 @@ def run_chaos(
             raise ConfigurationError(f"{name} must be > 0, got {value}")
     if kill_every < 0:
         raise ConfigurationError(f"kill_every must be >= 0 seconds (0: no kills), got {kill_every}")
+    if not 0 <= pills <= 100:
+        raise ConfigurationError(f"pills must be from 0 to 100 per thousand tasks, got {pills}")
     if service_restarts < 0:
         raise ConfigurationError(f"service_restarts must be >= 0, got {service_restarts}")
     say = progress or (lambda line: log.info("chaos: %s", line))
@@ -634,7 +651,7 @@ def run_chaos(
                 pool.start(i)
             say(f"namespace {s.namespace}: {workers} workers; enqueueing for {duration:g} s, seed {seed}")
             monkey.start()
-            _produce(sender, random.Random(f"{seed}:plan"), rate=rate, duration=duration)
+            _produce(sender, random.Random(f"{seed}:plan"), rate=rate, duration=duration, pills=pills)
             sender.settle(120.0)
             monkey.stop()
             monkey.join()
@@ -682,7 +699,9 @@ def run_chaos(
     return report
 
 
-def _produce(sender: _Sender, rng: random.Random, *, rate: float, duration: float) -> None:
+def _produce(
+    sender: _Sender, rng: random.Random, *, rate: float, duration: float, pills: float = 0.0
+) -> None:
     """Send planned tasks on a fixed schedule of `rate` per second for `duration` seconds."""
     t0 = time.monotonic()
     i = 0
@@ -695,7 +714,7 @@ def _produce(sender: _Sender, rng: random.Random, *, rate: float, duration: floa
         if now < due:
             time.sleep(due - now)  # each enqueue serves the delivery reports that arrived meanwhile
             continue
-        task = pending or _plan(rng, i)
+        task = pending or _plan(rng, i, pills)
         sender.resend_failed()
         if sender.send(task):
             pending = None
@@ -737,7 +756,8 @@ def _check(
     report: ChaosReport, s: Settings, db: Database, acked: dict[str, _Task], lag: dict[TP, int]
 ) -> None:
     """Fill in the report's checks: ledger, commits, DLQ."""
-    meant_to_fail = {k for k, t in acked.items() if t.kind == "fail"}
+    meant_to_fail = {k for k, t in acked.items() if t.kind in ("fail", "pill")}
+    pills = {k for k, t in acked.items() if t.kind == "pill"}
     ledger = check_ledger(db, acked.keys() - meant_to_fail)
     report.meant_to_fail = len(meant_to_fail)
     report.lost, report.duplicated = len(ledger.lost), len(ledger.duplicated)
@@ -750,11 +770,17 @@ def _check(
     report.dlq_repeats = len(records) - len({r.idempotency_key for r in records})
     report.dlq_missing = len(meant_to_fail - in_dlq)
     report.dlq_unexpected = len(in_dlq - meant_to_fail)
+    # Invariant 10: a worker's death is charged only to the task that ran alone when it died.
+    blamed = {r.idempotency_key or "" for r in records if r.error_type == "taskq.PoisonPill"}
+    report.pills = len(pills)
+    report.pills_dead = len(blamed & pills)
+    report.blamed_for_deaths = len(blamed - pills)
     report.examples = {
         "lost": ledger.lost[:5],
         "duplicated": [f"{k} x{n}" for k, n in list(ledger.duplicated.items())[:5]],
         "unexpected effects": ledger.unexpected[:5],
         "missing from the DLQ": sorted(meant_to_fail - in_dlq)[:5],
         "in the DLQ, not meant to fail": sorted(in_dlq - meant_to_fail)[:5],
+        "dead-lettered for a worker's death, not a pill": sorted(blamed - pills)[:5],
         "uncommitted": [f"{t}[{p}] {n}" for (t, p), n in sorted(lag.items())[:5]],
     }

@@ -14,9 +14,12 @@ import sys
 from collections.abc import Callable
 
 from taskq._core.db import Database
-from taskq._core.envelope import Topics
-from taskq._core.kafka import Admin
+from taskq._core.envelope import Envelope, Topics
+from taskq._core.kafka import Admin, Sink
 from taskq._core.settings import Settings
+from taskq.consumer.routing import dead_letter_record
+from taskq.producer.producer import TaskProducer
+from taskq.schemas import Registry
 from taskq.tools.chaos import (
     CREATE_LEDGER,
     LEDGER_TABLE,
@@ -28,8 +31,7 @@ from taskq.tools.chaos import (
     check_ledger,
     uncommitted,
 )
-from taskq.producer.producer import TaskProducer
-from taskq.schemas import Registry
+from tests.acceptance.helpers import tier_records
 
 TASKQ_CHAOS = (sys.executable, "-m", "taskq.cli", "chaos")
 
@@ -44,7 +46,8 @@ def test_chaos_run_with_workers_killed_loses_and_doubles_nothing(
     settings: Settings, env_of: Callable[..., dict[str, str]]
 ) -> None:
     out = subprocess.run(
-        [*TASKQ_CHAOS, "--duration", "20", "--workers", "2", "--kill-every", "4", "--seed", "11"],
+        # Seed 31 plans one poison pill (task 58) at the default 3 per thousand.
+        [*TASKQ_CHAOS, "--duration", "20", "--workers", "2", "--kill-every", "4", "--seed", "31"],
         env=env_of(),
         capture_output=True,
         text=True,
@@ -60,6 +63,7 @@ def test_chaos_run_with_workers_killed_loses_and_doubles_nothing(
     assert _figure(report, "kills") >= 1, report  # a kill every ~4 s over 20 s
     assert _figure(report, "enqueued") > 0, report
     assert re.search(r"DLQ\s+\d+ records .*: (\d+) of \1 meant to fail, 0 missing, 0 others", report), report
+    assert re.search(r"poison pills\s+1: 1 dead-lettered for their workers' deaths, 0 other", report), report
     assert report.rstrip().endswith("result: PASS")
 
     # The run's namespace is gone: topics and Postgres schema.
@@ -116,3 +120,24 @@ def test_checks_report_lost_doubled_and_unexpected_effects_an_uncommitted_task_a
     assert re.search(r"^  duplicated\s+1$", text, re.MULTILINE)
     assert "e.g. missing from the DLQ: chaos:4" in text
     assert text.endswith("result: FAIL")
+
+    # A healthy task dead-lettered for a worker's death, as a pill is: only pills may be (invariant 10).
+    with TaskProducer(settings) as producer:
+        producer.enqueue(TASK_TYPE, {"i": 1, "kind": "ok"}, idempotency_key="chaos:1", wait=True)
+    (record,) = [r for r in tier_records(settings) if Envelope.of(r).idempotency_key == "chaos:1"]
+    out = dead_letter_record(
+        record,
+        reason="gave up after 2 run(s) ended with their worker's death",
+        error_type="taskq.PoisonPill",
+        traceback="",
+        attempts=1,
+        worker_id="host:1:abc",
+        topics=Topics(settings.namespace),
+    )
+    sink = Sink(settings)
+    sink.send(out.topic, out.value, key=out.key, headers=out.headers)
+    assert sink.flush(30) == 0
+    blamed = ChaosReport(settings.namespace, 0, 1, 1.0, 1.0, enqueued=4, drained=True)
+    _check(blamed, settings, db, tasks, {})
+    assert (blamed.pills, blamed.blamed_for_deaths) == (0, 1) and not blamed.passed
+    assert "dead-lettered for a worker's death, not a pill: chaos:1" in blamed.text()
