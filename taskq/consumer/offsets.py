@@ -78,12 +78,18 @@ class OffsetTracker:
         return result
 
     def mark_committed(self, offsets: Mapping[TopicPartition, int]) -> None:
-        """Record offsets the broker acknowledged as committed; forgotten partitions are skipped."""
+        """Record offsets the broker acknowledged as committed; forgotten partitions are skipped.
+
+        The last acknowledgement is what the broker holds, even if it names an older offset: a client
+        retries a commit refused while the group coordinator loads (a broker restart), and the retried older
+        commit can be applied after a newer one. A committed offset that so moves back is committed again.
+        """
         for tp, offset in offsets.items():
             part = self._partitions.get(tp)
             if part is not None:
-                # Commit acknowledgements may arrive out of order; the committed offset never moves back.
-                part.committed = max(part.committed, offset)
+                # Delivery guarantee: never assume more committed than the broker's last word, or records
+                # past it stay uncommitted for good (and lag never reaches zero).
+                part.committed = offset
 
     def forget(self, tps: Iterable[TopicPartition]) -> None:
         """Drop revoked partitions; later done() calls for them are ignored."""

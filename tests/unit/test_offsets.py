@@ -61,12 +61,16 @@ def test_nothing_committable_twice_without_progress():
     assert tracker.committable() == {TP: 13}
 
 
-def test_stale_commit_acknowledgement_never_moves_committed_back():
+def test_an_older_commit_acknowledged_last_is_what_the_broker_holds_and_the_newer_is_sent_again():
+    # A broker restart: commits of 12 then 15 were refused while the coordinator loaded; the client retried
+    # them, and the broker applied 15, then 12. Its committed offset is 12: 15 must be committed again.
     tracker = tracked()
     for offset in range(10, 15):
         tracker.done(TP, offset)
     tracker.mark_committed({TP: 15})
     tracker.mark_committed({TP: 12})
+    assert tracker.committable() == {TP: 15}
+    tracker.mark_committed({TP: 15})
     assert tracker.committable() == {}
 
 
