@@ -529,7 +529,8 @@ class Worker:
         # Fetch in batches of at least a quarter of the buffer, so claims go to Postgres hundreds at a time,
         # not a slot's worth; and at least every 50 ms, which serves rebalance callbacks and keeps the group
         # membership alive even when the buffer is full.
-        if room >= self.config.buffer_capacity // 4 or not busy or now - self._last_poll >= 0.05 or self._short():  # noqa: E501
+        due = now - self._last_poll >= 0.05
+        if room >= self.config.buffer_capacity // 4 or not busy or due or self._short():
             self._last_poll = now
             # consume(n, timeout) waits for all n records or the timeout: take what is there, and block only
             # for one record (then the rest that came with it), never on a timeout. Block while idle, and
@@ -622,7 +623,9 @@ class Worker:
             ends = self._source.high_watermarks(waiting) if waiting else {}
             # Nothing to wait for in a partition read to its end (an unknown start counts as the log's start).
             self._settling = {
-                tp: self._settling[tp] for tp, end in ends.items() if end < 0 or end > max(0, self._starts[tp])  # noqa: E501
+                tp: self._settling[tp]
+                for tp, end in ends.items()
+                if end < 0 or end > max(0, self._starts[tp])
             }
         self._dispatched = not self._settling
         return self._dispatched
@@ -749,8 +752,8 @@ class Worker:
         to_pause, to_resume = [], []
         # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
-        taken = sum(incoming.values()) if incoming else 0
-        full = len(self._scheduler) + taken + len(self._held) + len(self._on_hold) >= self.config.buffer_capacity  # noqa: E501
+        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold)
+        full = waiting + (sum(incoming.values()) if incoming else 0) >= self.config.buffer_capacity
         held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
         held.update(t.tier for t in self._on_hold if full)
         # Over the byte bound every partition waits: what is buffered runs first, then fetching resumes.
