@@ -97,6 +97,17 @@ def dead_letter(
     assert receipt.partition is not None and receipt.offset is not None
     [task] = read(settings, [(receipt.topic, receipt.partition, receipt.offset)], 1)
     env = Envelope.from_headers(task.headers)
+    publish_third_attempt(settings, task, failed_at=failed_at)
+    store.claim([ClaimRequest(env.idempotency_key, env.task_id, task_type, 60)])
+    store.finish([Finished(env.idempotency_key, 1, state, error="smtp down")])  # type: ignore[arg-type]
+    return task
+
+
+def publish_third_attempt(
+    settings: Settings, task: Record, *, worker_id: str = "host:1:abc", failed_at: datetime | None = None
+) -> None:
+    """Dead-letter the third attempt of `task` as a worker would."""
+    env = Envelope.from_headers(task.headers)
     # The last attempt came back through a delay tier: attempt 3, with a not-before time.
     third = replace(task, headers=replace(env, attempt=3, not_before=datetime.now(UTC)).to_headers())
     out = dead_letter_record(
@@ -105,14 +116,11 @@ def dead_letter(
         error_type="builtins.ValueError",
         traceback='Traceback (most recent call last):\n  File "h.py", line 1\nValueError: smtp down',
         attempts=3,
-        worker_id="host:1:abc",
+        worker_id=worker_id,
         topics=Topics(settings.namespace),
         now=failed_at,
     )
     publish(settings, out)
-    store.claim([ClaimRequest(env.idempotency_key, env.task_id, task_type, 60)])
-    store.finish([Finished(env.idempotency_key, 1, state, error="smtp down")])  # type: ignore[arg-type]
-    return task
 
 
 def publish_garbage(settings: Settings) -> None:
@@ -413,17 +421,7 @@ def test_a_task_dead_lettered_twice_in_the_repeat_window_is_listed_once_and_stay
     # uncommitted: its redelivery is dead-lettered again by the next worker, from the same original record.
     task = dead_letter(settings, store, email_type, 1)
     env = Envelope.from_headers(task.headers)
-    again = replace(task, headers=replace(env, attempt=3, not_before=datetime.now(UTC)).to_headers())
-    out = dead_letter_record(
-        again,
-        reason="failed 3 attempt(s): ValueError: smtp down",
-        error_type="builtins.ValueError",
-        traceback="",
-        attempts=3,
-        worker_id="host:2:def",
-        topics=Topics(settings.namespace),
-    )
-    publish(settings, out)
+    publish_third_attempt(settings, task, worker_id="host:2:def")
     publish_garbage(settings)
     publish_garbage(settings)  # the same undecodable record, dead-lettered twice likewise
     listed = dlq.list()
