@@ -35,7 +35,7 @@ from tests.acceptance.conftest import App
 from tests.acceptance.helpers import (
     WorkerProcess,
     all_committed,
-    port_free,
+    private_ports,
     tier_records,
     uncommitted,
     wait_until,
@@ -43,29 +43,28 @@ from tests.acceptance.helpers import (
 from tests.conftest import REPO
 
 STACK = REPO / "compose" / "stack"
-#: Port variables of compose/stack, as offsets from a base; the first base whose ports are all free wins.
-_PORTS = {
-    "TASKQ_STACK_KAFKA_PORT": 9092,
-    "TASKQ_STACK_KAFKA_CONTROLLER_PORT": 9093,
-    "TASKQ_STACK_KAFKA_SASL_PORT": 9102,
-    "TASKQ_STACK_REGISTRY_PORT": 8081,
-    "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT": 8082,
-    "TASKQ_STACK_POSTGRES_PORT": 5432,
-}
+#: Port variables of compose/stack; a private stack takes consecutive free ports of its xdist worker's own.
+_PORTS = (
+    "TASKQ_STACK_KAFKA_PORT",
+    "TASKQ_STACK_KAFKA_CONTROLLER_PORT",
+    "TASKQ_STACK_KAFKA_SASL_PORT",
+    "TASKQ_STACK_REGISTRY_PORT",
+    "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT",
+    "TASKQ_STACK_POSTGRES_PORT",
+)
+#: The module's tests share one private stack (module-scoped): under xdist they run on one worker, in order.
+pytestmark = pytest.mark.xdist_group("restarts")
 
 
 class PrivateStack:
     """A compose/stack of this module's own: its state dir, its ports, and its TASKQ_* exports."""
 
     def __init__(self, state_dir: Path) -> None:
-        bases = (30000, 40000, 41000, 42000, 43000)
-        base = next((b for b in bases if all(port_free(b + o) for o in _PORTS.values())), None)
-        if base is None:
-            pytest.fail("no free set of ports for a private stack (tried bases 30000, 40000-43000)")
+        base = private_ports(len(_PORTS))
         self.stack_env = {
             **os.environ,
             "TASKQ_STACK_DIR": str(state_dir),
-            **{name: str(base + offset) for name, offset in _PORTS.items()},
+            **{name: str(base + i) for i, name in enumerate(_PORTS)},
         }
         self.exports: dict[str, str] = {}
         self.started_in = 0.0
