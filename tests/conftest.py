@@ -199,3 +199,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
         elif "acceptance" in parts:
             item.add_marker(pytest.mark.acceptance)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under `--dist loadgroup` (make test), fail a test marked `xdist_group` that pytest-xdist did not put in
+    its group, before its fixtures start: spread over the workers, each would start the module's shared stack
+    or browser of its own and fail in ways that say nothing of the cause."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group"):
+        if "@" not in item.nodeid:  # xdist names the group after the id
+            pytest.fail(
+                "pytest-xdist did not put this test in its xdist_group: with pytest 9.2 its --dist loadgroup "
+                "groups nothing (pytest-dev/pytest-xdist#1386); install the pytest that pyproject.toml pins",
+                pytrace=False,
+            )
