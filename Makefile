@@ -9,15 +9,21 @@ VENV := .venv
 STACK := compose/stack
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# pytest-xdist processes for `make test`. The suite mostly waits (leases, sessions, restarts), so more processes
+# than the 2 cores pay off; past this many the workers and brokers they drive fight over the CPU instead.
+TEST_WORKERS ?= 4
+# make test-fast's processes: its tests compute, and start-up costs each process a couple of seconds.
+FAST_WORKERS ?= 2
 
-.PHONY: help .venv venv stack-up stack-down stack-status test demo lint bench clean-venv browser docs
+.PHONY: help .venv venv stack-up stack-down stack-status test test-fast demo lint bench clean-venv browser docs
 
 help:
 	@echo "make venv          create .venv and install kafka-taskq[dev] (re-run when pyproject.toml changes)"
 	@echo "make stack-up      start Postgres, Kafka, schema registry (compose/stack up)"
 	@echo "make stack-down    stop them (data kept in .stack/)"
 	@echo "make stack-status  show what runs"
-	@echo "make test          venv + stack + browser + pytest tests   (PYTEST_ARGS=... to pass more)"
+	@echo "make test          venv + lint + browser + stack + every test, TEST_WORKERS in parallel (PYTEST_ARGS=...)"
+	@echo "make test-fast     unit and contract tests on the in-memory fakes: no services, under a minute"
 	@echo "make browser       install Debian's chromium and chromium-driver if missing (the console's tests)"
 	@echo "make demo          venv + stack + python -m taskq.demo"
 	@echo "make lint          ruff check + mypy over taskq and compose/_stack.py"
@@ -48,8 +54,15 @@ stack-status:
 # `compose/stack up` prints only `export NAME=value` lines on stdout; evaluating them in the same shell
 # line hands the stack's addresses to the command that follows.
 # Lint first: the packages are held to ruff and mypy --strict (STYLE.md), and it takes seconds.
+# Tests run in TEST_WORKERS processes; --dist loadgroup keeps each xdist_group (a module sharing a private stack,
+# a cluster or a browser) on one of them, in order.
 test: $(VENV)/.installed lint browser
-	stack_env="$$($(STACK) up)"; eval "$$stack_env"; $(PY) -m pytest -q tests $(PYTEST_ARGS)
+	stack_env="$$($(STACK) up)"; eval "$$stack_env"; \
+	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The edit-run loop: everything that needs no service (unit tests, and the contract tests against the fakes).
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q tests/unit tests/contract -m "not integration" -n $(FAST_WORKERS) $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
 	stack_env="$$($(STACK) up)"; eval "$$stack_env"; $(PY) -m taskq.demo

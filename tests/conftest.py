@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -78,14 +79,21 @@ def _from_containers() -> dict[str, str]:  # pragma: no cover - needs a Docker e
 
 
 @pytest.fixture(scope="session")
-def stack_env() -> dict[str, str]:
-    """TASKQ_* variables of a running stack: from the environment, else `compose/stack up`."""
+def stack_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """TASKQ_* variables of a running stack: from the environment, else `compose/stack up`.
+
+    Under pytest-xdist every worker process asks; they take turns, so the first starts the stack and the
+    others find it answering (one `compose/stack up` at a time on one state dir).
+    """
     env = {k: os.environ[k] for k in _VARS if os.environ.get(k)}
     if len(env) == len(_VARS) and _answers(env):
         return env
     if os.environ.get("TASKQ_TEST_STACK") == "containers":
         return _from_containers()
-    env = _from_stack_script()
+    # The parent of the base temp dir is the one xdist's workers of this run share.
+    with (tmp_path_factory.getbasetemp().parent / "stack-up.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        env = _from_stack_script()
     if not _answers(env):
         pytest.exit(f"the stack started but does not answer at {env}", returncode=3)
     os.environ.update(env)
@@ -161,6 +169,9 @@ def env_of(settings: Settings) -> Callable[..., dict[str, str]]:
             "TASKQ_NAMESPACE": settings.namespace,
             "TASKQ_DATABASE_SCHEMA": settings.database_schema,
             "PYTHONPATH": str(REPO),
+            # Its Postgres sessions carry the namespace as their application_name: tests that look at
+            # pg_stat_activity see their own processes only, not those of tests running beside them.
+            "PGAPPNAME": settings.namespace,
             **extra,
         }
 
@@ -188,3 +199,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
         elif "acceptance" in parts:
             item.add_marker(pytest.mark.acceptance)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under `--dist loadgroup` (make test), fail a test marked `xdist_group` that pytest-xdist did not put in
+    its group, before its fixtures start: spread over the workers, each would start the module's shared stack
+    or browser of its own and fail in ways that say nothing of the cause."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group"):
+        if "@" not in item.nodeid:  # xdist names the group after the id
+            pytest.fail(
+                "pytest-xdist did not put this test in its xdist_group: with pytest 9.2 its --dist loadgroup "
+                "groups nothing (pytest-dev/pytest-xdist#1386); install the pytest that pyproject.toml pins",
+                pytrace=False,
+            )

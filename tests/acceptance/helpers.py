@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import random
 import signal
 import socket
 import subprocess
@@ -135,6 +137,32 @@ def port_free(port: int) -> bool:
     except OSError:
         return True
     return False
+
+
+def xdist_worker() -> int:
+    """This pytest-xdist worker's number (gw2 -> 2); 0 when the suite runs in one process."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+
+
+#: Ports for stacks that a test starts itself: each xdist worker has a block of its own from 20000 (12 blocks,
+#: below the kernel's ephemeral range, 32768 up, where connections take their local ports), so the private
+#: stacks of tests running side by side never pick the same port.
+PRIVATE_PORTS, PORT_BLOCK, PORT_BLOCKS = 20000, 1000, 12
+
+
+def private_ports(count: int) -> int:
+    """The first of `count` (at most 20) consecutive free loopback ports in this xdist worker's block.
+
+    The block's runs of 20 are tried in random order, so that another suite running on the machine at the
+    same time (its worker of the same number has the same block) is unlikely to try the same ones first.
+    """
+    assert count <= 20, count
+    block = PRIVATE_PORTS + PORT_BLOCK * (xdist_worker() % PORT_BLOCKS)
+    bases = random.sample(range(block, block + PORT_BLOCK, 20), PORT_BLOCK // 20)
+    base = next((b for b in bases if all(port_free(b + i) for i in range(count))), None)
+    if base is None:
+        raise AssertionError(f"no {count} consecutive free ports in {block}-{block + PORT_BLOCK - 1}")
+    return base
 
 
 def tier_records(settings: Settings) -> list[Record]:

@@ -64,7 +64,10 @@ def _assert_namespace_gone(settings: Settings, ns: str) -> None:
     """A bench run's namespace was its own, and is gone afterwards: no topics, no Postgres schema."""
     assert ns.startswith("bench-") and ns != settings.namespace
     topics = Topics(ns, settings.delay_tiers)
-    assert Admin(settings).partitions([*topics.priority_topics, *topics.delay_topics, topics.dlq]) == {}
+    names = [*topics.priority_topics, *topics.delay_topics, topics.dlq]
+    # A deletion the controller accepted reaches the broker's metadata a moment later (longer on a busy
+    # machine): wait for the metadata to drop the topics, as it must.
+    wait_until(lambda: Admin(settings).partitions(names) == {}, timeout=30, what=f"the topics of {ns} gone")
     with Database(settings.database_url).connection() as conn:
         left = conn.execute(
             "SELECT count(*) AS n FROM pg_namespace WHERE nspname = %s", (ns.replace("-", "_"),)

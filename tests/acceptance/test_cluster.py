@@ -9,7 +9,6 @@ producer nor the workers are restarted.
 from __future__ import annotations
 
 import os
-import random
 import re
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from tests.acceptance.conftest import App
 from tests.acceptance.helpers import (
     WorkerProcess,
     all_committed,
-    port_free,
+    private_ports,
     tier_records,
     uncommitted,
     wait_until,
@@ -40,6 +39,8 @@ from tests.conftest import REPO
 
 STACK = REPO / "compose" / "stack"
 BROKERS = 3
+#: The module's tests share one cluster (module-scoped): under xdist they run on one worker, in order.
+pytestmark = pytest.mark.xdist_group("cluster")
 
 
 class Cluster:
@@ -48,10 +49,7 @@ class Cluster:
     def __init__(self, state: Path) -> None:
         # 3 client ports, then 3 controller ports, then 3 SASL_SSL ports, all consecutive (compose/stack's
         # cluster layout).
-        bases = random.sample(range(20000, 32000, 10), 50)
-        base = next((b for b in bases if all(port_free(b + i) for i in range(3 * BROKERS))), None)
-        if base is None:
-            pytest.fail("no 9 consecutive free ports for a 3-broker cluster")
+        base = private_ports(3 * BROKERS)
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("TASKQ_")},
             "TASKQ_STACK_DIR": str(state),

@@ -33,10 +33,15 @@ from selenium.webdriver.support.ui import Select  # noqa: E402
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SHOTS = REPO / "test-output" / "console"
 
-pytestmark = pytest.mark.skipif(
-    not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
-    reason="needs Debian's chromium and chromium-driver (make test installs them)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+        reason="needs Debian's chromium and chromium-driver (make test installs them)",
+    ),
+    # One console, browser and worker for the module, which its tests use in turn: under xdist they run on
+    # one worker, in order.
+    pytest.mark.xdist_group("console-browser"),
+]
 
 
 def free_port() -> int:

@@ -91,6 +91,9 @@ def test_sigterm_stops_every_process_gracefully_and_what_ran_is_committed(app: A
     n = 200
     app.enqueue_ledger([f"s{i:04d}" for i in range(n)], copies=1, sleep=0.2)
     supervisor = app.spawn("--processes", "2", "--concurrency", "2")
+    # Both processes running tasks when the signal comes: one slow to start (a busy machine) would be
+    # stopped before it had anything to finish.
+    wait_until(lambda: len(_owners(supervisor)) == 2, timeout=60, what="both processes to own partitions")
     wait_until(lambda: _done(app) >= 8, timeout=90, what="tasks running")
     children = set(_children(supervisor).values())
     supervisor.terminate()

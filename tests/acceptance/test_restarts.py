@@ -35,7 +35,7 @@ from tests.acceptance.conftest import App
 from tests.acceptance.helpers import (
     WorkerProcess,
     all_committed,
-    port_free,
+    private_ports,
     tier_records,
     uncommitted,
     wait_until,
@@ -43,29 +43,28 @@ from tests.acceptance.helpers import (
 from tests.conftest import REPO
 
 STACK = REPO / "compose" / "stack"
-#: Port variables of compose/stack, as offsets from a base; the first base whose ports are all free wins.
-_PORTS = {
-    "TASKQ_STACK_KAFKA_PORT": 9092,
-    "TASKQ_STACK_KAFKA_CONTROLLER_PORT": 9093,
-    "TASKQ_STACK_KAFKA_SASL_PORT": 9102,
-    "TASKQ_STACK_REGISTRY_PORT": 8081,
-    "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT": 8082,
-    "TASKQ_STACK_POSTGRES_PORT": 5432,
-}
+#: Port variables of compose/stack; a private stack takes consecutive free ports of its xdist worker's own.
+_PORTS = (
+    "TASKQ_STACK_KAFKA_PORT",
+    "TASKQ_STACK_KAFKA_CONTROLLER_PORT",
+    "TASKQ_STACK_KAFKA_SASL_PORT",
+    "TASKQ_STACK_REGISTRY_PORT",
+    "TASKQ_STACK_REGISTRY_MANAGEMENT_PORT",
+    "TASKQ_STACK_POSTGRES_PORT",
+)
+#: The module's tests share one private stack (module-scoped): under xdist they run on one worker, in order.
+pytestmark = pytest.mark.xdist_group("restarts")
 
 
 class PrivateStack:
     """A compose/stack of this module's own: its state dir, its ports, and its TASKQ_* exports."""
 
     def __init__(self, state_dir: Path) -> None:
-        bases = (30000, 40000, 41000, 42000, 43000)
-        base = next((b for b in bases if all(port_free(b + o) for o in _PORTS.values())), None)
-        if base is None:
-            pytest.fail("no free set of ports for a private stack (tried bases 30000, 40000-43000)")
+        base = private_ports(len(_PORTS))
         self.stack_env = {
             **os.environ,
             "TASKQ_STACK_DIR": str(state_dir),
-            **{name: str(base + offset) for name, offset in _PORTS.items()},
+            **{name: str(base + i) for i, name in enumerate(_PORTS)},
         }
         self.exports: dict[str, str] = {}
         self.started_in = 0.0
@@ -189,12 +188,18 @@ def _postgres_down(app: App) -> bool:
     return False
 
 
-def _start_run(app: App, prefix: str, protocol: str = "consumer", progress: int = 30) -> list[str]:
-    """300 keys, each enqueued twice (all on the broker before any outage), two workers making progress."""
+#: The classic protocol's session timeout of the processes whose session must time out during an outage: the
+#: least the broker accepts (group.min.session.timeout.ms), so the outage that outlasts it is 6 s, not 15 s.
+CLASSIC_SESSION = {"TASKQ_GROUP_PROTOCOL": "classic", "TASKQ_KAFKA_SESSION_TIMEOUT_MS": "6000"}
+
+
+def _start_run(app: App, prefix: str, progress: int = 30, **env: str) -> list[str]:
+    """300 keys, each enqueued twice (all on the broker before any outage), two workers making progress
+    (KIP-848 unless `env` says otherwise)."""
     keys = [f"{prefix}{i:04d}" for i in range(300)]
     app.enqueue_ledger(keys, copies=2, sleep=0.05)
     for _ in range(2):
-        app.spawn("--concurrency", "4", TASKQ_GROUP_PROTOCOL=protocol)
+        app.spawn("--concurrency", "4", **{"TASKQ_GROUP_PROTOCOL": "consumer", **env})
     wait_until(lambda: _done(app) >= progress, timeout=180, what="progress before the outage")
     return keys
 
@@ -249,7 +254,7 @@ def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_ke
     # broker keeps the session and re-arms it when it restarts: that is the broker restart test above.)
     # A member's session can only time out once it has one: both must be assigned and then run for a
     # while (heartbeats every second) before the broker goes away, or neither may ever time out.
-    keys = _start_run(app, "ko", protocol="classic", progress=30)
+    keys = _start_run(app, "ko", progress=30, **CLASSIC_SESSION)
     wait_until(
         lambda: all(re.search(r"assigned \S", w.output()) for w in app.workers),
         timeout=60,
@@ -304,7 +309,7 @@ def test_the_forwarder_releases_each_delayed_task_once_across_a_broker_restart(
     app.producer.flush(60)
     # Classic protocol: its client times the session out during the outage (see the worker outage test).
     forwarder = WorkerProcess.command(
-        app.env_of(TASKQ_GROUP_PROTOCOL="classic"), app.tmp_path / "forwarder.log", "forwarder"
+        app.env_of(**CLASSIC_SESSION), app.tmp_path / "forwarder.log", "forwarder"
     )
     app.workers.append(forwarder)
     # Stop the broker while the forwarder is mid-way: some tasks released, the others held or fetched.

@@ -325,8 +325,9 @@ def test_sigterm_finishes_in_flight_tasks_and_the_rest_run_once_elsewhere(app: A
     wait_until(
         lambda: app.scalar(
             "SELECT count(*) FROM pg_stat_activity "
-            "WHERE state IN ('active', 'idle in transaction') AND query LIKE %s",
+            "WHERE state IN ('active', 'idle in transaction') AND query LIKE %s AND application_name = %s",
             "SAVEPOINT taskq\\_member%",
+            app.ns,  # the worker's sessions (env_of's PGAPPNAME), not those of tests running beside this one
         )
         >= 1,
         timeout=60,
@@ -353,8 +354,9 @@ def test_a_second_signal_exits_at_once(app: App) -> None:
     wait_until(
         lambda: app.scalar(
             "SELECT count(*) FROM pg_stat_activity "
-            "WHERE state IN ('active', 'idle in transaction') AND query LIKE %s",
+            "WHERE state IN ('active', 'idle in transaction') AND query LIKE %s AND application_name = %s",
             "SAVEPOINT taskq\\_member%",
+            app.ns,  # the worker's sessions (env_of's PGAPPNAME), not those of tests running beside this one
         )
         == 1,
         timeout=60,

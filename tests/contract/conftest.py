@@ -18,9 +18,10 @@ from taskq.schemas.registry import Registry
 from taskq.testing import InMemoryBroker, InMemoryRegistry, InMemoryStore
 
 
-@pytest.fixture(params=["memory", "real"])
+@pytest.fixture(params=["memory", pytest.param("real", marks=pytest.mark.integration)])
 def kind(request: pytest.FixtureRequest) -> str:
-    """Which implementation the test runs against."""
+    """Which implementation the test runs against (the real services' runs are marked integration, so that
+    `-m 'not integration'` keeps the fakes' runs alone, as `make test-fast` does)."""
     return str(request.param)
 
 
