@@ -56,7 +56,7 @@ stack-status:
 # Lint first: the packages are held to ruff and mypy --strict (STYLE.md), and it takes seconds.
 # Tests run in TEST_WORKERS processes; --dist loadgroup keeps each xdist_group (a module sharing a private stack,
 # a cluster or a browser) on one of them, in order.
-test: $(VENV)/.installed lint browser
+test: $(VENV)/.installed lint docs browser
 	stack_env="$$($(STACK) up)"; eval "$$stack_env"; \
 	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
