@@ -377,8 +377,9 @@ class _Workers:
 
 class _Monkey(threading.Thread):
     """Kills workers (kill -9) and restarts them at random intervals, and runs the service restart commands
-    at random times of the run, until stopped; then starts every worker that is down. Like a supervisor, it
-    starts a worker that exited on its own again a second later."""
+    at random times of the run, until calmed; then starts every worker that is down. Like a supervisor, it
+    starts a worker that exited on its own (a poison pill's) again a second later, until stopped: a drain
+    waits on workers that a pill may still kill."""
 
     def __init__(
         self,
@@ -400,6 +401,7 @@ class _Monkey(threading.Thread):
         self.service_runs: Counter[str] = Counter()
         self.service_failures: list[str] = []
         self._halt = threading.Event()
+        self._calm = threading.Event()  # no more kills or service restarts; exited workers still restarted
         self._events: list[tuple[float, int, str, str]] = []  # (due, seq, action, argument)
         self._seq = itertools.count()
         self._down: set[int] = set()  # workers known to be down, their start scheduled
@@ -415,8 +417,13 @@ class _Monkey(threading.Thread):
     def _at(self, due: float, action: str, arg: str) -> None:
         heapq.heappush(self._events, (due, next(self._seq), action, arg))
 
+    def calm(self) -> None:
+        """Stop the chaos: no more kills or service restarts; workers down are started again, as before."""
+        self._calm.set()
+
     def stop(self) -> None:
-        """Stop the chaos; the thread then starts the workers that are down and ends."""
+        """Stop the chaos and the supervision; the thread then starts the workers that are down and ends."""
+        self._calm.set()
         self._halt.set()
 
     def run(self) -> None:
@@ -434,6 +441,8 @@ class _Monkey(threading.Thread):
             if not self._events or self._events[0][0] > time.monotonic():
                 continue
             _, _, action, arg = heapq.heappop(self._events)
+            if self._calm.is_set() and action != "start":
+                continue
             if action == "kill":
                 running = self.workers.running()
                 if running:
@@ -653,8 +662,7 @@ def run_chaos(
             monkey.start()
             _produce(sender, random.Random(f"{seed}:plan"), rate=rate, duration=duration, pills=pills)
             sender.settle(120.0)
-            monkey.stop()
-            monkey.join()
+            monkey.calm()
             report.enqueued = len(sender.acked)
             report.unacknowledged = len(sender.planned) - len(sender.acked)
             report.send_retries = sender.send_errors + sender.delivery_errors
@@ -669,6 +677,8 @@ def run_chaos(
                 _wait(lambda: not uncommitted(s), 60.0, pool=pool, every=1.0)
             lag = uncommitted(s)
             report.drain_s = time.monotonic() - t_drain
+            monkey.stop()
+            monkey.join()
             counts = store.counts(s.namespace)
             report.completed, report.dead_lettered = counts.get("completed", 0), counts.get("dead", 0)
             report.pending = {k: n for k, n in counts.items() if k not in ("completed", "dead")}
