@@ -55,10 +55,12 @@ stack-status:
 # line hands the stack's addresses to the command that follows.
 # Lint first: the packages are held to ruff and mypy --strict (STYLE.md), and it takes seconds.
 # Tests run in TEST_WORKERS processes; --dist loadgroup keeps each xdist_group (a module sharing a private stack,
-# a cluster or a browser) on one of them, in order.
+# a cluster or a browser) on one of them, in order. Then the tests marked `quiet` run alone: they judge the
+# order in which tasks ran, which a CPU shared with three other test processes blurs.
 test: $(VENV)/.installed lint docs browser
 	stack_env="$$($(STACK) up)"; eval "$$stack_env"; \
-	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup -m "not quiet" $(PYTEST_ARGS) && \
+	$(PY) -m pytest -q tests -m quiet $(PYTEST_ARGS)
 
 # The edit-run loop: everything that needs no service (unit tests, and the contract tests against the fakes).
 test-fast: $(VENV)/.installed

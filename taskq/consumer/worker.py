@@ -95,7 +95,7 @@ GROUP_WINDOW = 0.05
 #: fewer than the smallest reserve of the default weights, so no tier can take another's place for long.
 POLL_CHUNK = 16
 #: Dispatch waits at most this long (seconds) for newly assigned partitions' first fetch.
-SETTLE = 0.25
+SETTLE = 2.0
 
 
 class GroupRolledBack(TaskqError):

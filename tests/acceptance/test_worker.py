@@ -233,6 +233,7 @@ def test_tiers_share_one_slot_by_weight_without_starving_low(app: App) -> None:
 WEIGHTS = {"critical": 8, "high": 4, "normal": 2, "low": 1}
 
 
+@pytest.mark.quiet  # 8 slots' completions on a CPU starved by other tests drift out of their dispatch order
 @pytest.mark.parametrize("concurrency", [1, 8])
 @pytest.mark.parametrize("kind", ["Ledger", "Plain"])
 def test_dispatch_follows_the_weights_over_every_window_of_150_completions(
