@@ -59,7 +59,7 @@ stack-status:
 # order in which tasks ran, which a CPU shared with three other test processes blurs.
 test: $(VENV)/.installed lint docs browser
 	stack_env="$$($(STACK) up)"; eval "$$stack_env"; \
-	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup -m "not quiet" $(PYTEST_ARGS) && \
+	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup -m "not quiet" --durations=25 $(PYTEST_ARGS) && \
 	$(PY) -m pytest -q tests -m quiet $(PYTEST_ARGS)
 
 # The edit-run loop: everything that needs no service (unit tests, and the contract tests against the fakes).

@@ -200,6 +200,7 @@ def test_tasks_claimed_ahead_on_two_killed_workers_run_once_with_one_attempt(app
     app.assert_once_each(keys)
 
 
+@pytest.mark.quiet  # judges the order tasks completed in, which a starved CPU blurs
 def test_tiers_share_one_slot_by_weight_without_starving_low(app: App) -> None:
     per_tier = 120
     specs = [
