@@ -72,7 +72,9 @@ def test_chaos_run_with_workers_killed_loses_and_doubles_nothing(
     # A deletion the controller accepted reaches the broker's metadata a moment later (longer on a busy
     # machine): wait for the metadata to drop the topics, as it must.
     topics = Topics(ns[1]).priority_topics
-    wait_until(lambda: Admin(settings).partitions(topics) == {}, timeout=30, what=f"the topics of {ns[1]} gone")
+    wait_until(
+        lambda: Admin(settings).partitions(topics) == {}, timeout=30, what=f"the topics of {ns[1]} gone"
+    )
     db = Database(settings.database_url, schema=settings.database_schema)
     with db.connection() as conn:
         left = conn.execute(
