@@ -599,9 +599,9 @@ class Worker:
         return records
 
     def _settled(self) -> bool:
-        """Whether every newly assigned partition with records to read has delivered one, or waited SETTLE
-        seconds for it; and, before the first dispatch, whether partitions of every tier are assigned (or
-        SETTLE passed since the first assignment).
+        """Before the first dispatch: whether partitions of every tier are assigned (or SETTLE passed since
+        the first assignment), and every assigned partition with records to read has delivered one (or
+        waited SETTLE seconds for it).
 
         Until then nothing starts: a worker that starts on a backlog would otherwise run the first tier
         fetched (librdkafka may even assign a group's partitions topic by topic) alone, before the others'
@@ -1487,9 +1487,12 @@ class Worker:
         # (or lost) comes back paused. Flow control resumes fresh partitions explicitly, or they would stall.
         self._fresh |= set(tps)
         now = self._clock()
-        self._settling.update(dict.fromkeys(tps, now))
-        for tp in tps:
-            self._starts.pop(tp, None)
+        if not self._dispatched:
+            # Only a starting worker waits for its partitions' first records: a running one has work
+            # buffered, and a partition it gains may stay paused (its tier full) and never deliver.
+            self._settling.update(dict.fromkeys(tps, now))
+            for tp in tps:
+                self._starts.pop(tp, None)
         if self._first_assigned is None:
             self._first_assigned = now
         log.info("assigned %s", ", ".join(f"{t}[{p}]" for t, p in tps))
