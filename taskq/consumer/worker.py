@@ -95,7 +95,7 @@ GROUP_WINDOW = 0.05
 #: fewer than the smallest reserve of the default weights, so no tier can take another's place for long.
 POLL_CHUNK = 16
 #: Dispatch waits at most this long (seconds) for newly assigned partitions' first fetch.
-SETTLE = 2.0
+SETTLE = 0.5
 
 
 class GroupRolledBack(TaskqError):
@@ -287,7 +287,6 @@ class Worker:
         self._settling: dict[TP, float] = {}  # assigned, not fetched yet: when they were assigned
         self._dispatched = False  # nothing started yet: the first dispatch waits for every tier's partitions
         self._first_assigned: float | None = None
-        self._starts: dict[TP, int] = {}  # committed offsets of partitions being settled
         self._fed: dict[Priority, float] = dict.fromkeys(PRIORITIES, -float("inf"))  # last record taken
         self._fetching: set[Priority | None] = set()  # tiers with a partition assigned and not paused
         # Recent group members' run time, a moving average; until members have run, a guess that starts
@@ -617,20 +616,11 @@ class Worker:
                 return False
         if self._settling:
             waiting = [tp for tp, at in self._settling.items() if now - at < SETTLE and tp in self._assigned]
-            unknown = [tp for tp in waiting if tp not in self._starts]
-            if unknown:  # where each starts: the group's committed offset, once per assignment
-                try:
-                    self._starts.update(self._source.committed(unknown, timeout=1.0))
-                except TaskqError as exc:
-                    log.warning("could not read committed offsets: %s", exc)
-                    self._starts.update(dict.fromkeys(unknown, -1))
+            # Nothing to wait for in an empty partition. (Where the group's reading starts is not asked for:
+            # a committed-offsets request made from the loop can block it while a rebalance is in flight,
+            # and a partition read to its end costs at most SETTLE, once.)
             ends = self._source.high_watermarks(waiting) if waiting else {}
-            # Nothing to wait for in a partition read to its end (an unknown start counts as the log's start).
-            self._settling = {
-                tp: self._settling[tp]
-                for tp, end in ends.items()
-                if end < 0 or end > max(0, self._starts[tp])
-            }
+            self._settling = {tp: self._settling[tp] for tp, end in ends.items() if end != 0}
         self._dispatched = not self._settling
         return self._dispatched
 
@@ -1491,8 +1481,6 @@ class Worker:
             # Only a starting worker waits for its partitions' first records: a running one has work
             # buffered, and a partition it gains may stay paused (its tier full) and never deliver.
             self._settling.update(dict.fromkeys(tps, now))
-            for tp in tps:
-                self._starts.pop(tp, None)
         if self._first_assigned is None:
             self._first_assigned = now
         log.info("assigned %s", ", ".join(f"{t}[{p}]" for t, p in tps))
