@@ -271,6 +271,9 @@ class IdempotencyStore:
                 # (a handler may have seen another's error), so nothing of this pass is kept; the caller runs
                 # the group again one member at a time.
                 if not answer_each and any(isinstance(m.error, psycopg.Error) for m in members):
+                    # Answered first: the pipeline is aborted up to its next sync, and a ROLLBACK sent into
+                    # it would come back aborted too (PipelineAborted when the pipeline closes).
+                    _answer(conn, pipeline)
                     raise psycopg.Rollback
                 ok = [m for m in members if m.error is None]
                 done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]

@@ -364,6 +364,28 @@ def test_a_member_whose_statement_fails_at_the_server_fails_alone(db: Database) 
     store.close()
 
 
+def test_a_server_failure_read_during_a_later_members_call_fails_only_its_own_member(db: Database) -> None:
+    # The driver reads answers as they arrive: when the failure comes back while a later member runs, that
+    # member's call raises it. The pass must still be dropped cleanly (its pipeline answered before the
+    # rollback) and the group run again, where the later member succeeds.
+    store = _group_store(db)
+
+    def bad(conn: Any) -> None:
+        conn.execute("INSERT INTO group_effects (k) VALUES ('b'::int::text)")
+
+    def late(conn: Any) -> None:
+        # Wait until the failure is on the connection's socket, so the next statement's send reads it.
+        select.select([conn.pgconn.socket], [], [], 5.0)
+        conn.execute("INSERT INTO group_effects (k) VALUES ('c')")
+
+    members = [Member("a", 1, _insert("a")), Member("b", 1, bad), Member("c", 1, late)]
+    store.run_group(members)
+    assert [type(m.error).__name__ if m.error else None for m in members] == [None, "InvalidTextRepresentation", None]
+    assert _group_effects(db) == ["a", "c"]
+    assert [store.get(k)["state"] for k in ("a", "b", "c")] == ["completed", "running", "completed"]
+    store.close()
+
+
 def test_a_member_not_started_stays_so_when_its_group_runs_again(db: Database) -> None:
     # Its partition was being revoked at its turn: the second pass (after a server-side failure) must not
     # start it once the revocation is over.
