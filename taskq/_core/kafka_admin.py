@@ -17,8 +17,16 @@ from taskq._core.settings import Settings, redact
 
 #: Answers after which the client's own metadata of new topics may be what is behind: it asks for more.
 _STALE_METADATA = frozenset(
-    {KafkaError._NOENT, KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.FENCED_LEADER_EPOCH}
+    {
+        KafkaError._NOENT,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.UNKNOWN_LEADER_EPOCH,
+        KafkaError.FENCED_LEADER_EPOCH,
+    }
 )
+
+#: Seconds a broker that answers "not ready yet" (see NOT_READY) is waited for, whatever the admin timeout.
+NOT_READY_PATIENCE = 30.0
 
 R = TypeVar("R")
 
@@ -175,16 +183,26 @@ class Admin:
         self, what: str, call: Callable[[float], R], *, not_ready: frozenset[int] = NOT_READY
     ) -> R:
         """`call(seconds left)`, again while the broker answers that it is not ready yet (a leader or a
-        group coordinator being elected or loading, as right after a topic or the broker starts), until
-        the admin timeout; that is a state to wait out, not a failure to report."""
-        deadline = time.monotonic() + self._timeout
+        group coordinator being elected or loading, as right after a topic or the broker starts); that is
+        a state to wait out, not a failure to report.
+
+        A broker that does not answer is reported after the admin timeout (10 s for the CLI's one-off
+        commands). One that answers "not ready" is there and busy, and is waited for at least
+        `NOT_READY_PATIENCE` seconds: a loaded broker can take longer than 10 s to create new partitions.
+        """
+        started = time.monotonic()
+        deadline = started + self._timeout
+        patient = started + max(self._timeout, NOT_READY_PATIENCE)
         backoff = 0.05
         while True:
             try:
                 return call(max(0.1, deadline - time.monotonic()))
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else None
-                transient = isinstance(err, KafkaError) and (err.retriable() or err.code() in not_ready)
+                answered = isinstance(err, KafkaError) and err.code() in not_ready
+                transient = answered or (isinstance(err, KafkaError) and err.retriable())
+                if answered:
+                    deadline = patient
                 if not transient or time.monotonic() + backoff > deadline:
                     raise self._wrap(what, exc) from exc
             time.sleep(backoff)
