@@ -496,6 +496,7 @@ class Worker:
             thread.join(timeout=15)
             self._relay = None
         if self._source is not None:
+            log.info("stopping: leaving the group")
             self._source.close()
             self._source = None
         self.executor.shutdown(timeout=1.0)
@@ -1552,6 +1553,8 @@ class Worker:
         # Claimed ahead and never started: whoever reads these partitions next claims them at once.
         self._release(self._scheduler.remove_if(lambda t: True) + self._on_hold)
         self._on_hold = []
+        if self._running:
+            log.info("stopping: waiting for %d running task(s)", len(self._running))
         self._drain(
             lambda: bool(self._running),
             timeout=self.config.shutdown_timeout,
@@ -1560,6 +1563,7 @@ class Worker:
         )
         # Delivery guarantee: what finished is committed before the group is left. A commit refused while a
         # rebalance is in flight is tried again after serving it (revoked partitions commit in the callback).
+        log.info("stopping: committing offsets")
         deadline = self._clock() + 10.0
         while not self._commit() and self._clock() < deadline:
             self._serve_group()

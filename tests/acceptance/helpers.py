@@ -89,7 +89,7 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [*taskq, *argv],
             cwd=cwd,
-            env=env,
+            env={**env, "PYTHONFAULTHANDLER": "1"},  # a hung process can be made to show where (`wait`)
             stdout=self._out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -110,8 +110,20 @@ class WorkerProcess:
         self.proc.send_signal(signal.SIGTERM)
 
     def wait(self, timeout: float) -> int:
-        """Wait for the exit code."""
-        return self.proc.wait(timeout)
+        """Wait for the exit code. A process still running after `timeout` is made to print every thread's
+        stack (SIGABRT, with faulthandler on) and the test fails with the end of its log: where it hung."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+            raise AssertionError(
+                f"{' '.join(self.proc.args[2:4])} did not exit within {timeout}s; its log ends:\n"
+                + self.output()[-12000:]
+            ) from None
 
     def output(self) -> str:
         """What the worker logged."""
