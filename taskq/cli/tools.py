@@ -110,6 +110,7 @@ def _worker_text(data: dict[str, Any]) -> str:
         f"({data['tasks_per_s_after_assignment']:.0f}/s after partition assignment at "
         f"{data['startup_s']:.2f} s, {data['tasks_per_s_from_first_enqueue']:.0f}/s from the first enqueue); "
         f"worker CPU {data['worker_cpu_ms_per_task']:.2f} ms/task; "
+        f"Postgres WAL {data['wal_bytes_per_task']:.0f} B/task; "
         f"enqueue-to-start p50 {start['p50']:.0f} ms, p99 {start['p99']:.0f} ms, "
         f"enqueue-to-completion p50 {e2e['p50']:.0f} ms, p99 {e2e['p99']:.0f} ms (backlog included); "
         f"attempt start to recorded p50 {attempt['p50']:.1f} ms, p99 {attempt['p99']:.1f} ms"
@@ -134,12 +135,21 @@ def cmd_bench_ceiling(args: argparse.Namespace) -> int:
 
     lines = [
         f"{data['tasks']} tasks of {data['record_bytes']} bytes (value and headers), "
-        f"{data['partitions']} partitions per tier:",
+        f"{data['partitions']} partitions per tier, offsets committed asynchronously every "
+        f"{data['commit_interval_s']:g} s:",
         row("consume + commit", data["consume_commit_per_s"]),
         row(
             "consume + claim + complete + commit",
             data["consume_claim_complete_commit_per_s"],
-            f"(the ceiling of a worker; {data['completed']} completions recorded)",
+            f"(the design's statements, the ceiling of a worker; {data['completed']} completions recorded; "
+            f"{data['claim_complete_fraction_of_lean']:.0%} of the lean reference; "
+            f"{data['claim_complete_wal_bytes_per_task']:.0f} B of WAL a task)",
+        ),
+        row(
+            "lean reference: upsert + update",
+            data["lean_per_s"],
+            f"(one of each a batch, on a narrow table of its own; {data['lean_completed']} completed; "
+            f"{data['lean_wal_bytes_per_task']:.0f} B of WAL a task)",
         ),
         row(
             "+ a savepoint and an INSERT per task",
@@ -177,7 +187,9 @@ def cmd_bench_ceiling(args: argparse.Namespace) -> int:
             row(
                 f"worker ({w['processes']} x concurrency {w['concurrency']})",
                 w["tasks_per_s_after_assignment"],
-                f"({data['worker_fraction']:.0%} of the ceiling)",
+                f"({data['worker_fraction']:.0%} of the design's statements, "
+                f"{data['worker_fraction_of_lean']:.0%} of the lean reference; "
+                f"{data['worker_wal_bytes_per_task']:.0f} B of WAL a task)",
             )
         )
     print_result(args, data, "\n".join(lines))
@@ -278,7 +290,10 @@ def add_bench(sub: Commands) -> None:
     sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
     sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each pass")
     sp.add_argument(
-        "--with-worker", action="store_true", help="also run `bench worker` on N tasks, as a fraction of it"
+        "--with-worker",
+        action="store_true",
+        help="also run `bench worker` on N tasks, as a fraction of the design's statements and of the lean "
+        "reference",
     )
     sp.add_argument("--concurrency", type=int, default=4, help="with --with-worker: the worker's slots")
     sp.add_argument("--processes", type=int, default=1, help="with --with-worker: worker processes")

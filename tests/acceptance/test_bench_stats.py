@@ -85,7 +85,7 @@ def test_bench_worker_runs_every_task_and_removes_its_namespace(
     data = _bench(env_of(), "worker", "-n", "300", "--concurrency", "4")
     assert data["completed"] == 300 and data["processes"] == 1
     assert data["tasks_per_s"] > 0 and data["tasks_per_s_from_first_enqueue"] > 0
-    assert data["worker_cpu_ms_per_task"] > 0
+    assert data["worker_cpu_ms_per_task"] > 0 and data["wal_bytes_per_task"] > 0
     assert data["enqueue_to_completion_ms"]["p50"] > 0
     assert _percentiles(data["enqueue_to_start_ms"])
     _assert_namespace_gone(settings, data["namespace"])
@@ -111,9 +111,14 @@ def test_bench_ceiling_claims_and_completes_every_task(
     settings: Settings, env_of: Callable[..., dict[str, str]]
 ) -> None:
     data = _bench(env_of(), "ceiling", "-n", "200", "--with-worker", "--concurrency", "2")
-    assert data["tasks"] == 200
-    # The claim pass ran the worker's own claim and complete queries: one completion per task.
+    assert data["tasks"] == 200 and data["commit_interval_s"] > 0
+    # The claim pass ran the worker's own claim and complete queries: one claim and one completion per task.
     assert data["claimed"] == 200 and data["completed"] == 200
+    # So did the lean reference's statements, on its own table.
+    assert data["lean_claimed"] == 200 and data["lean_completed"] == 200
+    assert data["lean_per_s"] > 0 and data["claim_complete_fraction_of_lean"] > 0
+    # Each claim inserted a row and each completion changed it: WAL was written for both passes.
+    assert data["claim_complete_wal_bytes_per_task"] > 0 and data["lean_wal_bytes_per_task"] > 0
     # The transactional passes (one process, then two) wrote each task's row and its completion together.
     for prefix in ("transactional", "transactional_2_processes"):
         assert data[f"{prefix}_effects"] == 200 and data[f"{prefix}_completed"] == 200
@@ -126,6 +131,7 @@ def test_bench_ceiling_claims_and_completes_every_task(
     assert data["produced_bulk"] == 200 and data["task_producer_bulk_fraction"] > 0
     assert data["task_producer_cpu_us"] > 0 and data["task_producer_bulk_cpu_us"] > 0
     assert data["worker"]["completed"] == 200 and data["worker_fraction"] > 0
+    assert data["worker_fraction_of_lean"] > 0 and data["worker_wal_bytes_per_task"] > 0
     _assert_namespace_gone(settings, data["namespace"])
     _assert_namespace_gone(settings, data["worker"]["namespace"])
 

@@ -1,5 +1,6 @@
 """`bench ceiling`: what Kafka and Postgres allow this design without the framework (consume, claim,
-complete, commit; produce), to compare the worker and the producer with."""
+complete, commit; produce), and the same work done plainly on a narrow table of its own (the lean
+reference), to compare the worker and the producer with."""
 
 from __future__ import annotations
 
@@ -15,26 +16,81 @@ import psycopg
 # The ceiling measures librdkafka itself, so this module and the bare loop's (runners) are the only ones
 # besides taskq._core's Kafka adapter that hold its clients; their settings are the adapter's own
 # (producer_config, consumer_config).
-from confluent_kafka import Consumer, Message, Producer
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from taskq._core.db import Database, Transaction
-from taskq._core.envelope import Topics
+from taskq._core.envelope import H, Topics
 from taskq._core.errors import ConfigurationError, TaskqError
 from taskq._core.kafka import consumer_config, producer_config
 from taskq._core.kafka_admin import Admin
 from taskq._core.settings import Settings
 from taskq._core.store import Finished, Store
-from taskq.consumer.worker import GROUP_MAX
-from taskq.tools.bench.run import _EFFECTS_TABLE, _enqueue, _enqueue_many, _namespace, _Run
-from taskq.tools.bench.runners import _Channel, _claim_requests, _commit_batch, _headers, _picklable
+from taskq.consumer.worker import GROUP_MAX, WorkerConfig
+from taskq.tools.bench.run import (
+    _EFFECTS_TABLE,
+    _enqueue,
+    _enqueue_many,
+    _namespace,
+    _Run,
+    _wal_bytes_since,
+    _wal_position,
+)
+from taskq.tools.bench.runners import _LEASE_SECONDS, _Channel, _claim_requests, _headers, _picklable
 from taskq.tools.bench.worker import bench_worker
+
+#: The lean reference's table: a key, its lease and whether it is done; no namespace, no history.
+_LEAN_TABLE = "bench_lean"
+# The lean reference's statements, each once per batch: what claiming and completing a batch costs done
+# plainly. Not the project's queries (those live in sql/queries.sql): a yardstick for them. The completion
+# reaches its rows by the primary key (`= ANY(keys)`), as the project's does: joined alone, its plan is a
+# scan of the whole table per batch on a table without statistics, and the reference would slow down as
+# its table grows.
+_LEAN_CLAIM = f"""INSERT INTO {_LEAN_TABLE} AS l (key, owner, attempts, lease_expires_at)
+SELECT key, %(owner)s, 1, now() + %(lease)s * interval '1 second' FROM unnest(%(keys)s::text[]) AS key
+ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, attempts = l.attempts + 1,
+    lease_expires_at = EXCLUDED.lease_expires_at
+WHERE NOT l.done AND l.lease_expires_at < now()
+RETURNING key, attempts"""
+_LEAN_COMPLETE = f"""UPDATE {_LEAN_TABLE} l SET done = true, lease_expires_at = NULL
+FROM unnest(%(keys)s::text[], %(attempts)s::int[]) AS c(key, attempts)
+WHERE l.key = ANY(%(keys)s::text[]) AND l.key = c.key AND l.owner = %(owner)s AND l.attempts = c.attempts
+RETURNING l.key"""
+
+
+class _Offsets:
+    """A consumer's offsets committed as the worker commits them: asynchronously, every commit_interval
+    (the outcome comes to a later consume), and what is left when the pass ends."""
+
+    def __init__(self, consumer: Consumer, interval: float = WorkerConfig.commit_interval) -> None:
+        self._consumer = consumer
+        self._interval = interval
+        self._next: dict[tuple[str, int], int] = {}
+        self._last = time.monotonic()
+
+    def consumed(self, msgs: list[Message]) -> None:
+        """Records processed: their offsets are committable, and committed if the interval has passed."""
+        for m in msgs:
+            self._next[(m.topic() or "", m.partition() or 0)] = (m.offset() or 0) + 1
+        if time.monotonic() - self._last >= self._interval:
+            self.commit()
+
+    def commit(self) -> None:
+        """Commit what is committable now, not waiting for the broker."""
+        self._last = time.monotonic()
+        if self._next:
+            parts = [TopicPartition(t, p, o) for (t, p), o in self._next.items()]
+            self._consumer.commit(offsets=parts, asynchronous=True)
+            self._next = {}
 
 
 def _consume_pass(
     run: _Run, group: str, count: int, timeout: float, batch: Callable[[list[Message]], None] | None
 ) -> dict[str, float]:
-    """One framework-free pass over the backlog in its own group: consume(500), `batch` it, commit it."""
+    """One framework-free pass over the backlog in its own group: consume(500), `batch` it, commit as the
+    worker does (`_Offsets`). Also the Postgres WAL written meanwhile, per record."""
+    wal_start = _wal_position(run.settings)
     consumer = Consumer(consumer_config(run.settings, group=group))
+    offsets = _Offsets(consumer)
     assigned: list[float] = []
     consumer.subscribe(
         Topics(run.settings.namespace).priority_topics,
@@ -52,21 +108,65 @@ def _consume_pass(
                 continue
             if batch is not None:
                 batch(msgs)
-            _commit_batch(consumer, msgs, asynchronous=False)
+            offsets.consumed(msgs)
             seen += len(msgs)
+        offsets.commit()
         t_end = time.monotonic()
     finally:
         consumer.close()
     t_assigned = assigned[0] if assigned else t_subscribed
-    return {"tasks_per_s": seen / (t_end - t_assigned), "startup_s": t_assigned - t_subscribed}
+    return {
+        "tasks_per_s": seen / (t_end - t_assigned),
+        "startup_s": t_assigned - t_subscribed,
+        # The whole server's WAL, so another client's writes meanwhile count too: read it on a quiet server.
+        "wal_bytes_per_task": _wal_bytes_since(run.settings, wal_start) / seen,
+    }
+
+
+def _lean_keys(msgs: list[Message]) -> list[str]:
+    """The idempotency keys of a batch of task records (headers only, as the project's pass reads them)."""
+    name = H + "idempotency-key"
+    return [next(v for k, v in _headers(m) if k == name).decode() for m in msgs]
+
+
+def _lean_pass(run: _Run, count: int, timeout: float) -> dict[str, float]:
+    """The lean reference (`_LEAN_CLAIM`, `_LEAN_COMPLETE`) in the same loop as the project's statements,
+    on a table of its own: tasks/s, WAL per task, and how many keys it claimed and completed."""
+    s = run.settings
+    db = Database(s.database_url, schema=s.database_schema)
+    with db.connection() as conn:
+        conn.execute(
+            f"CREATE TABLE {_LEAN_TABLE} (key text PRIMARY KEY, owner text NOT NULL, attempts int NOT NULL, "
+            "lease_expires_at timestamptz, done boolean NOT NULL DEFAULT false)"
+        )
+    # The planner settings of the project's kept connection, so both reach rows the same way.
+    conn = db.connect(keyed=True)
+    owner = f"bench-ceiling:{os.getpid()}"
+    claimed = 0
+
+    def claim_and_complete(msgs: list[Message]) -> None:
+        nonlocal claimed
+        params = {"keys": _lean_keys(msgs), "owner": owner, "lease": _LEASE_SECONDS}
+        rows = conn.execute(_LEAN_CLAIM, params).fetchall()
+        keys, attempts = [r["key"] for r in rows], [r["attempts"] for r in rows]
+        conn.execute(_LEAN_COMPLETE, {"keys": keys, "attempts": attempts, "owner": owner})
+        claimed += len(rows)
+
+    try:
+        result = _consume_pass(run, f"{s.namespace}.ceiling-lean", count, timeout, claim_and_complete)
+        row = conn.execute(f"SELECT count(*) AS n FROM {_LEAN_TABLE} WHERE done").fetchone()
+    finally:
+        conn.close()
+    return {**result, "claimed": claimed, "completed": int(row["n"]) if row else 0}
 
 
 def _transactional_loop(values: dict[str, Any], count: int, timeout: float, seen: Any, out: _Channel) -> None:
     """A spawned process's entry: the transactional ceiling's loop, in a group with the others, until they
     have consumed `count` records together (`seen`, shared). Per batch of records one claim, then per
     GROUP_MAX claimed tasks one transaction holding, per task, a savepoint and the transactional bench
-    handler's INSERT, and the completions, its statements pipelined (two round trips a group), then the
-    commit of the batch. Puts (first assignment, last commit, records consumed, error) to `out`."""
+    handler's INSERT, and the completions, its statements pipelined (two round trips a group); offsets are
+    committed as the worker commits them (`_Offsets`). Puts (first assignment, end of the last batch,
+    records consumed, error) to `out`."""
     s = Settings(**values)
     store = Store(Database(s.database_url, schema=s.database_schema))
     conn = store.database.connect(autocommit=False)
@@ -74,6 +174,7 @@ def _transactional_loop(values: dict[str, Any], count: int, timeout: float, seen
     owner = f"bench-ceiling:{os.getpid()}"
     insert = f"INSERT INTO {_EFFECTS_TABLE} (key, i) VALUES (%s, %s)"
     consumer = Consumer(consumer_config(s, group=f"{s.namespace}.ceiling-transactional"))
+    offsets = _Offsets(consumer)
     assigned: list[float] = []
     consumer.subscribe(
         Topics(s.namespace).priority_topics,
@@ -99,11 +200,12 @@ def _transactional_loop(values: dict[str, Any], count: int, timeout: float, seen
                     answered = store.send_complete(s.namespace, owner, done, tx=tx)
                 if len(answered()) != len(done):
                     raise TaskqError("bench: a completion of the transactional pass was not recorded")
-            _commit_batch(consumer, msgs, asynchronous=False)
+            offsets.consumed(msgs)
             ended = time.monotonic()
             mine += len(msgs)
             with seen.get_lock():
                 seen.value += len(msgs)
+        offsets.commit()
     except Exception as exc:  # reported to the parent, which raises it
         error = repr(exc)
     finally:
@@ -186,8 +288,8 @@ def bench_ceiling(
             run, f"{s.namespace}.ceiling-claim", count, timeout, claim_and_complete
         )
         recorded = store.counts(s.namespace).get("completed", 0)
-
         store.database.close()
+        lean = _lean_pass(run, count, timeout)
 
         # A real TaskProducer record, value and headers as they are, sent again as fast as acks=all allows.
         value, sampled = sample[0].value() or b"", _headers(sample[0])
@@ -237,11 +339,22 @@ def bench_ceiling(
         "partitions": partitions,
         "namespace": s.namespace,
         "record_bytes": record_bytes,
-        # From the first partition assignment to the last commit, each in a group of its own.
+        # From the first partition assignment to the last commit, each in a group of its own, committing
+        # as the worker does: asynchronously, every commit_interval.
+        "commit_interval_s": WorkerConfig.commit_interval,
         "consume_commit_per_s": commit_only["tasks_per_s"],
+        # The design's statements: the worker's own claim and complete, through Store, once a batch each.
         "consume_claim_complete_commit_per_s": claim_complete["tasks_per_s"],
         "claimed": claimed,
         "completed": recorded,
+        # Bytes of Postgres WAL per task (the whole server's, pg_current_wal_lsn before and after the pass).
+        "claim_complete_wal_bytes_per_task": claim_complete["wal_bytes_per_task"],
+        # The lean reference: one upsert and one update a batch on a narrow table of its own.
+        "lean_per_s": lean["tasks_per_s"],
+        "lean_claimed": lean["claimed"],
+        "lean_completed": lean["completed"],
+        "lean_wal_bytes_per_task": lean["wal_bytes_per_task"],
+        "claim_complete_fraction_of_lean": claim_complete["tasks_per_s"] / lean["tasks_per_s"],
         # Claim, then per task a savepoint and one INSERT, and the completions, in one transaction a batch.
         # In one process, and in two of one group (as `bench worker --processes 2` is compared with it).
         "group_max": GROUP_MAX,
@@ -280,4 +393,6 @@ def bench_ceiling(
         data["worker_fraction"] = (
             worker["tasks_per_s_after_assignment"] / data["consume_claim_complete_commit_per_s"]
         )
+        data["worker_fraction_of_lean"] = worker["tasks_per_s_after_assignment"] / data["lean_per_s"]
+        data["worker_wal_bytes_per_task"] = worker["wal_bytes_per_task"]
     return data

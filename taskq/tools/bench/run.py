@@ -27,7 +27,7 @@ BENCH_HANDLERS: tuple[BenchHandler, ...] = ("noop", "transactional")
 
 _EFFECTS_TABLE = "bench_effects"
 #: The ceiling's consuming passes, each in a group of its own (`<namespace>.ceiling-<pass>`).
-_CEILING_PASSES = ("commit", "claim", "transactional")
+_CEILING_PASSES = ("commit", "claim", "lean", "transactional")
 
 
 def _ms(values: Sequence[float]) -> dict[str, float | None]:
@@ -45,6 +45,21 @@ def _ms(values: Sequence[float]) -> dict[str, float | None]:
         "p99": pct(0.99),
         "max": ordered[-1] * 1e3,
     }
+
+
+def _wal_position(settings: Settings) -> str:
+    """Where the Postgres server's WAL ends now (an LSN)."""
+    with Database(settings.database_url, schema=settings.database_schema).connection() as conn:
+        row = conn.execute("SELECT pg_current_wal_lsn()::text AS lsn").fetchone()
+    return str(row["lsn"]) if row else "0/0"
+
+
+def _wal_bytes_since(settings: Settings, start: str) -> int:
+    """Bytes of WAL the Postgres server wrote since `start` (from `_wal_position`): every client's."""
+    with Database(settings.database_url, schema=settings.database_schema).connection() as conn:
+        query = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn) AS n"
+        row = conn.execute(query, (start,)).fetchone()
+    return int(row["n"]) if row else 0
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,16 @@ from typing import Any
 from taskq._core.db import Database
 from taskq._core.errors import ConfigurationError
 from taskq._core.settings import Settings
-from taskq.tools.bench.run import _EFFECTS_TABLE, BENCH_HANDLERS, BenchHandler, _enqueue, _ms, _namespace
+from taskq.tools.bench.run import (
+    _EFFECTS_TABLE,
+    BENCH_HANDLERS,
+    BenchHandler,
+    _enqueue,
+    _ms,
+    _namespace,
+    _wal_bytes_since,
+    _wal_position,
+)
 from taskq.tools.bench.runners import _Workers, _WorkerSpec
 
 
@@ -32,10 +41,12 @@ def bench_worker(
     with _namespace(settings, partitions=partitions, handler=handler) as run:
         enqueued, enqueue_s, _ = _enqueue(run, count)
         workers = _Workers(_WorkerSpec.of(run, handler, concurrency), processes=processes, profile=profile)
+        wal_start = _wal_position(run.settings)
         with workers:
             workers.wait(
                 lambda: len(workers.completed) >= count, timeout, f"not every one of {count} tasks ran"
             )
+            wal_bytes = _wal_bytes_since(run.settings, wal_start)
         completed, started = workers.completed, workers.started
         effects = None
         if handler == "transactional":
@@ -74,4 +85,6 @@ def bench_worker(
         # From the handler's start to the completion recorded in Postgres (claim batching excluded).
         "attempt_to_recorded_ms": _ms([completed[k] - started[k] for k in completed if k in started]),
         "effects": effects,
+        # Postgres WAL from launch to the last completion, per task: the whole server's (every client's).
+        "wal_bytes_per_task": wal_bytes / done,
     }
