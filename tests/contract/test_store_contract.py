@@ -74,6 +74,44 @@ def test_an_expired_lease_is_taken_over_and_the_late_attempt_records_nothing(sto
     assert b.get("k")["attempts"] == 2 and b.get("k")["lease_owner"] == "b"
 
 
+def test_one_batch_claims_new_keys_and_answers_every_known_one_by_its_record(stores: tuple[Any, Any]) -> None:
+    a, b = stores
+    # Known keys, one of each kind: completed, failed, dead (asked for by its own task, then by a new one),
+    # leased by a live worker, and leased by one whose lease ended.
+    a.claim([req("done"), req("failed"), req("dead"), req("again"), req("held"), req("ended", lease=0.05)])
+    assert a.finish(
+        [
+            Finished("done", 1, "completed"),
+            Finished("failed", 1, "failed", error="boom"),
+            Finished("dead", 1, "dead", error="boom"),
+            Finished("again", 1, "dead", error="boom"),
+        ]
+    ) == set()
+    wait_until(lambda: b.claim([req("ended")])[0].outcome == "claimed", timeout=10, what="the lease to end")
+    assert b.release([("ended", 2)]) == {"ended"}  # b gives it back: its lease is over, its attempt uncounted
+    again = ClaimRequest("again", "id-new", "contract.Task", 30.0)  # a new task of a dead key
+    batch = [req("new-1"), req("done"), req("failed"), req("dead"), again]
+    batch += [req("held"), req("ended"), req("new-2"), req("new-1")]
+    answers = b.claim(batch)
+    assert [(c.idempotency_key, c.outcome, c.attempts) for c in answers] == [
+        ("new-1", "claimed", 1),
+        ("done", "completed", 1),
+        ("failed", "claimed", 2),
+        ("dead", "dead", 1),
+        ("again", "claimed", 2),
+        ("held", "running", 1),
+        ("ended", "claimed", 2),
+        ("new-2", "claimed", 1),
+        ("new-1", "duplicate", 1),
+    ]
+    assert 0 < answers[5].lease_left <= 30
+    # Every claimed key is b's to finish, whichever way it was claimed; the others are not.
+    claimed = [c for c in answers[:8] if c.outcome == "claimed"]
+    assert b.finish([Finished(c.idempotency_key, c.attempts, "completed") for c in claimed]) == set()
+    assert b.finish([Finished("held", 1, "completed")]) == {"held"}
+    assert a.counts() == {"completed": 6, "dead": 1, "running": 1}
+
+
 def test_a_transaction_records_the_completion_only_while_the_lease_holds(stores: tuple[Any, Any]) -> None:
     a, b = stores
     a.claim([req("t")])
@@ -93,6 +131,19 @@ def test_purge_forgets_old_finished_keys_only(stores: tuple[Any, Any]) -> None:
     a.finish([Finished("done", 1, "completed"), Finished("in-dlq", 1, "completed")])
     assert a.purge(0, keep=["in-dlq"]) == 1  # finished before now; a key still in the DLQ is kept
     assert a.get("done") is None and a.get("busy") is not None and a.get("in-dlq") is not None
+
+
+def test_purge_keeps_a_key_first_claimed_before_the_cutoff_until_it_has_been_finished_that_long(
+    stores: tuple[Any, Any],
+) -> None:
+    a, _ = stores
+    claimed_at = time.time()
+    a.claim([req("slow")])
+    time.sleep(0.6)  # the attempt runs a while
+    a.finish([Finished("slow", 1, "completed")])
+    # The cutoff falls between the key's first claim and its completion: it is not old enough yet.
+    assert a.purge(time.time() - claimed_at - 0.3) == 0 and a.get("slow") is not None
+    assert a.purge(0) == 1 and a.get("slow") is None
 
 
 def test_a_replay_is_marked_once_unless_forced_and_a_failed_one_leaves_no_mark(replay_log: Any) -> None:

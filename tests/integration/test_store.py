@@ -176,6 +176,36 @@ def test_the_store_records_claims_and_outcomes_under_the_owners_lease(db: Databa
     assert (granted, left) == (3, 2)
 
 
+def _updates(tx: Transaction) -> tuple[int, int]:
+    """(rows updated, of which HOT) in taskq_tasks by the transaction so far."""
+    row = tx.connection.execute(
+        "SELECT pg_stat_get_xact_tuples_updated('taskq_tasks'::regclass) AS n, "
+        "pg_stat_get_xact_tuples_hot_updated('taskq_tasks'::regclass) AS hot"
+    ).fetchone()
+    assert row is not None
+    return int(row["n"]), int(row["hot"])
+
+
+def test_a_batch_of_completions_are_hot_updates_that_touch_no_index(db: Database) -> None:
+    # No index on a column a completion changes, and room on each page for the completed versions of the
+    # rows claimed into it: every completion of a batch is a heap-only update. (A completion with a result
+    # makes its row longer, and may not find the room.)
+    store = Store(db)
+    for b in range(3):
+        keys = [f"k{b}-{i}" for i in range(500)]
+        requests = [ClaimRequest(k, f"id-{k}", "t", 60.0) for k in keys]
+        claims = store.claim("ns", "w", requests, stale_after=10.0)
+        with db.transaction() as tx:
+            done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claims]
+            assert store.complete("ns", "w", done, tx=tx) == set(keys)
+            assert _updates(tx) == (500, 500)
+    with db.transaction() as tx:
+        failed = store.claim("ns", "w", [ClaimRequest("f", "id-f", "t", 60.0)], stale_after=10.0)
+        assert store.fail("ns", "w", [Finished("f", failed[0].attempts, "failed", error="boom")]) == {"f"}
+    assert store.completed_since("ns", 60) == 1500
+    assert store.completed_since("other", 60) == 0
+
+
 @pytest.fixture
 def effects(db: Database) -> Database:
     with db.connection() as conn:
@@ -265,6 +295,9 @@ def test_claims_and_completions_reach_rows_by_key_on_a_new_unanalyzed_table(db: 
         assert "Seq Scan on taskq_tasks" not in plan, plan
         assert "Join Filter" not in plan, plan  # a nested loop comparing every key with every row
     assert "Index Scan using taskq_tasks_pkey" in claim, claim
+    # Each key is its own probe of the primary key, not a scan of the namespace's whole range filtered by key.
+    for plan in (complete, fail):
+        assert "Index Cond: ((idempotency_key = ANY" in plan, plan
 
 
 def _group_store(db: Database) -> IdempotencyStore:
@@ -516,6 +549,88 @@ def test_migrating_to_takeovers_keeps_each_key_as_near_the_poison_pill_rule_as_i
             ("once", 1, 0, False),
             ("twice", 2, 1, False),
         ]
+    finally:
+        db.close()
+        db.drop_schema()
+
+
+def test_migrating_a_table_of_a_million_records_to_hot_completions_keeps_every_record_and_rule(
+    base_settings: Settings,
+) -> None:
+    # A database as 0009 left it, holding 1M records of two namespaces: keys 1-10,000 finished in 2020, keys
+    # 10,001-10,100 first claimed in 2020 but finished a minute ago, the rest claimed and finished lately. Of
+    # every hundred keys one failed, one is dead, one is running under an expired lease, the rest completed.
+    db = _migrated_up_to(base_settings, 9)
+    try:
+        with db.connection() as conn:
+            conn.execute(
+                """
+                INSERT INTO taskq_tasks (namespace, idempotency_key, task_id, task_type, state, attempts,
+                                         lease_owner, lease_expires_at, created_at, updated_at, completed_at)
+                SELECT CASE WHEN i % 10 = 0 THEN 'other' ELSE 'shop' END, 'k' || i, 't' || i, 'shop.Order',
+                       COALESCE((ARRAY['failed', 'dead', 'running'])[i % 100], 'completed'), 1,
+                       CASE WHEN i % 100 = 3 THEN 'gone' END,
+                       CASE WHEN i % 100 = 3 THEN now() - interval '1 minute' END,
+                       CASE WHEN i <= 10100 THEN timestamptz '2020-01-01' + i * interval '1 s' ELSE at END,
+                       at, CASE WHEN i % 100 NOT IN (1, 2, 3) THEN at END
+                FROM generate_series(1, 1000000) AS i,
+                     LATERAL (SELECT CASE WHEN i <= 10000 THEN timestamptz '2020-01-02' + i * interval '1 s'
+                                          WHEN i <= 10100 THEN now() - interval '1 minute'
+                                          ELSE now() - interval '1 hour' + i * interval '1 ms' END AS at) t
+                """
+            )
+        assert db.migrate(namespace="shop") == ["0010_hot_completions"]
+        with db.connection() as conn:
+            (n,) = conn.execute("SELECT count(*) AS n FROM taskq_tasks").fetchone().values()
+            indexes = {
+                r["indexname"]: r["indexdef"]
+                for r in conn.execute(
+                    "SELECT indexname, indexdef FROM pg_indexes "
+                    "WHERE tablename = 'taskq_tasks' AND schemaname = current_schema()"
+                )
+            }
+            (options,) = conn.execute(
+                "SELECT reloptions FROM pg_class WHERE oid = 'taskq_tasks'::regclass"
+            ).fetchone().values()
+        assert n == 1_000_000
+        assert set(indexes) == {"taskq_tasks_pkey", "taskq_tasks_created_at"}
+        assert indexes["taskq_tasks_pkey"].endswith("(idempotency_key, namespace)")
+        assert options == ["fillfactor=50"]
+
+        store = Store(db)
+        # The records claim as they did: completed and dead (its own task) are answered, failed, a new task of
+        # a dead key and an expired lease are claimed again, a new key is claimed; each namespace its own.
+        asked = [("k4", "t4"), ("k1", "t1"), ("k2", "t2"), ("k102", "new"), ("k3", "t3"), ("fresh", "f")]
+        claims = store.claim(
+            "shop", "w", [ClaimRequest(k, t, "shop.Order", 60.0) for k, t in asked], stale_after=10.0
+        )
+        assert [(c.idempotency_key, c.outcome, c.attempts) for c in claims] == [
+            ("k4", "completed", 1),
+            ("k1", "claimed", 2),
+            ("k2", "dead", 1),
+            ("k102", "claimed", 2),
+            ("k3", "claimed", 2),
+            ("fresh", "claimed", 1),
+        ]
+        [other] = store.claim("other", "w", [ClaimRequest("k4", "t4", "shop.Order", 60.0)], stale_after=10.0)
+        assert other.outcome == "claimed"  # k4 of 'other' does not exist; k10 does
+        claimed = [c for c in claims if c.outcome == "claimed"]
+        done = [Finished(c.idempotency_key, c.attempts, "completed") for c in claimed]
+        assert store.complete("shop", "w", done) == {"k1", "k102", "k3", "fresh"}
+        # Still unanalyzed, the completion reaches its rows by key, and the purge by created_at.
+        keys = [f"k{i}" for i in range(20_000, 20_500)]
+        complete = _plan(
+            db, "complete", namespace="shop", keys=keys, attempts=[1] * 500, results=[None] * 500, owner="w"
+        )
+        assert "Index Cond: ((idempotency_key = ANY" in complete, complete
+        purge = _plan(db, "purge", namespace="shop", ttl_seconds=7 * 86400.0, keep=[], batch=10_000)
+        assert "taskq_tasks_created_at" in purge, purge
+        # Purged: the shop's keys finished in 2020 (9,000 of the first 10,000, less 100 failed, 100 running,
+        # k102 completed just now and k5 kept); not those first claimed in 2020 but finished a minute ago.
+        purged = IdempotencyStore(db, owner="w", namespace="shop").purge(7 * 86400.0, keep=["k5"])
+        assert purged == 9_000 - 100 - 100 - 1 - 1
+        assert store.get("shop", "k5") is not None and store.get("shop", "k6") is None
+        assert store.get("shop", "k10001") is not None and store.get("other", "k20") is not None
     finally:
         db.close()
         db.drop_schema()

@@ -33,29 +33,44 @@ ON CONFLICT (name) DO UPDATE SET
 -- name: claim
 -- Claim idempotency keys of one namespace for one attempt each, in one round trip. A key is claimed when it
 -- is new, failed (or replayed), dead for a task other than the one dead-lettered (a new enqueue of the key),
--- running under an expired lease, or running under the lease of a worker presumed dead: its liveness record is stale or marked dead (invariant 9). Claiming counts the attempt
--- before the task runs, so a task that kills its worker still uses up its attempts; but a key taken over
--- from a dead worker keeps its attempt number (a worker holds the keys it claimed ahead too, and those never
--- ran). Such a claim counts a takeover, and an interruption only if the dead worker had marked the run
--- started (mark_started); `started` is reset by every claim. Taking over stays safe if the owner was in
--- fact alive, since only the lease holder's current attempt may complete. Rows of completed keys and of
--- keys leased by a live worker come back with their state so the worker can skip or hold them; so do dead keys
--- asked for by the task that was dead-lettered: a redelivery of it (its offset was not committed before its
--- worker died) is skipped, not dead-lettered a second time.
+-- running under an expired lease, or running under the lease of a worker presumed dead: its liveness record
+-- is stale or marked dead (invariant 9). Claiming counts the attempt before the task runs, so a task that
+-- kills its worker still uses up its attempts; but a key taken over from a dead worker keeps its attempt
+-- number (a worker holds the keys it claimed ahead too, and those never ran). Such a claim counts a
+-- takeover, and an interruption only if the dead worker had marked the run started (mark_started); `started`
+-- is reset by every claim. Taking over stays safe if the owner was in fact alive, since only the lease
+-- holder's current attempt may complete. Rows of completed keys and of keys leased by a live worker come
+-- back with their state so the worker can skip or hold them; so do dead keys asked for by the task that was
+-- dead-lettered: a redelivery of it (its offset was not committed before its worker died) is skipped, not
+-- dead-lettered a second time.
+-- Most keys are new: `fresh` inserts them, one probe of the primary key each, and nothing else touches them.
+-- Only the keys that have a record already (`known`) are looked up again, taken over or retried in `taken`
+-- (the row lock it takes re-checks the conditions on the row's latest version), and reported as they are.
+-- A key inserted by a concurrent claim after this statement's snapshot is neither inserted (the insert waits
+-- for that claim and finds the key) nor seen by `taken` and the lookup: it comes back without a state,
+-- which the worker holds and claims again shortly. One timestamp for the whole statement.
+-- Arrays are sent in binary (%(name)b): parsing their text form cost more than the rest of the statement.
 WITH input AS (
-    SELECT * FROM unnest(%(keys)s::text[], %(task_ids)s::text[], %(task_types)s::text[], %(leases)s::float8[])
+    SELECT * FROM unnest(%(keys)b::text[], %(task_ids)b::text[], %(task_types)b::text[], %(leases)b::float8[])
         AS i(idempotency_key, task_id, task_type, lease_seconds)
-), dead_workers AS MATERIALIZED (
-    -- A few rows, one per worker: read once per statement, never per key.
-    SELECT worker_id FROM taskq_workers
-    WHERE dead_at IS NOT NULL OR heartbeat_at < clock_timestamp() - %(stale_after)s * interval '1 second'
-), claimed AS (
-    INSERT INTO taskq_tasks AS t
-        (namespace, idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at, updated_at)
+), fresh AS (
+    INSERT INTO taskq_tasks
+        (namespace, idempotency_key, task_id, task_type, state, attempts, lease_owner, lease_expires_at,
+         created_at, updated_at)
     SELECT %(namespace)s, idempotency_key, task_id, task_type, 'running', 1, %(owner)s,
-           clock_timestamp() + lease_seconds * interval '1 second', clock_timestamp()
+           statement_timestamp() + lease_seconds * interval '1 second', statement_timestamp(),
+           statement_timestamp()
     FROM input
-    ON CONFLICT (namespace, idempotency_key) DO UPDATE SET
+    ON CONFLICT (namespace, idempotency_key) DO NOTHING
+    RETURNING idempotency_key
+), known AS MATERIALIZED (
+    SELECT * FROM input WHERE idempotency_key NOT IN (SELECT idempotency_key FROM fresh)
+), dead_workers AS MATERIALIZED (
+    -- A few rows, one per worker: read once per statement, never per key, and only if a key is known.
+    SELECT worker_id FROM taskq_workers
+    WHERE dead_at IS NOT NULL OR heartbeat_at < statement_timestamp() - %(stale_after)s * interval '1 second'
+), taken AS (
+    UPDATE taskq_tasks t SET
         state = 'running',
         attempts = CASE WHEN t.state = 'running' AND t.lease_owner <> %(owner)s
                              AND t.lease_owner IN (SELECT worker_id FROM dead_workers)
@@ -67,43 +82,53 @@ WITH input AS (
                                   AND t.lease_owner IN (SELECT worker_id FROM dead_workers) AND t.started
                              THEN t.interruptions + 1 ELSE t.interruptions END,
         started = false,
-        task_id = EXCLUDED.task_id,
-        lease_owner = EXCLUDED.lease_owner,
-        lease_expires_at = EXCLUDED.lease_expires_at,
-        updated_at = EXCLUDED.updated_at
-    WHERE t.state = 'failed'
-       OR (t.state = 'dead' AND t.task_id <> EXCLUDED.task_id)
-       OR (t.state = 'running' AND t.lease_expires_at < clock_timestamp())
-       OR (t.state = 'running' AND t.lease_owner <> %(owner)s AND t.lease_owner IN (SELECT worker_id FROM dead_workers))
+        task_id = k.task_id,
+        lease_owner = %(owner)s,
+        lease_expires_at = statement_timestamp() + k.lease_seconds * interval '1 second',
+        updated_at = statement_timestamp()
+    FROM known k
+    -- Plan stability: `= ANY(...)` on the primary key's first column is the way in, whatever the statistics.
+    WHERE t.idempotency_key = ANY(ARRAY(SELECT idempotency_key FROM known)) AND t.namespace = %(namespace)s
+      AND t.idempotency_key = k.idempotency_key
+      -- Conditions on the row alone (a dead key's task compared by a hashed lookup, not against the joined
+      -- request): they filter the rows found by key, and the join stays a plain one on the key.
+      AND (t.state = 'failed'
+        OR (t.state = 'dead' AND (t.idempotency_key, t.task_id) NOT IN (SELECT idempotency_key, task_id FROM known))
+        OR (t.state = 'running' AND t.lease_expires_at < statement_timestamp())
+        OR (t.state = 'running' AND t.lease_owner <> %(owner)s
+            AND t.lease_owner IN (SELECT worker_id FROM dead_workers)))
     RETURNING t.idempotency_key, t.attempts, t.takeovers, t.interruptions
 )
-SELECT i.idempotency_key,
-       CASE WHEN c.idempotency_key IS NOT NULL THEN 'claimed' ELSE t.state END AS outcome,
-       COALESCE(c.attempts, t.attempts) AS attempts,
-       COALESCE(c.takeovers, t.takeovers) AS takeovers,
-       COALESCE(c.interruptions, t.interruptions) AS interruptions,
-       t.lease_owner,
-       EXTRACT(EPOCH FROM t.lease_expires_at - clock_timestamp()) AS lease_left
-FROM input i
-LEFT JOIN claimed c ON c.idempotency_key = i.idempotency_key
--- Plan stability: one primary-key lookup per input key, whatever the table's statistics say (OFFSET 0 keeps
+SELECT idempotency_key, 'claimed' AS outcome, 1 AS attempts, 0 AS takeovers, 0 AS interruptions,
+       0.0::float8 AS lease_left
+FROM fresh
+UNION ALL
+SELECT idempotency_key, 'claimed', attempts, takeovers, interruptions, 0.0 FROM taken
+UNION ALL
+SELECT k.idempotency_key, t.state, t.attempts, t.takeovers, t.interruptions,
+       EXTRACT(EPOCH FROM t.lease_expires_at - statement_timestamp())::float8
+FROM known k
+-- Plan stability: one primary-key lookup per known key, whatever the table's statistics say (OFFSET 0 keeps
 -- the lookup a subquery of its own). A plain join is planned as a scan of the whole table while the table
 -- is new and unanalyzed, and such a plan is kept while the table grows.
 LEFT JOIN LATERAL (
-    SELECT state, attempts, takeovers, interruptions, lease_owner, lease_expires_at FROM taskq_tasks k
-    WHERE k.namespace = %(namespace)s AND k.idempotency_key = i.idempotency_key OFFSET 0
-) t ON true;
+    SELECT state, attempts, takeovers, interruptions, lease_expires_at FROM taskq_tasks x
+    WHERE x.namespace = %(namespace)s AND x.idempotency_key = k.idempotency_key OFFSET 0
+) t ON true
+WHERE k.idempotency_key NOT IN (SELECT idempotency_key FROM taken);
 
 -- name: complete
 -- Record completions. Only the lease holder's current attempt may complete a key: a late attempt whose
--- lease was taken over completes nothing (and, in a handler's transaction, rolls its effect back).
+-- lease was taken over completes nothing (and, in a handler's transaction, rolls its effect back). No
+-- column it writes is indexed and the table leaves room on each page, so a completion is a HOT update: the
+-- new row version goes on the same page, and no index gets an entry.
 UPDATE taskq_tasks t SET
-    state = 'completed', result = c.result, completed_at = clock_timestamp(), updated_at = clock_timestamp(),
-    lease_owner = NULL, lease_expires_at = NULL, last_error = NULL
-FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(results)s::jsonb[]) AS c(idempotency_key, attempts, result)
--- Plan stability: `= ANY(keys)` makes the primary key the way in, whatever the statistics say; on a new,
--- unanalyzed table the join alone was planned as a scan of the whole table per key.
-WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+    state = 'completed', result = c.result, completed_at = statement_timestamp(),
+    updated_at = statement_timestamp(), lease_owner = NULL, lease_expires_at = NULL, last_error = NULL
+FROM unnest(%(keys)b::text[], %(attempts)b::int[], %(results)b::jsonb[]) AS c(idempotency_key, attempts, result)
+-- Plan stability: `= ANY(keys)` on the primary key's first column makes it the way in, whatever the
+-- statistics say; on a new, unanalyzed table the join alone was planned as a scan of the whole table per key.
+WHERE t.idempotency_key = ANY(%(keys)b::text[]) AND t.namespace = %(namespace)s
   AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
@@ -111,12 +136,11 @@ RETURNING t.idempotency_key;
 -- name: fail
 -- Record failed attempts: 'failed' stays retryable, 'dead' was dead-lettered. Same lease guard as complete.
 UPDATE taskq_tasks t SET
-    state = c.state, last_error = c.error, updated_at = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL
-FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(states)s::text[], %(errors)s::text[])
+    state = c.state, last_error = c.error, updated_at = statement_timestamp(), lease_owner = NULL,
+    lease_expires_at = NULL
+FROM unnest(%(keys)b::text[], %(attempts)b::int[], %(states)b::text[], %(errors)b::text[])
     AS c(idempotency_key, attempts, state, error)
--- Plan stability: `= ANY(keys)` makes the primary key the way in, whatever the statistics say; on a new,
--- unanalyzed table the join alone was planned as a scan of the whole table per key.
-WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+WHERE t.idempotency_key = ANY(%(keys)b::text[]) AND t.namespace = %(namespace)s
   AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
@@ -126,10 +150,10 @@ RETURNING t.idempotency_key;
 -- stopping): the attempt is uncounted and the lease ends now, so the partition's new owner claims the key at
 -- once with the same attempt number. Only the lease holder's current attempt is released.
 UPDATE taskq_tasks t SET
-    attempts = t.attempts - 1, lease_owner = NULL, lease_expires_at = clock_timestamp() - interval '1 microsecond',
-    updated_at = clock_timestamp()
-FROM unnest(%(keys)s::text[], %(attempts)s::int[]) AS c(idempotency_key, attempts)
-WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+    attempts = t.attempts - 1, lease_owner = NULL,
+    lease_expires_at = statement_timestamp() - interval '1 microsecond', updated_at = statement_timestamp()
+FROM unnest(%(keys)b::text[], %(attempts)b::int[]) AS c(idempotency_key, attempts)
+WHERE t.idempotency_key = ANY(%(keys)b::text[]) AND t.namespace = %(namespace)s
   AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
@@ -138,9 +162,10 @@ RETURNING t.idempotency_key;
 -- Extend the leases of claimed keys about to start after a long wait in the buffer: the lease then covers
 -- the run. A key whose lease was taken over meanwhile is not renewed (and must not run here).
 UPDATE taskq_tasks t SET
-    lease_expires_at = clock_timestamp() + c.lease_seconds * interval '1 second', updated_at = clock_timestamp()
-FROM unnest(%(keys)s::text[], %(attempts)s::int[], %(leases)s::float8[]) AS c(idempotency_key, attempts, lease_seconds)
-WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+    lease_expires_at = statement_timestamp() + c.lease_seconds * interval '1 second',
+    updated_at = statement_timestamp()
+FROM unnest(%(keys)b::text[], %(attempts)b::int[], %(leases)b::float8[]) AS c(idempotency_key, attempts, lease_seconds)
+WHERE t.idempotency_key = ANY(%(keys)b::text[]) AND t.namespace = %(namespace)s
   AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
@@ -150,8 +175,8 @@ RETURNING t.idempotency_key;
 -- worker die now, the takeover counts an interruption, and a poison pill reaches the DLQ. Only the lease
 -- holder's current attempt is marked; a key whose lease was taken over meanwhile is not (and must not run).
 UPDATE taskq_tasks t SET started = true
-FROM unnest(%(keys)s::text[], %(attempts)s::int[]) AS c(idempotency_key, attempts)
-WHERE t.namespace = %(namespace)s AND t.idempotency_key = ANY(%(keys)s::text[])
+FROM unnest(%(keys)b::text[], %(attempts)b::int[]) AS c(idempotency_key, attempts)
+WHERE t.idempotency_key = ANY(%(keys)b::text[]) AND t.namespace = %(namespace)s
   AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
 RETURNING t.idempotency_key;
@@ -171,9 +196,14 @@ FROM taskq_tasks WHERE namespace = %(namespace)s AND idempotency_key = %(key)s;
 -- name: purge
 -- Forget finished keys of one namespace older than the TTL, a bounded batch at a time so the table is never locked for long.
 -- Keys in `keep` (those of tasks still in the DLQ) are never forgotten: a replay must still find them.
+-- The way in is the index on created_at (a key finishes after it is first claimed, so every key finished
+-- before the cutoff was created before it); updated_at, when the key finished, decides. updated_at has no
+-- index of its own: a completion changes it, and must change no indexed column to be a HOT update.
 DELETE FROM taskq_tasks WHERE ctid IN (
     SELECT ctid FROM taskq_tasks
-    WHERE namespace = %(namespace)s AND state IN ('completed', 'dead') AND updated_at < clock_timestamp() - %(ttl_seconds)s * interval '1 second'
+    WHERE created_at < statement_timestamp() - %(ttl_seconds)s * interval '1 second'
+      AND namespace = %(namespace)s AND state IN ('completed', 'dead')
+      AND updated_at < statement_timestamp() - %(ttl_seconds)s * interval '1 second'
       AND NOT (idempotency_key = ANY(%(keep)s::text[]))
     LIMIT %(batch)s
 );
@@ -388,8 +418,11 @@ SELECT idempotency_key, task_id, task_type, state, attempts, takeovers, interrup
 FROM taskq_tasks WHERE namespace = %(namespace)s AND task_id = %(task_id)s;
 
 -- name: completed_since
--- Tasks of a namespace completed in the last `seconds` seconds: the console's completion rate.
+-- Tasks of a namespace completed in the last `seconds` seconds, among those first claimed in that time: the
+-- console's completion rate. The way in is the index on created_at; the time of a completion has no index,
+-- so that completions stay HOT updates (see complete). A task first claimed earlier (a retry, or a run
+-- longer than the window) is not counted.
 SELECT count(*) AS n FROM taskq_tasks
-WHERE namespace = %(namespace)s AND state = 'completed'
-  AND updated_at >= clock_timestamp() - %(seconds)s * interval '1 second'  -- the indexed column, never later
-  AND completed_at >= clock_timestamp() - %(seconds)s * interval '1 second';
+WHERE created_at >= statement_timestamp() - %(seconds)s * interval '1 second'
+  AND namespace = %(namespace)s AND state = 'completed'
+  AND completed_at >= statement_timestamp() - %(seconds)s * interval '1 second';
