@@ -166,7 +166,10 @@ class Store:
         by_key = {row["idempotency_key"]: row for row in rows}
         out: list[Claim] = []
         for r in requests:
-            row = by_key[r.idempotency_key]
+            row = by_key.get(r.idempotency_key)
+            if row is None:  # a new key: claimed, its first attempt
+                out.append(Claim(r.idempotency_key, "claimed", 1))
+                continue
             outcome = row["outcome"]
             if outcome not in ("claimed", "completed", "dead"):
                 outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
@@ -187,7 +190,7 @@ class Store:
     ) -> set[str]:
         """Record completions held by `owner`'s lease, in `tx` if given; returns the keys recorded."""
         rows = (tx or self.database).all("complete", **_complete_params(namespace, owner, done))
-        return {r["idempotency_key"] for r in rows}
+        return _recorded(done, rows)
 
     def send_complete(
         self, namespace: str, owner: str, done: Sequence[Finished], *, tx: Transaction
@@ -195,7 +198,7 @@ class Store:
         """Send completions in `tx`, whose connection is in pipeline mode; once the pipeline has synced,
         the returned call gives the keys recorded (those held by `owner`'s lease)."""
         cursor = tx.send("complete", **_complete_params(namespace, owner, done))
-        return lambda: {r["idempotency_key"] for r in cursor.fetchall()}
+        return lambda: _recorded(done, cursor.fetchall())
 
     def fail(self, namespace: str, owner: str, failed: Sequence[Finished]) -> set[str]:
         """Record failed or dead attempts held by `owner`'s lease; returns the keys recorded."""
@@ -467,6 +470,13 @@ def _complete_params(namespace: str, owner: str, done: Sequence[Finished]) -> di
         "results": [_result_json(f.result) for f in done],
         "owner": owner,
     }
+
+
+def _recorded(done: Sequence[Finished], lost: Sequence[Row]) -> set[str]:
+    """The keys of `done` recorded, from the rows of `complete` (the keys not recorded)."""
+    recorded = {f.idempotency_key for f in done}
+    recorded.difference_update(r["idempotency_key"] for r in lost)
+    return recorded
 
 
 def _result_json(result: Any) -> str | None:

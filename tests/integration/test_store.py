@@ -48,15 +48,16 @@ def _terminate(db: Database, pid: int) -> None:
 
 def test_named_queries_return_a_row_rows_and_a_row_count(db: Database) -> None:
     assert db.one("get", namespace="ns", key="nothing") is None
-    rows = db.all(
-        "claim", namespace="ns", stale_after=10.0, keys=["a", "b"], task_ids=["1", "2"], task_types=["t", "t"], leases=[60.0, 60.0], owner="w"
-    )
-    assert sorted((r["idempotency_key"], r["outcome"], r["attempts"]) for r in rows) == [
-        ("a", "claimed", 1),
-        ("b", "claimed", 1),
-    ]
+    claim = {"namespace": "ns", "stale_after": 10.0, "keys": ["a", "b"], "task_ids": ["1", "2"]}
+    claim |= {"task_types": ["t", "t"], "leases": [60.0, 60.0]}
+    assert db.all("claim", **claim, owner="w") == []  # new keys, claimed: only keys known before answer
     row = db.one("get", namespace="ns", key="a")
     assert row is not None and (row["state"], row["lease_owner"]) == ("running", "w")
+    rows = db.all("claim", **claim, owner="w2")
+    assert sorted((r["idempotency_key"], r["outcome"], r["attempts"]) for r in rows) == [
+        ("a", "running", 1),
+        ("b", "running", 1),
+    ]
     assert db.all("counts", namespace="ns") == [{"state": "running", "n": 2}]
     db.all(
         "fail", namespace="ns", keys=["a", "b"], attempts=[1, 1], states=["dead", "dead"], errors=["x", "y"], owner="w"

@@ -49,7 +49,8 @@ ON CONFLICT (name) DO UPDATE SET
 -- A key inserted by a concurrent claim after this statement's snapshot is neither inserted (the insert waits
 -- for that claim and finds the key) nor seen by `taken` and the lookup: it comes back without a state,
 -- which the worker holds and claims again shortly. One timestamp for the whole statement.
--- Arrays are sent in binary (%(name)b): parsing their text form cost more than the rest of the statement.
+-- Only the known keys come back: a key without a row in the answer was new, and is claimed as its first
+-- attempt. Arrays are sent in binary (%(name)b): parsing their text form cost more than the rest.
 WITH input AS (
     SELECT * FROM unnest(%(keys)b::text[], %(task_ids)b::text[], %(task_types)b::text[], %(leases)b::float8[])
         AS i(idempotency_key, task_id, task_type, lease_seconds)
@@ -99,11 +100,8 @@ WITH input AS (
             AND t.lease_owner IN (SELECT worker_id FROM dead_workers)))
     RETURNING t.idempotency_key, t.attempts, t.takeovers, t.interruptions
 )
-SELECT idempotency_key, 'claimed' AS outcome, 1 AS attempts, 0 AS takeovers, 0 AS interruptions,
-       0.0::float8 AS lease_left
-FROM fresh
-UNION ALL
-SELECT idempotency_key, 'claimed', attempts, takeovers, interruptions, 0.0 FROM taken
+SELECT idempotency_key, 'claimed' AS outcome, attempts, takeovers, interruptions, 0.0::float8 AS lease_left
+FROM taken
 UNION ALL
 SELECT k.idempotency_key, t.state, t.attempts, t.takeovers, t.interruptions,
        EXTRACT(EPOCH FROM t.lease_expires_at - statement_timestamp())::float8
@@ -121,7 +119,9 @@ WHERE k.idempotency_key NOT IN (SELECT idempotency_key FROM taken);
 -- Record completions. Only the lease holder's current attempt may complete a key: a late attempt whose
 -- lease was taken over completes nothing (and, in a handler's transaction, rolls its effect back). No
 -- column it writes is indexed and the table leaves room on each page, so a completion is a HOT update: the
--- new row version goes on the same page, and no index gets an entry.
+-- new row version goes on the same page, and no index gets an entry. Answers the keys not recorded (their
+-- leases were lost): none, nearly always.
+WITH done AS (
 UPDATE taskq_tasks t SET
     state = 'completed', result = c.result, completed_at = statement_timestamp(),
     updated_at = statement_timestamp(), lease_owner = NULL, lease_expires_at = NULL, last_error = NULL
@@ -131,7 +131,10 @@ FROM unnest(%(keys)b::text[], %(attempts)b::int[], %(results)b::jsonb[]) AS c(id
 WHERE t.idempotency_key = ANY(%(keys)b::text[]) AND t.namespace = %(namespace)s
   AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
-RETURNING t.idempotency_key;
+RETURNING t.idempotency_key
+)
+SELECT key AS idempotency_key FROM unnest(%(keys)b::text[]) AS key
+WHERE key NOT IN (SELECT idempotency_key FROM done);
 
 -- name: fail
 -- Record failed attempts: 'failed' stays retryable, 'dead' was dead-lettered. Same lease guard as complete.
