@@ -160,13 +160,16 @@ def _lean_pass(run: _Run, count: int, timeout: float) -> dict[str, float]:
     return {**result, "claimed": claimed, "completed": int(row["n"]) if row else 0}
 
 
-def _transactional_loop(values: dict[str, Any], count: int, timeout: float, seen: Any, out: _Channel) -> None:
+def _transactional_loop(
+    values: dict[str, Any], count: int, timeout: float, recorded: Any, out: _Channel
+) -> None:
     """A spawned process's entry: the transactional ceiling's loop, in a group with the others, until they
-    have consumed `count` records together (`seen`, shared). Per batch of records one claim, then per
+    have recorded `count` tasks together (`recorded`, shared: a record read again after a rebalance, its
+    offset not committed yet, is skipped and not counted twice). Per batch of records one claim, then per
     GROUP_MAX claimed tasks one transaction holding, per task, a savepoint and the transactional bench
     handler's INSERT, and the completions, its statements pipelined (two round trips a group); offsets are
     committed as the worker commits them (`_Offsets`). Puts (first assignment, end of the last batch,
-    records consumed, error) to `out`."""
+    tasks recorded, error) to `out`."""
     s = Settings(**values)
     store = Store(Database(s.database_url, schema=s.database_schema))
     conn = store.database.connect(autocommit=False)
@@ -183,7 +186,7 @@ def _transactional_loop(values: dict[str, Any], count: int, timeout: float, seen
     mine, ended, error = 0, None, None
     deadline = time.monotonic() + timeout
     try:
-        while seen.value < count and time.monotonic() < deadline:
+        while recorded.value < count and time.monotonic() < deadline:
             msgs = [m for m in consumer.consume(500, 0.1) if m.error() is None]
             if not msgs:
                 continue
@@ -202,9 +205,9 @@ def _transactional_loop(values: dict[str, Any], count: int, timeout: float, seen
                     raise TaskqError("bench: a completion of the transactional pass was not recorded")
             offsets.consumed(msgs)
             ended = time.monotonic()
-            mine += len(msgs)
-            with seen.get_lock():
-                seen.value += len(msgs)
+            mine += len(claimed)
+            with recorded.get_lock():
+                recorded.value += len(claimed)
         offsets.commit()
     except Exception as exc:  # reported to the parent, which raises it
         error = repr(exc)
@@ -217,12 +220,12 @@ def _transactional_loop(values: dict[str, Any], count: int, timeout: float, seen
 
 def _transactional_pass(run: _Run, count: int, timeout: float, processes: int) -> dict[str, float]:
     """The ceiling of group commit without the framework (`_transactional_loop`), in `processes` spawned
-    processes of one group: tasks/s from the first assignment to the last commit."""
+    processes of one group: tasks/s from the first assignment to the end of the last batch."""
     values = _picklable(run.settings)
     ctx = multiprocessing.get_context("spawn")
-    seen, out = ctx.Value("q", 0), ctx.Queue()
+    recorded, out = ctx.Value("q", 0), ctx.Queue()
     loops = [
-        ctx.Process(target=_transactional_loop, args=(values, count, timeout, seen, out), daemon=True)
+        ctx.Process(target=_transactional_loop, args=(values, count, timeout, recorded, out), daemon=True)
         for _ in range(processes)
     ]
     for loop in loops:
@@ -235,8 +238,9 @@ def _transactional_pass(run: _Run, count: int, timeout: float, processes: int) -
         for loop in loops:
             loop.join(30)
     errors = [r[3] for r in results if r[3]]
-    if errors or seen.value < count:
-        raise TaskqError(f"bench: transactional pass: {errors[0] if errors else f'{seen.value} of {count}'}")
+    if errors or recorded.value < count:
+        what = errors[0] if errors else f"{recorded.value} of {count} tasks recorded"
+        raise TaskqError(f"bench: transactional pass: {what}")
     start = min(r[0] for r in results if r[0] is not None)
     end = max(r[1] for r in results if r[1] is not None)
     db = Database(run.settings.database_url, schema=run.settings.database_schema)
@@ -245,7 +249,7 @@ def _transactional_pass(run: _Run, count: int, timeout: float, processes: int) -
     completed = Store(db).counts(run.settings.namespace).get("completed", 0)
     db.close()
     return {
-        "tasks_per_s": seen.value / (end - start),
+        "tasks_per_s": recorded.value / (end - start),
         "effects": int(row["n"]) if row else 0,
         "completed": completed,
     }
