@@ -104,12 +104,20 @@ def _worker_text(data: dict[str, Any]) -> str:
         data["enqueue_to_completion_ms"],
         data["attempt_to_recorded_ms"],
     )
+    from taskq.tools.bench.worker import FULL_BATCH
+
+    launch = (
+        f"launch to first task {data['launch_to_first_task_s']:.2f} s, "
+        f"to {min(data['tasks'], FULL_BATCH)} started {data['launch_to_full_batch_s']:.2f} s; "
+        if data["launch_to_first_task_s"] is not None
+        else ""
+    )
     return (
         f"{data['completed']} tasks ({data['handler']}, {data['processes']} x concurrency "
         f"{data['concurrency']}): {data['tasks_per_s']:.0f} tasks/s from worker start "
         f"({data['tasks_per_s_after_assignment']:.0f}/s after partition assignment at "
         f"{data['startup_s']:.2f} s, {data['tasks_per_s_from_first_enqueue']:.0f}/s from the first enqueue); "
-        f"worker CPU {data['worker_cpu_ms_per_task']:.2f} ms/task; "
+        f"{launch}worker CPU {data['worker_cpu_ms_per_task']:.2f} ms/task; "
         f"Postgres WAL {data['wal_bytes_per_task']:.0f} B/task; "
         f"enqueue-to-start p50 {start['p50']:.0f} ms, p99 {start['p99']:.0f} ms, "
         f"enqueue-to-completion p50 {e2e['p50']:.0f} ms, p99 {e2e['p99']:.0f} ms (backlog included); "

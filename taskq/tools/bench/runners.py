@@ -290,10 +290,13 @@ class _Workers:
         self.partitions: dict[int, int] = {}
         self.assigned_at: float | None = None
         self.launched_at: float | None = None
+        #: When the first runner was started (a spawned process's interpreter start and imports follow it).
+        self.spawned_at: float | None = None
+        self.spawned = processes > 1 or spawn or bare
         self.cpu_s = 0.0
         self._finals: list[_Report] = []
         self._runners: list[threading.Thread | multiprocessing.process.BaseProcess] = []
-        if processes == 1 and not (spawn or bare):
+        if not self.spawned:
             self._out: _Channel = queue.Queue()
             self._stop: _Flag = threading.Event()
             self._runners.append(
@@ -312,6 +315,8 @@ class _Workers:
             ]
 
     def __enter__(self) -> _Workers:
+        # The monotonic clock is the machine's: the spawned processes' times compare with this one.
+        self.spawned_at = time.monotonic()
         for runner in self._runners:
             runner.start()
         return self

@@ -19,6 +19,10 @@ from taskq.tools.bench.run import (
 )
 from taskq.tools.bench.runners import _Workers, _WorkerSpec
 
+#: The most tasks the worker's loop claims in one round trip: a worker on a backlog is at full pace once it
+#: has started this many (its first claims split them, e.g. 85 + 415, as the tiers' first fetches arrive).
+FULL_BATCH = 500
+
 
 def bench_worker(
     settings: Settings,
@@ -40,7 +44,10 @@ def bench_worker(
         raise ConfigurationError(f"handler must be one of {', '.join(BENCH_HANDLERS)}, got {handler!r}")
     with _namespace(settings, partitions=partitions, handler=handler) as run:
         enqueued, enqueue_s, _ = _enqueue(run, count)
-        workers = _Workers(_WorkerSpec.of(run, handler, concurrency), processes=processes, profile=profile)
+        # In spawned processes, as `taskq worker` runs: launch figures include the interpreter's start and the
+        # imports. --profile runs the worker in a thread of this process, whose start is then not measured.
+        spec = _WorkerSpec.of(run, handler, concurrency)
+        workers = _Workers(spec, processes=processes, profile=profile, spawn=profile is None)
         wal_start = _wal_position(run.settings)
         with workers:
             workers.wait(
@@ -60,6 +67,8 @@ def bench_worker(
     t_launch = workers.launched_at or min(started.values())
     t_assigned = workers.assigned_at or t_launch
     t_first = min(enqueued.values())
+    starts = sorted(started.values())
+    t_spawned = workers.spawned_at if workers.spawned else None
     return {
         "tasks": count,
         "completed": done,
@@ -75,6 +84,14 @@ def bench_worker(
         "tasks_per_s": done / (t_end - t_launch),
         "startup_s": t_assigned - t_launch,
         "tasks_per_s_after_assignment": done / (t_end - t_assigned),
+        # From the moment the worker processes were spawned (interpreter start and imports included, as for
+        # `taskq worker`) to the first attempt's start, to FULL_BATCH attempts started, and to the last
+        # completion. None with --profile (a thread of this process, already started).
+        "launch_to_first_task_s": starts[0] - t_spawned if t_spawned is not None and starts else None,
+        "launch_to_full_batch_s": (
+            starts[min(FULL_BATCH, len(starts)) - 1] - t_spawned if t_spawned is not None and starts else None
+        ),
+        "tasks_per_s_from_launch": done / (t_end - t_spawned) if t_spawned is not None else None,
         # From the first enqueue to the last completion: enqueueing the backlog included.
         "tasks_per_s_from_first_enqueue": done / (t_end - t_first),
         # Process CPU of the worker(s) from Worker.run() to the last completion, per task.
