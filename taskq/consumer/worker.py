@@ -81,7 +81,7 @@ from taskq.producer.outbox import OutboxRelay
 from taskq.producer.producer import TaskProducer
 from taskq.schemas import avro
 from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
-from taskq.schemas.registry import Registry, SchemaRegistry
+from taskq.schemas.registry import PendingRegistry, Registry, SchemaRegistry, client_config
 
 log = logging.getLogger("taskq.worker")
 
@@ -337,7 +337,13 @@ class Worker:
             interval=self.config.heartbeat_interval,
         )
         self._crashed = False  # the loop raised: keys may still be leased, so the liveness record stays
-        self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
+        self._pending_registry: PendingRegistry | None = None
+        if registry is None:
+            # Made on a thread of its own (importing and opening the HTTP client takes a few hundred ms),
+            # which `start` then has look up the handlers' schemas: both while the worker joins its group.
+            url, conf = self.settings.schema_registry_url, client_config(self.settings)
+            registry = self._pending_registry = PendingRegistry(lambda: Registry(url, config=conf))
+        self.registry: SchemaRegistry = registry
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)
@@ -392,23 +398,38 @@ class Worker:
 
     def start(self) -> None:
         """Join the group and start the metrics server and the forwarder; `run` does it, tests may too."""
-        if self._database is not None:
-            self._database.migrate(namespace=self.settings.namespace)
-        self._liveness.start()
-        if self.config.metrics_port is not None:
+        if self.config.metrics_port is not None:  # first: a port in use fails before the group is joined
             self._server = metrics.serve(
                 self.config.metrics_port,
                 self.heartbeat.healthy,
                 host=self.config.metrics_host,
                 registry=self.metrics.registry,
             )
+        # The group join next: its round trips to the broker go on, on librdkafka's threads, while Postgres
+        # is checked here. Nothing is claimed before this returns (claims are the loop's), so the schema is
+        # migrated and the host's dead predecessors are freed before the first claim, as before.
         self._source = self.broker.source(
             group=self.group,
             on_assign=self._assigned_cb,
             on_revoke=self._revoked_cb,
             on_commit=self._committed_cb,
         )
-        self._source.subscribe(self.topics.priority_topics)
+        if self._pending_registry is not None:
+            self._pending_registry.look_up_ahead([spec.task_type for spec in self.handlers])
+        try:
+            self._source.subscribe(self.topics.priority_topics)
+            if self._database is not None:
+                self._database.migrate(namespace=self.settings.namespace)
+            self._liveness.start()
+        except BaseException:
+            # `run` closes nothing when `start` fails: leave the group and free the port now.
+            self._source.close()
+            self._source = None
+            if self._server is not None:
+                self._server.shutdown()
+                self._server.server_close()
+                self._server = None
+            raise
         if self.config.forwarder:
             forwarder = Forwarder(
                 self.settings,

@@ -1,18 +1,21 @@
-"""The one module that talks to the schema registry (Confluent REST API, e.g. Apicurio ccompat)."""
+"""The one module that talks to the schema registry (Confluent REST API, e.g. Apicurio ccompat).
+
+confluent-kafka's registry client is imported when a `Registry` is made, not with this module: with its
+HTTP and OAuth libraries it takes a few hundred milliseconds, which a worker spends on a thread of its own
+(`PendingRegistry`) while it joins its group.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol, TypeVar
-
-from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
-from confluent_kafka.schema_registry.error import SchemaRegistryError
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from taskq._core.errors import ConfigurationError
 from taskq._core.settings import Settings, redact
@@ -24,6 +27,10 @@ from taskq.schemas.errors import (
     SchemaNotFoundError,
 )
 
+if TYPE_CHECKING:
+    from confluent_kafka.schema_registry import Schema
+
+log = logging.getLogger("taskq.registry")
 T = TypeVar("T")
 #: Packages whose exceptions mean the HTTP transport failed (confluent-kafka's client has used each).
 _TRANSPORT_MODULES = frozenset({"httpx", "httpx2", "httpcore", "requests", "urllib3"})
@@ -74,6 +81,8 @@ class Registry:
             )
             if secret
         )
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+
         try:
             self._client = SchemaRegistryClient({"url": url, **config})
         except (OSError, ValueError, TypeError) as exc:  # ssl.SSLError is an OSError: a bad PEM file
@@ -86,27 +95,7 @@ class Registry:
     @classmethod
     def from_settings(cls, settings: Settings, *, latest_ttl: float = 30.0) -> Registry:
         """The registry of `settings`: its URL, credentials (basic auth or a bearer token) and TLS files."""
-        config: dict[str, Any] = {}
-        if settings.schema_registry_user:
-            user, password = settings.schema_registry_user, settings.schema_registry_password
-            config["basic.auth.user.info"] = f"{user}:{password}"
-        if settings.schema_registry_token:
-            # The client's static bearer token. Its logical cluster names a Confluent Cloud registry (sent as
-            # target-sr-cluster); other registries read only the Authorization header.
-            config["bearer.auth.credentials.source"] = "STATIC_TOKEN"
-            config["bearer.auth.token"] = settings.schema_registry_token
-            config["bearer.auth.logical.cluster"] = ""
-        for prop, name, path in (
-            ("ssl.ca.location", "CA_FILE", settings.schema_registry_ca_file),
-            ("ssl.certificate.location", "CERT_FILE", settings.schema_registry_cert_file),
-            ("ssl.key.location", "KEY_FILE", settings.schema_registry_key_file),
-        ):
-            if path:
-                var = f"TASKQ_SCHEMA_REGISTRY_{name}"
-                if not os.path.isfile(path):
-                    raise ConfigurationError(f"{var}: no such file {path!r}")
-                config[prop] = path
-        return cls(settings.schema_registry_url, config=config, latest_ttl=latest_ttl)
+        return cls(settings.schema_registry_url, config=client_config(settings), latest_ttl=latest_ttl)
 
     def _redact(self, text: str) -> str:
         return redact(text, self.url, secrets=self._secrets)
@@ -122,6 +111,8 @@ class Registry:
         self.close()
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
+
         try:
             return fn()
         except SchemaRegistryError as exc:
@@ -163,10 +154,10 @@ class Registry:
         text = avro.canonical_json(schema)
         rs = self._call(
             f"registering {subject}",
-            lambda: self._client.register_schema_full_response(subject, Schema(text, "AVRO")),
+            lambda: self._client.register_schema_full_response(subject, _avro(text)),
         )
         looked = self._call(
-            f"looking up {subject}", lambda: self._client.lookup_schema(subject, Schema(text, "AVRO"))
+            f"looking up {subject}", lambda: self._client.lookup_schema(subject, _avro(text))
         )
         with self._lock:
             self._latest.pop(subject, None)
@@ -205,7 +196,7 @@ class Registry:
                 versions = list(self.versions(subject))
 
             def compatible(version: int | str) -> bool:
-                return bool(self._client.test_compatibility(subject, Schema(text, "AVRO"), version=version))
+                return bool(self._client.test_compatibility(subject, _avro(text), version=version))
 
             return all(
                 self._call(f"checking {subject} against version {v}", partial(compatible, v))
@@ -232,7 +223,7 @@ class Registry:
         subject = avro.full_name(schema)
         text = avro.canonical_json(schema)
         rs = self._call(
-            f"looking up {subject}", lambda: self._client.lookup_schema(subject, Schema(text, "AVRO"))
+            f"looking up {subject}", lambda: self._client.lookup_schema(subject, _avro(text))
         )
         return self._registered(subject, _int(rs.schema_id), _int(rs.version), text)
 
@@ -281,6 +272,122 @@ class Registry:
         with self._lock:
             self._by_id.setdefault(schema_id, parsed)
         return RegisteredSchema(subject, schema_id, version, json.loads(text), parsed)
+
+
+def client_config(settings: Settings) -> dict[str, Any]:
+    """confluent-kafka's client properties of `settings`' registry: credentials and TLS files, which must
+    exist (ConfigurationError otherwise; whether they hold usable PEM shows when a `Registry` is made)."""
+    config: dict[str, Any] = {}
+    if settings.schema_registry_user:
+        user, password = settings.schema_registry_user, settings.schema_registry_password
+        config["basic.auth.user.info"] = f"{user}:{password}"
+    if settings.schema_registry_token:
+        # The client's static bearer token. Its logical cluster names a Confluent Cloud registry (sent as
+        # target-sr-cluster); other registries read only the Authorization header.
+        config["bearer.auth.credentials.source"] = "STATIC_TOKEN"
+        config["bearer.auth.token"] = settings.schema_registry_token
+        config["bearer.auth.logical.cluster"] = ""
+    for prop, name, path in (
+        ("ssl.ca.location", "CA_FILE", settings.schema_registry_ca_file),
+        ("ssl.certificate.location", "CERT_FILE", settings.schema_registry_cert_file),
+        ("ssl.key.location", "KEY_FILE", settings.schema_registry_key_file),
+    ):
+        if path:
+            var = f"TASKQ_SCHEMA_REGISTRY_{name}"
+            if not os.path.isfile(path):
+                raise ConfigurationError(f"{var}: no such file {path!r}")
+            config[prop] = path
+    return config
+
+
+class PendingRegistry:
+    """A `SchemaRegistry` made on a thread of its own; once asked (`look_up_ahead`), the same thread looks
+    up the latest version of some subjects, so that records written with it decode without a round trip.
+    A call waits until the registry is made, and raises what making it raised (a ConfigurationError for
+    unusable TLS files)."""
+
+    def __init__(self, make: Callable[[], SchemaRegistry]) -> None:
+        self._registry: SchemaRegistry | None = None
+        self._error: BaseException | None = None
+        self._made = threading.Event()
+        self._subjects: tuple[str, ...] = ()
+        self._asked = threading.Event()  # look_up_ahead, or close
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._make, args=(make,), name="taskq-registry", daemon=True)
+        self._thread.start()
+
+    def look_up_ahead(self, subjects: Sequence[str]) -> None:
+        """Look up the latest version of each subject on the registry's thread, once it is made."""
+        self._subjects = tuple(subjects)
+        self._asked.set()
+
+    def _make(self, make: Callable[[], SchemaRegistry]) -> None:
+        try:
+            registry = self._registry = make()
+        except BaseException as exc:  # raised again by every call, on the caller's thread
+            self._error = exc
+            return
+        finally:
+            self._made.set()
+        self._asked.wait()
+        for subject in self._subjects:
+            if self._closed.is_set():
+                return
+            try:
+                registry.latest(subject)
+            except Exception as exc:  # a look-up ahead of need (the registry may be down, or closing):
+                log.debug("registry look-up ahead: %s", exc)  # the first record of the type asks again
+
+    def _ready(self) -> SchemaRegistry:
+        registry = self._registry
+        if registry is None:
+            self._made.wait()
+            if self._error is not None:
+                raise self._error
+            assert self._registry is not None
+            registry = self._registry
+        return registry
+
+    def register(
+        self, schema: Mapping[str, Any], *, compatibility: str | None = "BACKWARD"
+    ) -> RegisteredSchema:
+        """As `Registry.register`."""
+        return self._ready().register(schema, compatibility=compatibility)
+
+    def check(self, schema: Mapping[str, Any]) -> bool:
+        """As `Registry.check`."""
+        return self._ready().check(schema)
+
+    def latest(self, subject: str) -> RegisteredSchema:
+        """As `Registry.latest`."""
+        return self._ready().latest(subject)
+
+    def lookup(self, schema: Mapping[str, Any]) -> RegisteredSchema:
+        """As `Registry.lookup`."""
+        return self._ready().lookup(schema)
+
+    def cached(self, schema_id: int) -> avro.ParsedSchema | None:
+        """As `Registry.cached`: None until the registry is made, without waiting for it."""
+        registry = self._registry
+        return registry.cached(schema_id) if registry is not None else None
+
+    def by_id(self, schema_id: int) -> avro.ParsedSchema:
+        """As `Registry.by_id`."""
+        return self._ready().by_id(schema_id)
+
+    def close(self) -> None:
+        """Close the registry once it is made; look-ups ahead still under way end with it."""
+        self._closed.set()
+        self._asked.set()
+        self._made.wait()
+        if self._registry is not None:
+            self._registry.close()
+
+
+def _avro(text: str) -> Schema:
+    from confluent_kafka.schema_registry import Schema
+
+    return Schema(text, "AVRO")
 
 
 def _int(value: int | None) -> int:

@@ -143,3 +143,13 @@ def test_the_records_and_the_broker_protocol_load_no_driver() -> None:
     )
     assert "taskq._core.broker" in loaded
     assert not {m for m in loaded if m.split(".")[0] in ("confluent_kafka", "psycopg")}, sorted(loaded)
+
+
+def test_a_worker_loads_the_registry_client_only_when_it_makes_one() -> None:
+    # Importing confluent-kafka's registry client (HTTP and OAuth libraries) takes a few hundred ms: a worker
+    # makes it on a thread of its own while it joins its group, not while its modules are imported.
+    loaded = loaded_after("import taskq.cli, taskq.consumer.worker")
+    assert not {m for m in loaded if m.startswith("confluent_kafka.schema_registry")}, sorted(loaded)
+    assert "confluent_kafka.schema_registry" in loaded_after(
+        "from taskq.schemas.registry import Registry; Registry('http://127.0.0.1:1')"
+    )

@@ -14,7 +14,7 @@ from taskq.consumer.handlers import Handlers
 from taskq.consumer.store import ClaimRequest
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.schemas import avro
-from taskq.testing import InMemoryStore
+from taskq.testing import InMemoryRegistry, InMemoryStore
 
 NS = "unit"
 SCHEMA = {"type": "record", "name": "Job", "namespace": NS, "fields": [{"name": "n", "type": "long"}]}
@@ -59,8 +59,10 @@ def worker() -> Worker:
     def job(payload: dict[str, Any], ctx: Any) -> None:
         pass
 
-    w = Worker(handlers, Settings(namespace=NS), WorkerConfig(forwarder=False), store=InMemoryStore(owner="w"))
-    w.registry._by_id[SCHEMA_ID] = avro.parse(SCHEMA)  # the writer schema, as if fetched once
+    registry = InMemoryRegistry()
+    registry._by_id[SCHEMA_ID] = registry.register(SCHEMA)  # the records' writer schema, under their id
+    config = WorkerConfig(forwarder=False)
+    w = Worker(handlers, Settings(namespace=NS), config, store=InMemoryStore(owner="w"), registry=registry)
     w._source = RecordingSource()  # type: ignore[assignment]
     return w
 

@@ -1,0 +1,115 @@
+"""The worker's start-up: the registry made and warmed on a thread of its own, and a start that fails
+halfway leaving nothing behind."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from taskq import Handlers
+from taskq._core.errors import ConfigurationError, StoreUnavailableError
+from taskq._core.settings import Settings
+from taskq.consumer.store import WorkerRecord
+from taskq.consumer.worker import Worker, WorkerConfig
+from taskq.producer.admin import topic_specs
+from taskq.schemas.registry import PendingRegistry, SchemaRegistry
+from taskq.testing import InMemoryBroker, InMemoryRegistry, InMemoryStore
+
+JOB = {"type": "record", "name": "Job", "namespace": "unit", "fields": [{"name": "n", "type": "long"}]}
+
+
+class _Counting(InMemoryRegistry):
+    """An in-memory registry counting the latest-version look-ups of each subject."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+
+    def latest(self, subject: str):  # type: ignore[no-untyped-def]
+        self.asked.append(subject)
+        return super().latest(subject)
+
+
+def test_calls_wait_for_the_registry_and_the_subjects_are_looked_up_ahead_once_asked() -> None:
+    made = _Counting()
+    schema_id = made.register(JOB).schema_id
+    gate = threading.Event()
+
+    def make() -> SchemaRegistry:
+        gate.wait(10)
+        return made
+
+    pending = PendingRegistry(make)
+    assert pending.cached(schema_id) is None  # not made yet: the loop's cache check does not wait
+    gate.set()
+    assert pending.by_id(schema_id) is made.by_id(schema_id)  # waits until made
+    assert made.asked == []  # nothing is looked up ahead until asked
+    pending.look_up_ahead(["unit.Job", "unit.Unregistered"])
+    pending._thread.join(10)
+    assert made.asked == ["unit.Job", "unit.Unregistered"]  # an unknown subject is no error ahead of need
+    assert pending.cached(schema_id) is not None
+    pending.close()
+
+
+def test_what_making_the_registry_raised_every_call_raises() -> None:
+    def make() -> SchemaRegistry:
+        raise ConfigurationError("schema registry client for https://r: bad PEM")
+
+    pending = PendingRegistry(make)
+    for call in (lambda: pending.by_id(1), lambda: pending.latest("unit.Job"), lambda: pending.lookup(JOB)):
+        with pytest.raises(ConfigurationError, match="bad PEM"):
+            call()
+    pending.close()  # nothing was made: nothing to close, no error
+
+
+class _Unreachable(InMemoryStore):
+    """A store whose liveness record cannot be written: Postgres is away."""
+
+    def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]:
+        raise StoreUnavailableError("Postgres unreachable")
+
+
+def test_a_start_that_fails_after_joining_the_group_leaves_it() -> None:
+    settings = Settings(namespace="unit")
+    broker = InMemoryBroker()
+    broker.admin().create_topics(topic_specs(settings, partitions=2))
+    handlers = Handlers()
+    worker = Worker(
+        handlers,
+        settings,
+        WorkerConfig(worker_id="w", forwarder=False),
+        broker=broker,
+        store=_Unreachable(owner="w"),
+        registry=InMemoryRegistry(),
+    )
+    with pytest.raises(StoreUnavailableError):
+        worker.start()
+    assert worker._source is None
+    assert broker._group(settings.worker_group).members == []  # left: its partitions go to the others
+
+
+def test_a_worker_without_a_registry_given_makes_one_and_looks_up_its_handlers_subjects_at_start() -> None:
+    made = _Counting()
+    made.register(JOB)
+    handlers = Handlers()
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, int], ctx: object) -> None:
+        pass
+
+    settings = Settings(namespace="unit")
+    broker = InMemoryBroker()
+    broker.admin().create_topics(topic_specs(settings, partitions=1))
+    worker = Worker(
+        handlers, settings, WorkerConfig(forwarder=False), broker=broker, store=InMemoryStore(owner="w")
+    )
+    assert isinstance(worker.registry, PendingRegistry)
+    worker.registry.close()
+    worker.registry = pending = PendingRegistry(lambda: made)  # the real one's stand-in, made the same way
+    worker._pending_registry = pending
+    worker.start()
+    pending._thread.join(10)
+    assert made.asked == ["unit.Job"]
+    worker.close()
