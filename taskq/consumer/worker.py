@@ -389,6 +389,10 @@ class Worker:
         try:
             while not self._stop.is_set():
                 self._tick()
+                if self._pending_registry is not None and self._pending_registry.made():
+                    # Made (or its settings refused, raised here: the worker stops with that one line even
+                    # before a record needs the registry).
+                    self._pending_registry = None
             self._shutdown()
         except BaseException:
             self._crashed = True
@@ -637,7 +641,13 @@ class Worker:
             if len(tiers) < len(PRIORITIES) and now - self._first_assigned < SETTLE:
                 return False
         if self._settling:
-            waiting = [tp for tp, at in self._settling.items() if now - at < SETTLE and tp in self._assigned]
+            # Nor for a partition that flow control paused: its tier's share is buffered already, and it
+            # delivers nothing while paused (librdkafka fills a tier from its first partitions).
+            waiting = [
+                tp
+                for tp, at in self._settling.items()
+                if now - at < SETTLE and tp in self._assigned and tp not in self._paused
+            ]
             # Nothing to wait for in an empty partition. (Where the group's reading starts is not asked for:
             # a committed-offsets request made from the loop can block it while a rebalance is in flight,
             # and a partition read to its end costs at most SETTLE, once.)

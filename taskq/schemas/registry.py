@@ -338,6 +338,14 @@ class PendingRegistry:
             except Exception as exc:  # a look-up ahead of need (the registry may be down, or closing):
                 log.debug("registry look-up ahead: %s", exc)  # the first record of the type asks again
 
+    def made(self) -> bool:
+        """Whether the registry is made; raises what making it raised."""
+        if not self._made.is_set():
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
     def _ready(self) -> SchemaRegistry:
         registry = self._registry
         if registry is None:

@@ -28,11 +28,11 @@ JOB = {"type": "record", "name": "Job", "namespace": "unit", "fields": [{"name":
 class Parts:
     """Fakes shared by several workers of one group, and a producer over them."""
 
-    def __init__(self, handlers: Handlers) -> None:
+    def __init__(self, handlers: Handlers, *, partitions: int = 2) -> None:
         self.settings = Settings(namespace="unit")
         self.clock = Clock()
         self.broker = InMemoryBroker()
-        self.broker.admin().create_topics(topic_specs(self.settings, partitions=2))
+        self.broker.admin().create_topics(topic_specs(self.settings, partitions=partitions))
         self.registry = InMemoryRegistry()
         self.registry.register(JOB)
         self.rows: dict[str, Any] = {}
@@ -462,4 +462,31 @@ def test_tasks_that_waited_long_renew_their_leases_and_one_taken_over_meanwhile_
     run(w, lambda: w.idle(), "the buffered tasks")
     assert sorted(runs) == [0, 2]  # k1 belongs to the worker that took it over
     assert parts.rows["k0"].state == parts.rows["k2"].state == "completed"
+    w.close()
+
+
+def test_a_starting_worker_waits_for_no_partition_that_flow_control_paused() -> None:
+    # librdkafka delivers partition by partition: a tier whose buffered share filled from its first
+    # partitions is paused, and its other partitions deliver nothing. The first dispatch waits (SETTLE) for
+    # partitions that have records to deliver, but not for these: their tier has its share already.
+    handlers = Handlers()
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        pass
+
+    parts = Parts(handlers, partitions=6)
+    for n in range(100):
+        parts.producer.enqueue("unit.Job", {"n": n}, priority="normal", idempotency_key=f"k{n}")
+    parts.producer.flush()
+    w = parts.worker("a", buffer_capacity=64, concurrency=4)
+    w.step()  # assigned, fetched
+    undelivered = next(tp for tp in sorted(w._assigned) if tp[0].endswith(".normal"))
+    # As librdkafka leaves it: the partition has records, delivered none yet, and its tier was paused full.
+    w._dispatched, w._settling = False, {undelivered: parts.clock.monotonic()}
+    w._paused.add(undelivered)
+    assert w._settled()
+    w._paused.discard(undelivered)  # a partition still fetched is waited for (until SETTLE)
+    w._dispatched, w._settling = False, {undelivered: parts.clock.monotonic()}
+    assert not w._settled()
     w.close()

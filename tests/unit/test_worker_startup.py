@@ -113,3 +113,35 @@ def test_a_worker_without_a_registry_given_makes_one_and_looks_up_its_handlers_s
     pending._thread.join(10)
     assert made.asked == ["unit.Job"]
     worker.close()
+
+
+def test_a_worker_whose_registry_settings_are_refused_stops_with_that_error_before_any_record() -> None:
+    # The registry is made on its own thread: its settings' failure (a CA file that holds no certificate)
+    # must still stop the worker, not wait for the first record that needs the registry.
+    def make() -> SchemaRegistry:
+        raise ConfigurationError("TASKQ_SCHEMA_REGISTRY_CA_FILE: no certificate in '/etc/ca.pem'")
+
+    settings = Settings(namespace="unit")
+    broker = InMemoryBroker()
+    broker.admin().create_topics(topic_specs(settings, partitions=1))
+    worker = Worker(
+        Handlers(), settings, WorkerConfig(forwarder=False), broker=broker, store=InMemoryStore(owner="w")
+    )
+    assert isinstance(worker.registry, PendingRegistry)
+    worker.registry.close()
+    worker.registry = worker._pending_registry = PendingRegistry(make)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        worker.stop()
+        thread.join(20)
+    assert [type(e).__name__ for e in failed] == ["ConfigurationError"], failed
