@@ -262,10 +262,15 @@ def test_dispatch_follows_the_weights_over_every_window_of_150_completions(
     order = [r["priority"] for r in app.query("SELECT priority FROM ledger ORDER BY seq LIMIT 600")]
     total = sum(WEIGHTS.values())
 
+    # Eight slots finish their tasks up to eight places out of their dispatch order, so a window's two edges
+    # may each take in or leave out one task of a tier: for low (10 of 150) that is 2, more than 15 %. A
+    # drift is far beyond either (normal at twice its share was the regression this test was made for).
+    edges = 2.0 if concurrency > 1 else 0.0
+
     def off(window: list[str]) -> dict[str, tuple[int, float]]:
         counts = Counter(window)
         expected = {t: len(window) * w / total for t, w in WEIGHTS.items()}
-        return {t: (counts[t], e) for t, e in expected.items() if abs(counts[t] - e) > 0.15 * e}
+        return {t: (counts[t], e) for t, e in expected.items() if abs(counts[t] - e) > max(0.15 * e, edges)}
 
     assert not off(order), f"shares of the first 600 completions: {Counter(order)}; order: {''.join(t[0] for t in order)}"
     bad = {start: off(order[start : start + 150]) for start in range(0, 451)}
