@@ -1214,7 +1214,14 @@ class Registry(Service):
     def after_ready(self) -> None:
         port = self.recorded_port() if self.proc is None else self.port
         body = json.dumps({"compatibility": "BACKWARD"}).encode()
-        status, answer = http("PUT", self.url(port) + "/config", body)
+        # Its first write may take longer than a request's 5 s on a loaded machine (a cold JVM, a new
+        # database): not answered (0) or a server error is tried again, for up to a minute.
+        deadline = time.monotonic() + 60
+        while True:
+            status, answer = http("PUT", self.url(port) + "/config", body, timeout=15.0)
+            if status == 200 or (status != 0 and status < 500) or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
         if status != 200:
             raise StackError(
                 f"registry: setting global compatibility BACKWARD failed: HTTP {status} {answer[:300]!r}"

@@ -432,3 +432,30 @@ def test_a_new_cluster_id_never_starts_with_a_dash(stack: ModuleType) -> None:
     ids = [stack.new_cluster_id() for _ in range(2000)]
     assert not [i for i in ids if i.startswith("-")]
     assert all(len(i) == 22 for i in ids)
+
+
+def test_the_registrys_first_write_is_tried_again_while_a_loaded_machine_keeps_it_from_answering(
+    tmp_path: Path, stack: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cold registry on a loaded machine took longer than a request's timeout to store its first setting:
+    # `up` failed with "HTTP 0". Not answered (or a server error) is tried again; a refusal is not.
+    cfg = stack.StackConfig.from_env({**PORTS, "HOME": str(tmp_path), "TASKQ_STACK_DIR": str(tmp_path)})
+    registry = stack.Stack(cfg).registry
+    registry.proc = object()  # started by this `up`: its own port, not a recorded one
+    answers = iter([(0, b""), (503, b"starting"), (200, b'{"compatibility":"BACKWARD"}')])
+    asked: list[tuple[str, str]] = []
+
+    def http(method: str, url: str, body: bytes | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+        asked.append((method, url))
+        return next(answers)
+
+    monkeypatch.setattr(stack, "http", http)
+    monkeypatch.setattr(stack.time, "sleep", lambda seconds: None)
+    registry.after_ready()
+    assert asked == [("PUT", "http://127.0.0.1:28081/apis/ccompat/v7/config")] * 3
+
+    answers = iter([(422, b'{"message":"invalid"}')])
+    asked.clear()
+    with pytest.raises(stack.StackError, match="HTTP 422"):
+        registry.after_ready()
+    assert len(asked) == 1
