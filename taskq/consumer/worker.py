@@ -522,8 +522,11 @@ class Worker:
             self._relay = None
         if self._source is not None:
             log.info("stopping: leaving the group")
-            self._source.close()
-            self._source = None
+            source, self._source = self._source, None
+            try:
+                source.close()
+            except TaskqError as exc:  # refused or away: what finished is committed; the rest is released
+                log.warning("leaving the group: %s", exc)
         self.executor.shutdown(timeout=1.0)
         self._completer.close()
         # A clean stop completed, failed or released every key: the record goes. After a crash it stays,

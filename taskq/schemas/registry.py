@@ -384,12 +384,16 @@ class PendingRegistry:
         return self._ready().by_id(schema_id)
 
     def close(self) -> None:
-        """Close the registry once it is made; look-ups ahead still under way end with it."""
+        """Close the registry once it is made, and end its thread: a look-up ahead still under way ends
+        with the registry. The thread must be gone before the process ends: a daemon thread still importing
+        or in a request while the interpreter finalizes can crash it (a refused worker died of SIGSEGV)."""
         self._closed.set()
         self._asked.set()
         self._made.wait()
         if self._registry is not None:
             self._registry.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(10)
 
 
 def _avro(text: str) -> Schema:

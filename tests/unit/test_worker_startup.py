@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from taskq import Handlers
-from taskq._core.errors import ConfigurationError, StoreUnavailableError
+from taskq._core.errors import ConfigurationError, KafkaAuthenticationError, StoreUnavailableError
 from taskq._core.settings import Settings
 from taskq.consumer.store import WorkerRecord
 from taskq.consumer.worker import Worker, WorkerConfig
@@ -145,3 +146,50 @@ def test_a_worker_whose_registry_settings_are_refused_stops_with_that_error_befo
         worker.stop()
         thread.join(20)
     assert [type(e).__name__ for e in failed] == ["ConfigurationError"], failed
+
+
+def test_closing_a_pending_registry_ends_its_thread_even_during_a_look_up_ahead() -> None:
+    # A daemon thread still in a request when the interpreter finalizes can crash the process.
+    entered = threading.Event()
+
+    class _Slow(InMemoryRegistry):
+        def latest(self, subject: str):  # type: ignore[no-untyped-def]
+            entered.set()
+            threading.Event().wait(0.5)
+            return super().latest(subject)
+
+    pending = PendingRegistry(_Slow)
+    pending.look_up_ahead(["unit.Job"])
+    assert entered.wait(10)
+    pending.close()
+    assert not pending._thread.is_alive()
+
+
+class _RefusedOnLeave(InMemoryBroker):
+    """A broker whose consumers cannot leave the group: the credentials were refused meanwhile."""
+
+    def source(self, **kw: Any) -> Any:
+        source = super().source(**kw)
+
+        def close() -> None:
+            raise KafkaAuthenticationError("Kafka refused the connection (check the TASKQ_KAFKA_* settings)")
+
+        source.close = close
+        return source
+
+
+def test_a_worker_that_cannot_leave_its_group_still_releases_everything_else() -> None:
+    settings = Settings(namespace="unit")
+    broker = _RefusedOnLeave()
+    broker.admin().create_topics(topic_specs(settings, partitions=1))
+    store = InMemoryStore(owner="w")
+    worker = Worker(
+        Handlers(), settings, WorkerConfig(forwarder=False), broker=broker, store=store, registry=InMemoryRegistry()
+    )
+    closed: list[str] = []
+    worker.registry.close = lambda: closed.append("registry")  # type: ignore[method-assign]
+    worker.start()
+    assert store.workers  # its liveness record
+    worker.close()
+    assert closed == ["registry"]
+    assert not store.workers  # a clean stop removes the record: the keys it held are not waited for
