@@ -54,6 +54,8 @@ def configure_logging(verbose: bool, command: str, *, pids: bool = False, log_fo
     handler = logging.StreamHandler(sys.stderr)
     if log_format == "json":
         handler.setFormatter(JsonLines())
+        # Python's warnings too: every line a JSON-logging command writes to stderr is JSON.
+        logging.captureWarnings(True)
     else:
         process = "[%(process)d]" if pids else ""
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s"))

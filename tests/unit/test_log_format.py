@@ -40,3 +40,17 @@ def test_an_unknown_log_format_in_the_environment_is_one_line() -> None:
     )
     assert out.returncode == 2
     assert out.stderr.strip() == "taskq: error: TASKQ_LOG_FORMAT must be text or json, not 'xml'"
+
+
+def test_a_python_warning_of_a_json_logging_command_is_a_json_line() -> None:
+    # The console stopped before uvicorn ran printed "coroutine 'Server.serve' was never awaited" as a bare
+    # line on stderr: every line of a JSON-logging command must be JSON, warnings included.
+    code = (
+        "import warnings; from taskq.cli.logs import configure_logging; "
+        "configure_logging(False, 'console', log_format='json'); "
+        "warnings.warn('coroutine was never awaited', RuntimeWarning)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    [line] = [json.loads(line) for line in out.stderr.splitlines()]
+    assert line["level"] == "WARNING" and "coroutine was never awaited" in line["message"]
