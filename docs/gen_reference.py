@@ -33,6 +33,7 @@ API_SECTIONS = {
         "RateLimit",
         "derive_idempotency_key",
     ],
+    "Status, results and cancellation": ["TaskStatus", "TaskState"],
     "Handling and running": [
         "Handlers",
         "TaskContext",
@@ -56,6 +57,10 @@ API_SECTIONS = {
         "RateLimitedError",
         "StoreUnavailableError",
         "UnknownTaskTypeError",
+        "TaskFailed",
+        "TaskCancelled",
+        "NotCancellableError",
+        "ResultError",
         "SchemaError",
         "PayloadValidationError",
     ],

@@ -18,6 +18,8 @@ _EXPORTS = {
     "TaskProducer": "taskq.producer.producer",
     "TaskSpec": "taskq.producer.tasks",
     "Receipt": "taskq.producer.tasks",
+    "TaskStatus": "taskq.producer.status",
+    "TaskState": "taskq.producer.status",
     "derive_idempotency_key": "taskq.producer.tasks",
     "RateLimit": "taskq.producer.ratelimit",
     "Handlers": "taskq.consumer.handlers",
@@ -42,6 +44,10 @@ _EXPORTS = {
     "RateLimitedError": "taskq._core.errors",
     "StoreUnavailableError": "taskq._core.errors",
     "UnknownTaskTypeError": "taskq._core.errors",
+    "TaskFailed": "taskq._core.errors",
+    "TaskCancelled": "taskq._core.errors",
+    "NotCancellableError": "taskq._core.errors",
+    "ResultError": "taskq._core.errors",
     "SchemaError": "taskq.schemas.errors",
     "PayloadValidationError": "taskq.schemas.errors",
 }
@@ -55,6 +61,7 @@ __all__ = [
     "InvalidPriorityError",
     "InvalidTaskError",
     "KafkaUnavailableError",
+    "NotCancellableError",
     "PayloadTooLargeError",
     "PayloadValidationError",
     "Priority",
@@ -64,14 +71,19 @@ __all__ = [
     "RateLimitedError",
     "Receipt",
     "Reject",
+    "ResultError",
     "Retry",
     "RetryPolicy",
     "SchemaError",
     "Settings",
     "StoreUnavailableError",
+    "TaskCancelled",
     "TaskContext",
+    "TaskFailed",
     "TaskProducer",
     "TaskSpec",
+    "TaskState",
+    "TaskStatus",
     "TaskqError",
     "UnknownTaskTypeError",
     "Worker",
@@ -87,11 +99,15 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
         InvalidPriorityError,
         InvalidTaskError,
         KafkaUnavailableError,
+        NotCancellableError,
         PayloadTooLargeError,
         ProducerClosedError,
         QueueFullError,
         RateLimitedError,
+        ResultError,
         StoreUnavailableError,
+        TaskCancelled,
+        TaskFailed,
         TaskqError,
         UnknownTaskTypeError,
     )
@@ -103,6 +119,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from taskq.producer.aio import AsyncTaskProducer
     from taskq.producer.producer import TaskProducer
     from taskq.producer.ratelimit import RateLimit
+    from taskq.producer.status import TaskState, TaskStatus
     from taskq.producer.tasks import Receipt, TaskSpec, derive_idempotency_key
     from taskq.schemas.errors import PayloadValidationError, SchemaError
 

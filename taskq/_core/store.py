@@ -12,9 +12,9 @@ from psycopg import sql
 
 from taskq._core.db import Connection, Database, Row, Transaction, queries
 from taskq._core.envelope import PRIORITIES
-from taskq._core.errors import ConfigurationError
+from taskq._core.errors import ConfigurationError, ResultError, StoreUnavailableError
 
-ClaimOutcome = Literal["claimed", "completed", "dead", "running", "duplicate"]
+ClaimOutcome = Literal["claimed", "completed", "dead", "cancelled", "running", "duplicate"]
 #: What an operator pauses: a tier (its partitions) or a task type (its tasks, held in the buffer).
 PauseKind = Literal["tier", "task_type"]
 
@@ -94,13 +94,15 @@ class Pauses:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """An attempt's end, to record: completed (with a small result) or failed/dead (with its error)."""
+    """An attempt's end, to record: completed (with its result, a JSON value checked against the worker's
+    limit) or failed/dead (with its error; a dead one with the (partition, offset) of its DLQ record)."""
 
     idempotency_key: str
     attempts: int
     state: Literal["completed", "failed", "dead"]
     result: Any = None
     error: str = ""
+    dlq: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +173,7 @@ class Store:
                 out.append(Claim(r.idempotency_key, "claimed", 1))
                 continue
             outcome = row["outcome"]
-            if outcome not in ("claimed", "completed", "dead"):
+            if outcome not in ("claimed", "completed", "dead", "cancelled"):
                 outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
             out.append(
                 Claim(
@@ -209,8 +211,26 @@ class Store:
             attempts=[f.attempts for f in failed],
             states=[f.state for f in failed],
             errors=[f.error[:4000] for f in failed],
+            dlq_partitions=[None if f.dlq is None else f.dlq[0] for f in failed],
+            dlq_offsets=[None if f.dlq is None else f.dlq[1] for f in failed],
             owner=owner,
         )
+        return {r["idempotency_key"] for r in rows}
+
+    def cancel(self, namespace: str, idempotency_key: str, task_id: str = "") -> tuple[str, int, bool]:
+        """Cancel a key (see the query): (its state before, or "unknown" if it had no record; its attempts;
+        whether a worker held its lease)."""
+        for _ in range(3):
+            row = self.database.one("cancel", namespace=namespace, key=idempotency_key, task_id=task_id)
+            if row is not None:
+                return str(row["state"]), int(row["attempts"]), row["lease_owner"] is not None
+        # A claim inserted the key after the statement's snapshot each time: a claim loop this tight is
+        # not what happens; say so rather than spin.
+        raise StoreUnavailableError(f"could not cancel {idempotency_key!r}: its record kept changing")
+
+    def cancel_requested(self, namespace: str, idempotency_keys: Sequence[str]) -> set[str]:
+        """Which of these keys were asked to stop."""
+        rows = self.database.all("cancel_requested", namespace=namespace, keys=list(idempotency_keys))
         return {r["idempotency_key"] for r in rows}
 
     def release(self, namespace: str, owner: str, claims: Sequence[tuple[str, int]]) -> set[str]:
@@ -480,11 +500,24 @@ def _recorded(done: Sequence[Finished], lost: Sequence[Row]) -> set[str]:
 
 
 def _result_json(result: Any) -> str | None:
-    if result is None:
-        return None
+    # The worker checked the result (encode_result): JSON within its size limit, never cut short here.
+    return None if result is None else encode_result(result)
+
+
+#: The largest result a worker stores by default (bytes of its JSON): WorkerConfig.result_max_bytes.
+RESULT_MAX_BYTES = 64 * 1024
+
+
+def encode_result(result: Any, limit: int | None = None) -> str:
+    """A handler's return value as the JSON text stored as its result; ResultError if it is not JSON (a
+    NaN included: Postgres refuses it) or its JSON is over `limit` bytes."""
     try:
-        text = json.dumps(result, default=str)
-    except (TypeError, ValueError):
-        text = json.dumps(repr(result))
-    # Results are for inspection, not storage: keep rows small.
-    return text if len(text) <= 8192 else json.dumps({"truncated": text[:8000]})
+        text = json.dumps(result, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ResultError(f"the handler's return value is not JSON-serialisable: {exc}") from None
+    if limit is not None and len(text) > limit:  # ASCII: json.dumps escapes the rest
+        raise ResultError(
+            f"the handler's result is {len(text)} bytes of JSON, over the limit of {limit} "
+            "(WorkerConfig.result_max_bytes)"
+        )
+    return text

@@ -25,6 +25,7 @@ from taskq._core.settings import Settings
 from taskq._core.store import Store, pause_target
 from taskq.consumer.dlq import DeadLetters, DlqRecord, ReplayResult
 from taskq.producer.backpressure import backlog, depths_of
+from taskq.producer.status import status_of
 
 #: A worker whose heartbeat is older than this (seconds) is not shown as alive (the workers' default).
 STALE_AFTER = 10.0
@@ -202,13 +203,19 @@ class Console:
 
     # ---------------------------------------------------------------------------------------------- tasks
     def lookup(self, text: str) -> dict[str, Any] | None:
-        """The record of a task, by idempotency key or else by task id; None if neither names one."""
+        """The record of a task, by idempotency key or else by task id, with its status as `taskq status`
+        says it (`status`: its state, and where a dead task's DLQ record is); None if neither names one."""
         with self._locked():
             ns = self.settings.namespace
             row = self._store.get(ns, text) or self._store.task_by_id(ns, text)
         if row is None:
             return None
-        return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in dict(row).items()}
+        status = status_of(row, task_id=row["task_id"], dlq_topic=self.topics.dlq)
+        record = {k: v.isoformat() if isinstance(v, datetime) else v for k, v in dict(row).items()}
+        record["status"] = status.state
+        where = f"{status.dlq_topic}[{status.dlq_partition}]@{status.dlq_offset}"
+        record["dlq"] = None if status.dlq_offset is None else where
+        return record
 
     # ------------------------------------------------------------------------------------------------ DLQ
     def dlq_list(self, f: DlqFilter) -> list[DlqRecord]:

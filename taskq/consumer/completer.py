@@ -57,19 +57,27 @@ class Completer:
         self._batch.append((finished, on_recorded))
 
     def publish(
-        self, out: Outgoing, on_acked: Durable, *, too_large: Callable[[], Outgoing] | None = None
+        self,
+        out: Outgoing,
+        on_acked: Durable,
+        *,
+        too_large: Callable[[], Outgoing] | None = None,
+        on_record: Callable[[Record | None], None] | None = None,
     ) -> None:
-        """Send a retry or DLQ record; `on_acked` runs once the broker acknowledged it (sent again if not).
+        """Send a retry or DLQ record; `on_acked` runs once the broker acknowledged it (sent again if not),
+        after `on_record(the record as written: partition and offset)` if given.
 
         A record the producer refuses as too large is replaced by `too_large()`, a bounded DLQ record:
         the offset still moves on, with a decision on record (invariant 6).
         """
 
-        def delivered(err: str | None, _: Record | None) -> None:
+        def delivered(err: str | None, written: Record | None) -> None:
             if err is not None:
                 log.error("publishing to %s failed (%s); sending again", out.topic, err)
                 self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
                 return
+            if on_record is not None:
+                on_record(written)
             on_acked()
 
         try:
@@ -78,7 +86,7 @@ class Completer:
             if too_large is None:
                 raise
             log.warning("%s; dead-lettering a bounded record instead", exc)
-            self.publish(too_large(), on_acked)
+            self.publish(too_large(), on_acked, on_record=on_record)
 
     def flush(self, linger: float = 0.0) -> None:
         """Write the queued outcomes in one round trip; with Postgres away they wait for the next call.

@@ -41,6 +41,10 @@ class TaskContext:
     db: Any = None
     #: Set when the task is picked up; a handler may check it between steps of long work.
     deadline: float | None = None
+    #: The task was cancelled while it ran: a handler may check it between steps of long work and stop
+    #: (cooperative: its outcome is recorded as usual). Seen within the worker's pause_interval; a
+    #: process-isolated handler's stays False.
+    cancelled: bool = False
 
     @cached_property
     def log(self) -> TaskLog:

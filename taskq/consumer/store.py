@@ -91,8 +91,14 @@ class TaskStore(Protocol):
     def mark_started(self, runs: Sequence[tuple[str, int]]) -> set[str]: ...
     def pauses(self) -> Pauses: ...
     def transaction(
-        self, idempotency_key: str, attempts: int, result: Any = None
+        self,
+        idempotency_key: str,
+        attempts: int,
+        result: Any = None,
+        *,
+        result_of: Callable[[], Any] | None = None,
     ) -> AbstractContextManager[Any]: ...
+    def cancel_requested(self, idempotency_keys: Sequence[str]) -> set[str]: ...
     def run_group(self, members: Sequence[Member]) -> None: ...
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]: ...
     def beat(self, worker: WorkerRecord, in_flight: int) -> None: ...
@@ -170,6 +176,12 @@ class IdempotencyStore:
         the keys marked (the others' leases were lost)."""
         return self._store.mark_started(self.namespace, self.owner, runs) if runs else set()
 
+    def cancel_requested(self, idempotency_keys: Sequence[str]) -> set[str]:
+        """Which of these keys (tasks this worker runs) were asked to stop: what ctx.cancelled says."""
+        if not idempotency_keys:
+            return set()
+        return self._store.cancel_requested(self.namespace, idempotency_keys)
+
     def pause(self, kind: str, name: str) -> bool:
         """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""
         return self._store.pause(self.namespace, *pause_target(kind, name))
@@ -187,8 +199,16 @@ class IdempotencyStore:
         )
 
     @contextmanager
-    def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Connection]:
-        """A connection in a transaction that records the key's completion when the block exits cleanly.
+    def transaction(
+        self,
+        idempotency_key: str,
+        attempts: int,
+        result: Any = None,
+        *,
+        result_of: Callable[[], Any] | None = None,
+    ) -> Iterator[Connection]:
+        """A connection in a transaction that records the key's completion when the block exits cleanly, with
+        `result` (or what `result_of()` returns then) as its result.
 
         The handler's writes and the completion commit together or not at all: exactly-once for effects in
         Postgres. LeaseLostError (and a rollback) if another worker took the lease meanwhile.
@@ -197,6 +217,8 @@ class IdempotencyStore:
         try:
             with self.database.transaction(conn) as tx:
                 yield conn
+                if result_of is not None:
+                    result = result_of()
                 done = Finished(idempotency_key, attempts, "completed", result=result)
                 if not self._store.complete(self.namespace, self.owner, [done], tx=tx):
                     # Raised inside the transaction, so the handler's writes roll back with it.
@@ -276,7 +298,7 @@ class IdempotencyStore:
                     _answer(conn, pipeline)
                     raise psycopg.Rollback
                 ok = [m for m in members if m.error is None]
-                done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]
+                done = [Finished(m.idempotency_key, m.attempts, "completed", result=m.result) for m in ok]
                 recorded: Callable[[], set[str]] = set
                 if done:
                     tx = Transaction(self.database, conn)

@@ -31,10 +31,11 @@ from wsgiref.simple_server import WSGIServer
 
 from taskq._core.db import Database
 from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeError, Priority, Topics
-from taskq._core.errors import ConfigurationError, StoreUnavailableError, TaskqError
+from taskq._core.errors import ConfigurationError, ResultError, StoreUnavailableError, TaskqError
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
+from taskq._core.store import RESULT_MAX_BYTES, encode_result
 from taskq._core.tracing import Tracer
 from taskq.consumer import metrics
 from taskq.consumer.completer import Completer
@@ -42,6 +43,7 @@ from taskq.consumer.events import (
     AttemptFailed,
     AttemptStarted,
     AttemptSucceeded,
+    CancelledSkipped,
     DeadLettered,
     DuplicateSkipped,
     Event,
@@ -112,6 +114,13 @@ def max_worker_deaths(max_attempts: int) -> int:
     return max(max_attempts, 2)
 
 
+def _checked_result(result: Any, limit: int) -> Any:
+    """The handler's return value, once known to be storable as its result; ResultError if not."""
+    if result is not None:
+        encode_result(result, limit)
+    return result
+
+
 def worker_deaths(claim: Claim) -> int:
     """Deaths charged to a key: interruptions of its runs in quarantine (invariant 10).
 
@@ -159,6 +168,9 @@ class WorkerConfig:
     periodic: bool = True
     #: What operators paused (`taskq pause`) is read this often (seconds): one query, never per task.
     pause_interval: float = 2.0
+    #: A handler's return value is stored as its result, as JSON of at most this many bytes; a larger or
+    #: non-JSON one fails the attempt (to the DLQ: it would fail again), never stored cut short.
+    result_max_bytes: int = RESULT_MAX_BYTES
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -181,6 +193,8 @@ class WorkerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.result_max_bytes < 16:
+            raise ConfigurationError(f"result_max_bytes must be >= 16, got {self.result_max_bytes}")
         if not self.stale_after >= 2 * self.heartbeat_interval:
             raise ConfigurationError(
                 f"stale_after must be at least twice heartbeat_interval ({self.heartbeat_interval} s), "
@@ -203,6 +217,7 @@ class _Task:
     gate: Gate | None = None  # the concurrency slot and rate bucket of a limited task type
     recorded: bool = False  # the completion was recorded inside the handler's transaction
     span: Any = None  # the attempt's span, when tracing
+    ctx: TaskContext | None = None  # the running attempt's context (ctx.cancelled is set on it)
 
 
 @dataclass(slots=True)
@@ -792,6 +807,7 @@ class Worker:
         if now - self._pauses_read_at < self.config.pause_interval:
             return
         self._pauses_read_at = now
+        self._read_cancels()
         try:
             pauses = self.store.pauses()
         except StoreUnavailableError as exc:  # the last known state holds meanwhile
@@ -834,6 +850,39 @@ class Worker:
         if lost:
             self._on_hold = [t for t in self._on_hold if id(t) not in lost]
             self._scheduler.remove_if(lambda t: id(t) in lost)
+
+    def _read_cancels(self) -> None:
+        """With the pauses: which tasks that run here or wait claimed in the buffer were cancelled. A running
+        one's handler sees ctx.cancelled; a waiting one never starts: its attempt is recorded failed, which
+        a cancelled key's record turns into cancelled (no retry, no DLQ), and its offset moves on."""
+        running = [t for t in self._running.values() if t.ctx is not None and not t.ctx.cancelled]
+        waiting = [*self._scheduler, *self._on_hold]
+        if not running and not waiting:
+            return
+        try:
+            asked = self.store.cancel_requested(
+                [t.envelope.idempotency_key for t in (*running, *waiting)]
+            )
+        except StoreUnavailableError as exc:
+            log.warning("cannot read cancellations: %s", exc)
+            return
+        if not asked:
+            return
+        for task in running:
+            if task.envelope.idempotency_key in asked and task.ctx is not None:
+                task.ctx.cancelled = True
+        dropped = {id(t): t for t in waiting if t.envelope.idempotency_key in asked}
+        if not dropped:
+            return
+        self._scheduler.remove_if(lambda t: id(t) in dropped)
+        self._on_hold = [t for t in self._on_hold if id(t) not in dropped]
+        for task in dropped.values():
+            env = task.envelope
+            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._completer.record(
+                Finished(env.idempotency_key, task.attempts, "failed", error="cancelled before it started"),
+                lambda task=task: self._done(task),  # type: ignore[misc]
+            )
 
     def _release_held(self) -> None:
         now = self._clock()
@@ -1060,6 +1109,12 @@ class Worker:
             log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
 
     def _handle_claim(self, task: _Task, claim: Claim) -> None:
+        if claim.outcome == "cancelled":
+            # Cancelled before it started: it never runs, and never reaches the DLQ; its offset moves on.
+            env = task.envelope
+            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._done(task)
+            return
         if claim.outcome in ("completed", "dead"):
             # Completed, or this very task was dead-lettered already (its offset was not committed before
             # its worker died): the DLQ holds it once, so its redelivery is skipped and committed.
@@ -1094,16 +1149,21 @@ class Worker:
         ctx = self._context(task)
         call = None
         if task.spec.transactional:
-            spec, store = task.spec, self.store
+            spec, store, limit = task.spec, self.store, self.config.result_max_bytes
 
             def call() -> Any:
-                with store.transaction(env.idempotency_key, task.attempts) as conn:
+                returned: list[Any] = [None]
+                with store.transaction(
+                    env.idempotency_key, task.attempts, result_of=lambda: returned[0]
+                ) as conn:
                     ctx.db = conn
-                    result = spec.fn(task.payload, ctx)
+                    # Checked inside the transaction: a result that cannot be stored rolls the effect back.
+                    returned[0] = _checked_result(spec.fn(task.payload, ctx), limit)
                 task.recorded = True
-                return result
+                return returned[0]
 
         timeout = task.spec.timeout or env.timeout
+        task.ctx = ctx
         self._running[id(task)] = task
         self._emit(
             AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts, task.suspect)
@@ -1152,8 +1212,11 @@ class Worker:
                 ctx.deadline = time.monotonic() + timeout if timeout else None
                 if self._tracer.active():
                     task.span, trace = self._attempt_span(task)
-                    return trace.run(task.spec.fn, task.payload, ctx)
-                return task.spec.fn(task.payload, ctx)
+                    returned = trace.run(task.spec.fn, task.payload, ctx)
+                else:
+                    returned = task.spec.fn(task.payload, ctx)
+                # Checked under the member's savepoint: a result that cannot be stored rolls it back alone.
+                return _checked_result(returned, self.config.result_max_bytes)
 
             tp = task.record.tp
             # A member whose turn comes after SIGTERM or its partition's revocation is not started: the
@@ -1202,7 +1265,8 @@ class Worker:
                     self._outcomes.put((task, Outcome(ok=True, result=m.result, seconds=m.seconds)))
 
         timeouts = [t.spec.timeout or t.envelope.timeout for t in tasks]
-        for task in tasks:
+        for task, ctx in zip(tasks, contexts, strict=True):
+            task.ctx = ctx
             self._running[id(task)] = task
             task.grouped = True  # AttemptStarted is emitted when it reports: a member may never start
         self._members_running += len(tasks)
@@ -1253,6 +1317,11 @@ class Worker:
                 return
             self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
             self._member_seconds += (outcome.seconds - self._member_seconds) / 8
+        if outcome.ok and not task.recorded and outcome.result is not None:
+            try:
+                _checked_result(outcome.result, self.config.result_max_bytes)
+            except ResultError as exc:
+                outcome = failure(exc, outcome.seconds)  # never stored cut short, nor dropped silently
         if outcome.ok:
             self._end_span(task, "completed")
             self._emit(
@@ -1284,10 +1353,16 @@ class Worker:
         policy = spec.policy
         if env.max_attempts is not None:
             policy = replace(policy, max_attempts=env.max_attempts)
-        delay = None if isinstance(error, Reject) else policy.next_delay(task.attempts, error)
+        # A result that cannot be stored would be the same on the next attempt: to the DLQ at once.
+        final = isinstance(error, Reject | ResultError)
+        delay = None if final else policy.next_delay(task.attempts, error)
         if delay is None:
             reason = (
-                "rejected by handler" if isinstance(error, Reject) else f"failed {task.attempts} attempt(s)"
+                "result refused"
+                if isinstance(error, ResultError)
+                else "rejected by handler"
+                if isinstance(error, Reject)
+                else f"failed {task.attempts} attempt(s)"
             )
             self._end_span(task, "dead_lettered", message)
             self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
@@ -1355,14 +1430,23 @@ class Worker:
         self._emit(
             DeadLettered(reason, error_type, env.task_id, env.idempotency_key, record.topic, record.offset)
         )
-        dead = Finished(env.idempotency_key, task.attempts, "dead", error=reason)
         # Delivery guarantee: the key is recorded dead only once the broker acknowledged its DLQ record (a
         # dead key's redelivery is skipped, so recording it first could lose the record), and the offset is
-        # done only once both are durable.
+        # done only once both are durable. The record says where the DLQ record is, for result().
         self._completer.publish(
             out,
-            lambda: self._completer.record(dead, lambda: self._done(task)),
+            lambda: None,
             too_large=lambda: bounded(out),
+            on_record=lambda at: self._completer.record(
+                Finished(
+                    env.idempotency_key,
+                    task.attempts,
+                    "dead",
+                    error=reason,
+                    dlq=None if at is None else (at.partition, at.offset),
+                ),
+                lambda: self._done(task),
+            ),
         )
 
     def _dead_letter_raw(self, record: Record, reason: str, error_type: str, attempts: int) -> None:

@@ -50,7 +50,9 @@ class InMemoryQueue:
         self.store = InMemoryStore(
             owner="in-memory", namespace=namespace, clock=self.clock.time, connect=connect
         )
-        self.producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
+        self.producer = TaskProducer(
+            self.settings, registry=self.registry, broker=self.broker, records=self.store
+        )
         self.events = RecordingHook()
         self.worker = Worker(
             handlers,

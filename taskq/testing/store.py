@@ -3,6 +3,7 @@ memory."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -12,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from taskq._core.errors import TaskqError
+from taskq._core.store import encode_result
 from taskq.consumer.store import (
     FORGET_WORKERS_AFTER,
     Claim,
@@ -42,6 +44,8 @@ class _Row:
     interruptions: int = 0
     takeovers: int = 0
     started: bool = False
+    cancel_requested: bool = False
+    dlq: tuple[int, int] | None = None
 
 
 @dataclass
@@ -76,6 +80,11 @@ class _NoDatabase:
             "a transactional handler needs a database connection: give InMemoryQueue (or InMemoryStore) "
             "connect=..., a function returning a DB-API connection"
         )
+
+
+def _stored(result: Any) -> Any:
+    """A result as Postgres gives it back: its JSON read again (tuples become lists, and so on)."""
+    return None if result is None else json.loads(encode_result(result))
 
 
 class InMemoryStore:
@@ -180,6 +189,8 @@ class InMemoryStore:
                 counts = row.interruptions, row.takeovers
                 if row.state == "completed":
                     out.append(Claim(r.idempotency_key, "completed", row.attempts, 0.0, *counts))
+                elif row.state == "cancelled":
+                    out.append(Claim(r.idempotency_key, "cancelled", row.attempts, 0.0, *counts))
                 elif row.state == "dead":
                     out.append(Claim(r.idempotency_key, "dead", row.attempts, 0.0, *counts))
                 else:
@@ -312,11 +323,12 @@ class InMemoryStore:
                 if row is None:
                     lost.add(f.idempotency_key)
                     continue
-                row.state, row.updated_at, row.lease_owner, row.lease_expires_at = f.state, now, None, None
+                state = "cancelled" if f.state == "failed" and row.cancel_requested else f.state
+                row.state, row.updated_at, row.lease_owner, row.lease_expires_at = state, now, None, None
                 if f.state == "completed":
-                    row.result, row.completed_at, row.last_error = f.result, now, None
+                    row.result, row.completed_at, row.last_error = _stored(f.result), now, None
                 else:
-                    row.last_error = f.error[:4000]
+                    row.last_error, row.dlq = f.error[:4000], f.dlq
         return lost
 
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]:
@@ -371,10 +383,19 @@ class InMemoryStore:
                 conn.close()
 
     @contextmanager
-    def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Any]:
+    def transaction(
+        self,
+        idempotency_key: str,
+        attempts: int,
+        result: Any = None,
+        *,
+        result_of: Callable[[], Any] | None = None,
+    ) -> Iterator[Any]:
         """The handler's connection (from `connect`); the completion is recorded only if it commits."""
         with self._connection() as conn:
             yield conn
+            if result_of is not None:
+                result = result_of()
             with self._lock:
                 row = self._holds(idempotency_key, attempts)
                 if row is None:
@@ -385,7 +406,7 @@ class InMemoryStore:
 
     def _complete(self, row: _Row, result: Any) -> None:
         now = self._clock()
-        row.state, row.result, row.completed_at, row.updated_at = "completed", result, now, now
+        row.state, row.result, row.completed_at, row.updated_at = "completed", _stored(result), now, now
         row.lease_owner, row.lease_expires_at, row.last_error = None, None, None
 
     def run_group(self, members: Sequence[Member]) -> None:
@@ -412,7 +433,7 @@ class InMemoryStore:
                 if self._connect is not None:
                     conn.commit()
                 for m in done:
-                    self._complete(self.rows[m.idempotency_key], None)
+                    self._complete(self.rows[m.idempotency_key], m.result)
 
     def get(self, idempotency_key: str) -> dict[str, Any] | None:
         """The record of one key, or None."""
@@ -440,7 +461,43 @@ class InMemoryStore:
                 "created_at": at(row.created_at),
                 "updated_at": at(row.updated_at),
                 "completed_at": at(row.completed_at),
+                "cancel_requested": row.cancel_requested,
+                "dlq_partition": None if row.dlq is None else row.dlq[0],
+                "dlq_offset": None if row.dlq is None else row.dlq[1],
             }
+
+    def find(self, task_id: str) -> dict[str, Any] | None:
+        """The record of the task with this id, or None (as Postgres: the latest updated of its keys)."""
+        with self._lock:
+            keys = [k for k, r in self.rows.items() if r.task_id == task_id]
+            key = max(keys, key=lambda k: self.rows[k].updated_at, default=None)
+        return None if key is None else self.get(key)
+
+    def cancel(self, idempotency_key: str, task_id: str = "") -> tuple[str, int, bool]:
+        """Cancel a key (as Postgres): (its state before, or "unknown"; its attempts; whether a worker held
+        it). A key without a record, waiting for an attempt or for a new owner ends cancelled; a running one
+        is asked to stop; a finished one stays as it is."""
+        with self._lock:
+            now = self._clock()
+            row = self.rows.get(idempotency_key)
+            if row is None:
+                self.rows[idempotency_key] = _Row(
+                    task_id, "", "cancelled", 0, None, None, created_at=now, updated_at=now, completed_at=now,
+                    cancel_requested=True,
+                )  # fmt: skip
+                return "unknown", 0, False
+            before, held = row.state, row.state == "running" and row.lease_owner is not None
+            if before in ("running", "failed"):
+                row.cancel_requested, row.updated_at = True, now
+                if not held:
+                    row.state, row.completed_at = "cancelled", now
+                    row.lease_owner = row.lease_expires_at = None
+            return before, row.attempts, held
+
+    def cancel_requested(self, idempotency_keys: Sequence[str]) -> set[str]:
+        """Which of these keys were asked to stop."""
+        with self._lock:
+            return {k for k in idempotency_keys if k in self.rows and self.rows[k].cancel_requested}
 
     def reset_for_replay(self, idempotency_key: str) -> bool:
         """Start a dead key's attempts over (DLQ replay); False if it is not dead."""
@@ -460,7 +517,7 @@ class InMemoryStore:
             old = [
                 k
                 for k, r in self.rows.items()
-                if r.state in ("completed", "dead") and r.updated_at < cutoff and k not in kept
+                if r.state in ("completed", "dead", "cancelled") and r.updated_at < cutoff and k not in kept
             ]
             for k in old:
                 del self.rows[k]

@@ -49,6 +49,12 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
             {"name": "seq", "type": "long"},
             {"name": "seconds", "type": "double", "default": 0.0},
         ],
+        "Answer": [
+            {"name": "key", "type": "string"},
+            {"name": "reject", "type": "boolean", "default": False},
+            {"name": "pad", "type": "int", "default": 0},
+        ],
+        "Patient": [{"name": "key", "type": "string"}],
         "Paced": [
             {"name": "partner", "type": "string"},
             {"name": "seq", "type": "long"},
@@ -206,6 +212,23 @@ def fragile(payload: dict[str, Any], ctx: TaskContext) -> None:
 @handlers.task(f"{NS}.RejectProc", schema=S["RejectProc"], max_attempts=5, isolation="process")
 def reject_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
     raise Reject(f"code {payload['code']} can never be processed")
+
+
+@handlers.task(f"{NS}.Answer", schema=S["Answer"], max_attempts=2)
+def answer(payload: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    # Its return value is the task's result; `pad` characters make one too large to store.
+    if payload["reject"]:
+        raise Reject(f"{payload['key']} can never be answered")
+    return {"echo": payload["key"], "attempt": ctx.attempt, "pad": "x" * payload["pad"]}
+
+
+@handlers.task(f"{NS}.Patient", schema=S["Patient"], timeout=60, max_attempts=1)
+def patient(payload: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    # Works until it is cancelled (cooperatively), then says what it saw.
+    deadline = time.monotonic() + 50
+    while not ctx.cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"cancelled": ctx.cancelled}
 
 
 @handlers.task(f"{NS}.Tick", schema=S["Tick"], transactional=True)

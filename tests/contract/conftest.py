@@ -14,6 +14,7 @@ from taskq._core.kafka import Broker, KafkaBroker, TopicSpec
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import PostgresReplayLog
 from taskq.consumer.store import IdempotencyStore
+from taskq.producer.status import PostgresTaskRecords
 from taskq.schemas.registry import Registry
 from taskq.testing import InMemoryBroker, InMemoryRegistry, InMemoryStore
 
@@ -62,6 +63,18 @@ def stores(kind: str, request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.fixture
+def records(kind: str, stores: tuple[Any, Any], request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Where a producer reads task records and cancels tasks, over the records of `stores`."""
+    if kind == "memory":
+        yield stores[0]
+        return
+    s = _settings(request)
+    records = PostgresTaskRecords(Database(s.database_url, schema=s.database_schema), s.namespace)
+    yield records
+    records.close()
 
 
 @pytest.fixture

@@ -137,12 +137,16 @@ SELECT key AS idempotency_key FROM unnest(%(keys)b::text[]) AS key
 WHERE key NOT IN (SELECT idempotency_key FROM done);
 
 -- name: fail
--- Record failed attempts: 'failed' stays retryable, 'dead' was dead-lettered. Same lease guard as complete.
+-- Record failed attempts: 'failed' stays retryable, 'dead' was dead-lettered (with where its DLQ record is).
+-- A failed attempt of a task asked to stop (cancel) is not retried: it ends 'cancelled'. Same lease guard as
+-- complete.
 UPDATE taskq_tasks t SET
-    state = c.state, last_error = c.error, updated_at = statement_timestamp(), lease_owner = NULL,
-    lease_expires_at = NULL
-FROM unnest(%(keys)b::text[], %(attempts)b::int[], %(states)b::text[], %(errors)b::text[])
-    AS c(idempotency_key, attempts, state, error)
+    state = CASE WHEN c.state = 'failed' AND t.cancel_requested THEN 'cancelled' ELSE c.state END,
+    last_error = c.error, updated_at = statement_timestamp(), lease_owner = NULL,
+    lease_expires_at = NULL, dlq_partition = c.dlq_partition, dlq_offset = c.dlq_offset
+FROM unnest(%(keys)b::text[], %(attempts)b::int[], %(states)b::text[], %(errors)b::text[],
+            %(dlq_partitions)s::int[], %(dlq_offsets)s::bigint[])
+    AS c(idempotency_key, attempts, state, error, dlq_partition, dlq_offset)
 WHERE t.idempotency_key = ANY(%(keys)b::text[]) AND t.namespace = %(namespace)s
   AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
@@ -190,10 +194,54 @@ UPDATE taskq_tasks SET attempts = 0, takeovers = 0, interruptions = 0, state = '
 WHERE namespace = %(namespace)s AND idempotency_key = %(key)s AND state = 'dead'
 RETURNING idempotency_key;
 
+-- name: cancel
+-- Cancel a key: one that has no record yet (not claimed: waiting in a tier, a delay tier or a worker's buffer)
+-- or is waiting for its next attempt or for a new owner gets the record 'cancelled', and the claim of its
+-- task then answers it like a completed key: it never starts. A running key is asked to stop
+-- (cancel_requested): its handler sees ctx.cancelled and its outcome is recorded as usual. A finished key
+-- is left as it is. The key's row is locked first (a claim of it waits, or is waited for), so the answer,
+-- the state before, is the state the cancel acted on. Nothing comes back when a claim inserted the key
+-- after this statement's snapshot: the caller runs it again.
+WITH before AS (
+    SELECT state, lease_owner, attempts FROM taskq_tasks
+    WHERE idempotency_key = %(key)s AND namespace = %(namespace)s
+    FOR UPDATE
+), fresh AS (
+    INSERT INTO taskq_tasks
+        (namespace, idempotency_key, task_id, task_type, state, attempts, cancel_requested, created_at,
+         updated_at, completed_at)
+    SELECT %(namespace)s, %(key)s, %(task_id)s, '', 'cancelled', 0, true, statement_timestamp(),
+           statement_timestamp(), statement_timestamp()
+    WHERE NOT EXISTS (SELECT FROM before)
+    ON CONFLICT (idempotency_key, namespace) DO NOTHING
+    RETURNING 'unknown'::text AS state
+), changed AS (
+    UPDATE taskq_tasks t SET
+        state = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN t.state ELSE 'cancelled' END,
+        cancel_requested = true,
+        lease_owner = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN t.lease_owner END,
+        lease_expires_at = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN t.lease_expires_at END,
+        completed_at = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN NULL
+                            ELSE statement_timestamp() END,
+        updated_at = statement_timestamp()
+    FROM before b
+    WHERE t.idempotency_key = %(key)s AND t.namespace = %(namespace)s AND b.state IN ('running', 'failed')
+    RETURNING b.state
+)
+SELECT state, attempts, lease_owner FROM before
+UNION ALL SELECT state, 0, NULL FROM fresh;
+
+-- name: cancel_requested
+-- Which of these running keys were asked to stop (cancel): read every few seconds for the tasks a worker
+-- runs, one primary-key probe each.
+SELECT idempotency_key FROM taskq_tasks
+WHERE idempotency_key = ANY(%(keys)s::text[]) AND namespace = %(namespace)s AND cancel_requested;
+
 -- name: get
 -- One key's record; a plain read that takes no row locks and sees committed changes only.
 SELECT idempotency_key, task_id, task_type, state, attempts, takeovers, interruptions, started, lease_owner,
-       lease_expires_at, last_error, result, created_at, updated_at, completed_at
+       lease_expires_at, last_error, result, created_at, updated_at, completed_at, cancel_requested,
+       dlq_partition, dlq_offset
 FROM taskq_tasks WHERE namespace = %(namespace)s AND idempotency_key = %(key)s;
 
 -- name: purge
@@ -205,7 +253,7 @@ FROM taskq_tasks WHERE namespace = %(namespace)s AND idempotency_key = %(key)s;
 DELETE FROM taskq_tasks WHERE ctid IN (
     SELECT ctid FROM taskq_tasks
     WHERE created_at < statement_timestamp() - %(ttl_seconds)s * interval '1 second'
-      AND namespace = %(namespace)s AND state IN ('completed', 'dead')
+      AND namespace = %(namespace)s AND state IN ('completed', 'dead', 'cancelled')
       AND updated_at < statement_timestamp() - %(ttl_seconds)s * interval '1 second'
       AND NOT (idempotency_key = ANY(%(keep)s::text[]))
     LIMIT %(batch)s
@@ -416,9 +464,11 @@ ORDER BY started_at;
 -- name: task_by_id
 -- The record of the task with this id (the console's lookup). A scan of the namespace's records: task ids
 -- carry no index, kept off the claim's hot path; an operator's lookup can afford it.
-SELECT idempotency_key, task_id, task_type, state, attempts, takeovers, interruptions, lease_owner,
-       lease_expires_at, last_error, result, created_at, updated_at, completed_at
-FROM taskq_tasks WHERE namespace = %(namespace)s AND task_id = %(task_id)s;
+SELECT idempotency_key, task_id, task_type, state, attempts, takeovers, interruptions, started, lease_owner,
+       lease_expires_at, last_error, result, created_at, updated_at, completed_at, cancel_requested,
+       dlq_partition, dlq_offset
+FROM taskq_tasks WHERE namespace = %(namespace)s AND task_id = %(task_id)s
+ORDER BY updated_at DESC LIMIT 1;
 
 -- name: completed_since
 -- Tasks of a namespace completed in the last `seconds` seconds, among those first claimed in that time: the
