@@ -19,6 +19,10 @@ _EXPORTS = {
     "TaskSpec": "taskq.producer.tasks",
     "Receipt": "taskq.producer.tasks",
     "TaskStatus": "taskq.producer.status",
+    "chain": "taskq.producer.workflows",
+    "group": "taskq.producer.workflows",
+    "WorkflowReceipt": "taskq.producer.workflows",
+    "WorkflowStatus": "taskq.producer.workflows",
     "TaskState": "taskq.producer.status",
     "derive_idempotency_key": "taskq.producer.tasks",
     "RateLimit": "taskq.producer.ratelimit",
@@ -88,8 +92,12 @@ __all__ = [
     "UnknownTaskTypeError",
     "Worker",
     "WorkerConfig",
+    "WorkflowReceipt",
+    "WorkflowStatus",
     "__version__",
+    "chain",
     "derive_idempotency_key",
+    "group",
 ]
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports on demand
@@ -121,6 +129,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from taskq.producer.ratelimit import RateLimit
     from taskq.producer.status import TaskState, TaskStatus
     from taskq.producer.tasks import Receipt, TaskSpec, derive_idempotency_key
+    from taskq.producer.workflows import WorkflowReceipt, WorkflowStatus, chain, group
     from taskq.schemas.errors import PayloadValidationError, SchemaError
 
 

@@ -118,6 +118,6 @@ class TaskCancelled(TaskqError):
 class NotCancellableError(TaskqError):
     """The task has finished already; there is nothing left to cancel."""
 
-    def __init__(self, task: str, state: str) -> None:
-        super().__init__(f"task {task} is {state} already; there is nothing left to cancel")
+    def __init__(self, what: str, state: str) -> None:
+        super().__init__(f"{what} is {state} already; there is nothing left to cancel")
         self.state = state

@@ -103,6 +103,27 @@ class Finished:
     result: Any = None
     error: str = ""
     dlq: tuple[int, int] | None = None
+    #: The task's workflow header (`<workflow id>:<node>`) if it is a step of a workflow.
+    workflow: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """A node of a new workflow's tree, as it is written: its place, and for a task its encoded record."""
+
+    node: int
+    last: int
+    parent: int | None
+    position: int
+    kind: str
+    on_failure: str | None = None
+    task_id: str | None = None
+    idempotency_key: str | None = None
+    task_type: str | None = None
+    topic: str | None = None
+    key: bytes | None = None
+    value: bytes | None = None
+    headers: Sequence[tuple[str, bytes]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +225,14 @@ class Store:
 
     def fail(self, namespace: str, owner: str, failed: Sequence[Finished]) -> set[str]:
         """Record failed or dead attempts held by `owner`'s lease; returns the keys recorded."""
-        rows = self.database.all(
+        return set(self.fail_states(namespace, owner, failed))
+
+    def fail_states(
+        self, namespace: str, owner: str, failed: Sequence[Finished], *, tx: Transaction | None = None
+    ) -> dict[str, str]:
+        """Record failed or dead attempts held by `owner`'s lease, in `tx` if given; returns the keys
+        recorded with the state each now has (a failed attempt of a task asked to stop is cancelled)."""
+        rows = (tx or self.database).all(
             "fail",
             namespace=namespace,
             keys=[f.idempotency_key for f in failed],
@@ -215,7 +243,7 @@ class Store:
             dlq_offsets=[None if f.dlq is None else f.dlq[1] for f in failed],
             owner=owner,
         )
-        return {r["idempotency_key"] for r in rows}
+        return {r["idempotency_key"]: r["state"] for r in rows}
 
     def cancel(self, namespace: str, idempotency_key: str, task_id: str = "") -> tuple[str, int, bool]:
         """Cancel a key (see the query): (its state before, or "unknown" if it had no record; its attempts;
@@ -338,6 +366,57 @@ class Store:
     def workers_alive(self, namespace: str, stale_after: float) -> list[Row]:
         """The liveness records of a namespace's workers that beat within `stale_after` seconds."""
         return self.database.all("workers_alive", namespace=namespace, stale_after=stale_after)
+
+    # ---------------------------------------------------------------------------------------- workflows
+    def workflow_create(
+        self, tx: Transaction, namespace: str, workflow_id: str, nodes: Sequence[NodeRecord]
+    ) -> None:
+        """Write a new workflow and its nodes in `tx` (its first tasks are started by `advance`)."""
+        tx.execute("wf_create", namespace=namespace, workflow_id=workflow_id)
+        tx.execute(
+            "wf_insert_nodes",
+            namespace=namespace,
+            workflow_id=workflow_id,
+            nodes=[n.node for n in nodes],
+            lasts=[n.last for n in nodes],
+            parents=[n.parent for n in nodes],
+            positions=[n.position for n in nodes],
+            kinds=[n.kind for n in nodes],
+            on_failures=[n.on_failure for n in nodes],
+            task_ids=[n.task_id for n in nodes],
+            keys=[n.idempotency_key for n in nodes],
+            task_types=[n.task_type for n in nodes],
+            topics=[n.topic for n in nodes],
+            record_keys=[n.key for n in nodes],
+            values=[n.value for n in nodes],
+            headers=[
+                None if n.headers is None else json.dumps([[k, v.hex()] for k, v in n.headers]) for n in nodes
+            ],
+        )
+
+    def workflow_get(self, namespace: str, workflow_id: str) -> tuple[Row | None, dict[str, int]]:
+        """A workflow's row (or None) and its tasks counted by state."""
+        row = self.database.one("wf_get", namespace=namespace, workflow_id=workflow_id)
+        rows = self.database.all("wf_counts", namespace=namespace, workflow_id=workflow_id)
+        return row, {r["state"]: int(r["n"]) for r in rows}
+
+    def workflow_tree(self, namespace: str, workflow_id: str, limit: int) -> list[Row]:
+        """A workflow's first `limit` nodes in preorder."""
+        return self.database.all("wf_tree", namespace=namespace, workflow_id=workflow_id, limit=limit)
+
+    def workflow_cancel(self, tx: Transaction, namespace: str, workflow_id: str) -> tuple[int, int]:
+        """Cancel a workflow in `tx`: its waiting steps never start, its staged ones are cancelled as
+        `cancel` would. Returns (staged tasks, of which not started)."""
+        staged = tx.all("wf_cancel", namespace=namespace, workflow_id=workflow_id)
+        if not staged:
+            return 0, 0
+        not_started = tx.all(
+            "cancel_many",
+            namespace=namespace,
+            keys=[r["idempotency_key"] for r in staged],
+            task_ids=[r["task_id"] for r in staged],
+        )
+        return len(staged), len(not_started)
 
     # ------------------------------------------------------------------------------------------ lookups
     def task_by_id(self, namespace: str, task_id: str) -> Row | None:

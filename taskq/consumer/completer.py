@@ -115,13 +115,27 @@ class Completer:
 
     def _record_loop(self) -> None:
         assert self._recorder is not None
-        while (batch := self._to_write.get()) is not None:
+        stopping = False
+        while not stopping and (batch := self._to_write.get()) is not None:
+            # Batches queued while the last was written go in one round trip: when writing falls behind
+            # (a workflow's steps cost a few statements a batch), batches grow instead of the queue.
+            batches = [batch]
+            while True:
+                try:
+                    more = self._to_write.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                batches.append(more)
             result: object
             try:
-                result = self._recorder.finish([f for f, _ in batch])
+                result = self._recorder.finish([f for b in batches for f, _ in b])
             except Exception as exc:  # settled on the loop's thread: unavailable is retried, a bug raised
                 result = exc
-            self._written.put((batch, result))
+            for b in batches:
+                self._written.put((b, result))
 
     def _settle(self, batch: list[tuple[Finished, Durable | None]], result: object) -> None:
         """On the loop's thread: run a written batch's callbacks, or queue it again if Postgres was away."""

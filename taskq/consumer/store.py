@@ -25,6 +25,7 @@ from taskq._core.store import (
     WorkerRecord,
     pause_target,
 )
+from taskq._core.workflows import STEP_ENDS, PostgresNodes, advance, parse_header, step_ends, workflow_inputs
 
 __all__ = [
     "Claim",
@@ -97,8 +98,11 @@ class TaskStore(Protocol):
         result: Any = None,
         *,
         result_of: Callable[[], Any] | None = None,
+        workflow: str | None = None,
     ) -> AbstractContextManager[Any]: ...
     def cancel_requested(self, idempotency_keys: Sequence[str]) -> set[str]: ...
+    def workflow_ended(self, ends: Sequence[tuple[str, str, str]]) -> None: ...
+    def workflow_inputs(self, workflow: str) -> tuple[Any, list[dict[str, Any]] | None]: ...
     def run_group(self, members: Sequence[Member]) -> None: ...
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]: ...
     def beat(self, worker: WorkerRecord, in_flight: int) -> None: ...
@@ -128,6 +132,7 @@ class IdempotencyStore:
         self._local = threading.local()
         self._thread_conns: list[Connection] = []
         self._slots_conn: Connection | None = None
+        self._wf_conn: Connection | None = None
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim each key for one attempt; answers in request order. A key twice in one batch: 'duplicate'."""
@@ -153,6 +158,8 @@ class IdempotencyStore:
 
     def finish(self, finished: Sequence[Finished]) -> set[str]:
         """Record completions and failures; returns the keys whose lease was lost (nothing recorded)."""
+        if any(f.workflow is not None for f in finished):
+            return self._finish_steps(finished)
         lost: set[str] = set()
         done = [f for f in finished if f.state == "completed"]
         failed = [f for f in finished if f.state != "completed"]
@@ -161,6 +168,52 @@ class IdempotencyStore:
         if failed:
             lost |= {f.idempotency_key for f in failed} - self._store.fail(self.namespace, self.owner, failed)
         return lost
+
+    def _finish_steps(self, finished: Sequence[Finished]) -> set[str]:
+        """`finish` for a batch holding steps of workflows: the outcomes and what they move on, in one
+        transaction (on a connection of its own, kept)."""
+        done = [f for f in finished if f.state == "completed"]
+        failed = [f for f in finished if f.state != "completed"]
+        conn = self._workflow_connection()
+        try:
+            with self.database.transaction(conn) as tx:
+                states = dict.fromkeys(
+                    self._store.complete(self.namespace, self.owner, done, tx=tx) if done else (), "completed"
+                )
+                if failed:
+                    states.update(self._store.fail_states(self.namespace, self.owner, failed, tx=tx))
+                steps = [
+                    (f.workflow, f.idempotency_key, states[f.idempotency_key])
+                    for f in finished
+                    if f.workflow is not None and states.get(f.idempotency_key) in STEP_ENDS
+                ]
+                # Exactly once: the next steps are staged in the transaction that records these outcomes.
+                advance(PostgresNodes(tx, self.namespace), step_ends(steps))
+        except StoreUnavailableError:
+            conn.close()
+            raise
+        return {f.idempotency_key for f in finished} - set(states)
+
+    def workflow_ended(self, ends: Sequence[tuple[str, str, str]]) -> None:
+        """Record the ends of workflow steps this worker skipped, (workflow header, key, state): cancelled
+        before they started, or completed or dead already (a redelivery). A step that ended already is not
+        ended again."""
+        steps = step_ends(ends)
+        if not steps:
+            return
+        with self.database.transaction(self._workflow_connection()) as tx:
+            advance(PostgresNodes(tx, self.namespace), steps)
+
+    def workflow_inputs(self, workflow: str) -> tuple[Any, list[dict[str, Any]] | None]:
+        """(ctx.parent_result, ctx.group_results) of a workflow's step, read when its handler asks."""
+        workflow_id, node = parse_header(workflow)
+        return workflow_inputs(PostgresNodes(self.database, self.namespace), workflow_id, node)
+
+    def _workflow_connection(self) -> Connection:
+        conn = self._wf_conn
+        if conn is None or conn.closed or conn.broken:
+            conn = self._wf_conn = self.database.connect(autocommit=False, keyed=True)
+        return conn
 
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]:
         """Give back (key, attempt) claims whose attempts never started: the attempt is uncounted and the
@@ -206,9 +259,11 @@ class IdempotencyStore:
         result: Any = None,
         *,
         result_of: Callable[[], Any] | None = None,
+        workflow: str | None = None,
     ) -> Iterator[Connection]:
         """A connection in a transaction that records the key's completion when the block exits cleanly, with
-        `result` (or what `result_of()` returns then) as its result.
+        `result` (or what `result_of()` returns then) as its result; for a step of a workflow (its header
+        `workflow`), the workflow moves on in that transaction too.
 
         The handler's writes and the completion commit together or not at all: exactly-once for effects in
         Postgres. LeaseLostError (and a rollback) if another worker took the lease meanwhile.
@@ -223,6 +278,10 @@ class IdempotencyStore:
                 if not self._store.complete(self.namespace, self.owner, [done], tx=tx):
                     # Raised inside the transaction, so the handler's writes roll back with it.
                     raise LeaseLostError(f"lease of {idempotency_key!r} attempt {attempts} was taken over")
+                if workflow is not None:
+                    # Exactly once: the next step is staged in the transaction that records this completion.
+                    step = (workflow, idempotency_key, "completed")
+                    advance(PostgresNodes(tx, self.namespace), step_ends([step]))
         finally:
             self._check_in(conn)
 
@@ -424,9 +483,10 @@ class IdempotencyStore:
     def close(self) -> None:
         """Close the connections (the loop's, and the handler threads' idle ones)."""
         self.database.close()
-        if self._slots_conn is not None:
-            self._slots_conn.close()
-            self._slots_conn = None
+        for kept in (self._slots_conn, self._wf_conn):
+            if kept is not None:
+                kept.close()
+        self._slots_conn = self._wf_conn = None
         with self._lock:
             for conn in self._thread_conns:
                 if not conn.closed and not in_transaction(conn):

@@ -13,6 +13,7 @@ batch-stage restructuring of the hot path (issue 21).
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import os
 import queue
@@ -30,7 +31,15 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from taskq._core.db import Database
-from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeError, Priority, Topics
+from taskq._core.envelope import (
+    DEFAULT_WEIGHTS,
+    PRIORITIES,
+    WORKFLOW_HEADER,
+    Envelope,
+    EnvelopeError,
+    Priority,
+    Topics,
+)
 from taskq._core.errors import ConfigurationError, ResultError, StoreUnavailableError, TaskqError
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.service import run_in_thread
@@ -112,6 +121,14 @@ def max_worker_deaths(max_attempts: int) -> int:
     and never after one alone, so a single crash never dead-letters a task with max_attempts=1.
     """
     return max(max_attempts, 2)
+
+
+def _workflow_of(task: _Task) -> str | None:
+    """The task's workflow header (`<workflow id>:<node>`), if it is a step of a workflow."""
+    for name, value in task.record.headers:
+        if name == WORKFLOW_HEADER:
+            return value.decode(errors="replace")
+    return None
 
 
 def _checked_result(result: Any, limit: int) -> Any:
@@ -308,6 +325,7 @@ class Worker:
         # groups of about 8 (pops a group gives back unstarted cost weighted order its precision).
         self._member_seconds = GROUP_WINDOW / 8
         self._quarantine: _Task | None = None  # the suspect running alone, until its outcome is recorded
+        self._step_ends: list[tuple[_Task, str, str]] = []  # workflow steps the claims skipped
         self._suspect_waits = False  # a suspect is next: nothing starts until the running tasks end
         self._members_running = 0  # members of group commits started and not reported yet
         self.heartbeat = metrics.Heartbeat()
@@ -880,7 +898,13 @@ class Worker:
             env = task.envelope
             self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
             self._completer.record(
-                Finished(env.idempotency_key, task.attempts, "failed", error="cancelled before it started"),
+                Finished(
+                    env.idempotency_key,
+                    task.attempts,
+                    "failed",
+                    error="cancelled before it started",
+                    workflow=_workflow_of(task),
+                ),
                 lambda task=task: self._done(task),  # type: ignore[misc]
             )
 
@@ -949,7 +973,8 @@ class Worker:
                     singles.append(task)
                     self._hold_key(task)
                 break
-            if not (task.spec.transactional and task.spec.group_commit):
+            # A workflow's step commits alone: the transaction recording its end also moves the workflow on.
+            if not (task.spec.transactional and task.spec.group_commit) or _workflow_of(task) is not None:
                 if used >= free:  # only the open group had room: the task waits, first in line
                     self._scheduler.push_front(task.tier, task)
                     break
@@ -1009,7 +1034,7 @@ class Worker:
             if job and job[0].suspect:
                 self._quarantine = job[0]
                 self._start(job[0])
-            elif job and job[0].spec.transactional and job[0].spec.group_commit:
+            elif job and job[0].spec.transactional and job[0].spec.group_commit and not _workflow_of(job[0]):
                 self._start_group(job)
             elif job:
                 self._start(job[0])
@@ -1047,6 +1072,26 @@ class Worker:
         for task, claim in zip(batch, claims, strict=True):
             task.claimed_at = now
             self._handle_claim(task, claim)
+        if self._step_ends:
+            self._end_steps()
+
+    def _end_steps(self) -> None:
+        """Record the ends of the workflow steps the claims skipped, then let their offsets move on; with
+        Postgres away they are held and claimed again."""
+        ends, self._step_ends = self._step_ends, []
+        try:
+            self.store.workflow_ended([(wf, t.envelope.idempotency_key, state) for t, wf, state in ends])
+        except StoreUnavailableError as exc:
+            log.warning("store unavailable, holding %d workflow step(s): %s", len(ends), exc)
+            self._held.extend(_Held(t, self._clock() + 1.0) for t, _, _ in ends)
+            return
+        for task, _, state in ends:
+            env = task.envelope
+            if state == "cancelled":
+                self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+            else:
+                self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._done(task)
 
     def _renew(self, waited: list[_Task], parked: Sequence[_Task] = ()) -> list[_Task]:
         """Extend the leases of tasks that waited long for a slot (about to start: leased for their run) and
@@ -1109,6 +1154,12 @@ class Worker:
             log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
 
     def _handle_claim(self, task: _Task, claim: Claim) -> None:
+        workflow = _workflow_of(task)
+        if workflow is not None and claim.outcome in ("completed", "dead", "cancelled"):
+            # A workflow's step skipped here still ends its node (once: a node ended already stays so),
+            # before its offset moves on.
+            self._step_ends.append((task, workflow, claim.outcome))
+            return
         if claim.outcome == "cancelled":
             # Cancelled before it started: it never runs, and never reaches the DLQ; its offset moves on.
             env = task.envelope
@@ -1150,11 +1201,12 @@ class Worker:
         call = None
         if task.spec.transactional:
             spec, store, limit = task.spec, self.store, self.config.result_max_bytes
+            workflow = _workflow_of(task)
 
             def call() -> Any:
                 returned: list[Any] = [None]
                 with store.transaction(
-                    env.idempotency_key, task.attempts, result_of=lambda: returned[0]
+                    env.idempotency_key, task.attempts, result_of=lambda: returned[0], workflow=workflow
                 ) as conn:
                     ctx.db = conn
                     # Checked inside the transaction: a result that cannot be stored rolls the effect back.
@@ -1189,6 +1241,7 @@ class Worker:
 
     def _context(self, task: _Task) -> TaskContext:
         env = task.envelope
+        workflow = _workflow_of(task)
         return TaskContext(
             task_id=env.task_id,
             task_type=env.task_type,
@@ -1198,6 +1251,9 @@ class Worker:
             priority=env.priority,
             headers=dict(task.record.headers),
             logger=_task_logger(env.task_type),
+            workflow_inputs=None
+            if workflow is None
+            else functools.partial(self.store.workflow_inputs, workflow),
         )
 
     def _start_group(self, tasks: list[_Task]) -> None:
@@ -1333,7 +1389,13 @@ class Worker:
                 self._completed(task)
             else:
                 self._completer.record(
-                    Finished(env.idempotency_key, task.attempts, "completed", result=outcome.result),
+                    Finished(
+                        env.idempotency_key,
+                        task.attempts,
+                        "completed",
+                        result=outcome.result,
+                        workflow=_workflow_of(task),
+                    ),
                     lambda: self._completed(task),
                 )
             return
@@ -1381,7 +1443,9 @@ class Worker:
             # wait for it (what ordering means); a restart or rebalance redelivers it first.
             self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
             self._completer.record(
-                Finished(env.idempotency_key, task.attempts, "failed", error=message),
+                Finished(
+                    env.idempotency_key, task.attempts, "failed", error=message, workflow=_workflow_of(task)
+                ),
                 lambda: self._lift_quarantine(task),
             )
             self._held.append(_Held(task, self._clock() + delay.total_seconds()))
@@ -1396,7 +1460,9 @@ class Worker:
             now,
         )
         self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
-        self._completer.record(Finished(env.idempotency_key, task.attempts, "failed", error=message))
+        self._completer.record(
+            Finished(env.idempotency_key, task.attempts, "failed", error=message, workflow=_workflow_of(task))
+        )
         # Delivery guarantee: the offset is done only when the broker acknowledged the retry record.
         # One too large to send again cannot be retried: a bounded DLQ record takes its place.
         self._completer.publish(
@@ -1444,6 +1510,7 @@ class Worker:
                     "dead",
                     error=reason,
                     dlq=None if at is None else (at.partition, at.offset),
+                    workflow=_workflow_of(task),
                 ),
                 lambda: self._done(task),
             ),
@@ -1665,7 +1732,13 @@ class Worker:
             try:
                 self.store.finish(
                     [
-                        Finished(t.envelope.idempotency_key, t.attempts, "failed", error="worker shut down")
+                        Finished(
+                            t.envelope.idempotency_key,
+                            t.attempts,
+                            "failed",
+                            error="worker shut down",
+                            workflow=_workflow_of(t),
+                        )
                         for t in abandoned
                     ]
                 )

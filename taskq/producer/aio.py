@@ -27,6 +27,7 @@ from taskq._core.settings import Settings
 from taskq.producer.producer import TaskProducer, _settled
 from taskq.producer.status import TaskStatus, result_of
 from taskq.producer.tasks import Receipt, TaskSpec, _Bulk
+from taskq.producer.workflows import Chain, Group, WorkflowReceipt, WorkflowStatus
 
 __all__ = ["AsyncTaskProducer"]
 
@@ -220,6 +221,25 @@ class AsyncTaskProducer:
                 pause = min(pause, left)
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, 1.0)
+
+    async def enqueue_workflow(self, workflow: TaskSpec | Chain | Group) -> WorkflowReceipt:
+        """Enqueue a workflow (TaskProducer.enqueue_workflow), in a thread: it writes to Postgres. The
+        receipt's `status()` and `cancel()` are the synchronous producer's."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, contextvars.copy_context().run, self._producer.enqueue_workflow, workflow
+        )
+
+    async def workflow_status(self, workflow_id: str) -> WorkflowStatus:
+        """What became of a workflow (TaskProducer.workflow_status), read in a thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._producer.workflow_status, workflow_id
+        )
+
+    async def cancel_workflow(self, workflow_id: str) -> int:
+        """Cancel a workflow (TaskProducer.cancel_workflow), in a thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._producer.cancel_workflow, workflow_id
+        )
 
     async def cancel(self, task_id: str | None = None, *, idempotency_key: str | None = None) -> bool:
         """Cancel a task (TaskProducer.cancel), in a thread; whether it had started."""

@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +28,8 @@ from taskq._core.errors import (
     DeliveryError,
     InvalidPriorityError,
     InvalidTaskError,
+    KafkaUnavailableError,
+    NotCancellableError,
     PayloadTooLargeError,
     ProducerClosedError,
     QueueFullError,
@@ -39,6 +42,7 @@ from taskq._core.settings import Settings, redact
 from taskq._core.store import outbox_stage
 from taskq.producer.backpressure import DepthMonitor
 from taskq.producer.metrics import producer_metrics
+from taskq.producer.outbox import OutboxRelay
 from taskq.producer.ratelimit import RateLimit, RateLimiter
 from taskq.producer.status import (
     PostgresTaskRecords,
@@ -57,6 +61,14 @@ from taskq.producer.tasks import (
     _Bulk,
     check_priority,
     derive_idempotency_key,
+)
+from taskq.producer.workflows import (
+    Chain,
+    Group,
+    WorkflowReceipt,
+    WorkflowStatus,
+    flatten,
+    new_workflow_id,
 )
 from taskq.schemas import avro
 from taskq.schemas.errors import PayloadValidationError
@@ -191,6 +203,7 @@ class TaskProducer:
         # Task records (status, results, cancel): Postgres, connected on first use, unless given.
         self._records = records
         self._owns_records = records is None
+        self._relay: OutboxRelay | None = None  # publishes a workflow's first tasks, made on first use
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
         self._owns_registry = registry is None
         self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
@@ -537,6 +550,8 @@ class TaskProducer:
             self._limiter.close()
             if self._owns_records and self._records is not None:
                 self._records.close()
+            if self._relay is not None:
+                self._relay.close()
             if self._owns_registry:
                 self.registry.close()
 
@@ -576,6 +591,66 @@ class TaskProducer:
         receipt's `cancel()` does).
         """
         return cancel_task(self._task_records(), task_id, idempotency_key)
+
+    def enqueue_workflow(self, workflow: TaskSpec | Chain | Group) -> WorkflowReceipt:
+        """Enqueue a workflow (`taskq.chain`, `taskq.group`, nested): every task is validated and encoded now
+        (an invalid one means nothing is enqueued), kept in Postgres, and staged in the outbox when its turn
+        comes, in the transaction that records the end of the step before it. Its first tasks are staged
+        now; a relay (every worker runs one) publishes them. Delays count from now."""
+        workflow_id = new_workflow_id()
+        nodes, specs = flatten(workflow_id, workflow)
+        accepted = self._accept([spec for _, spec in specs])
+        for (node, _), (topic, value, key, headers), (task_id, idem, task_type, _) in zip(
+            specs, accepted.records, accepted.tasks, strict=True
+        ):
+            nodes[node] = replace(
+                nodes[node],
+                task_id=task_id,
+                idempotency_key=idem,
+                task_type=task_type,
+                topic=topic,
+                key=key,
+                value=value or b"",
+                headers=list(headers),
+            )
+        records = self._task_records()
+        records.workflow_create(workflow_id, nodes)
+        self._count(accepted)
+        if isinstance(records, PostgresTaskRecords):
+            self._publish_staged(len(specs))
+        return WorkflowReceipt(workflow_id, self)
+
+    def _publish_staged(self, most: int) -> None:
+        """Publish the outbox's oldest rows (this workflow's first tasks among them) as a relay would, so
+        they do not wait for a worker's relay; rows left (Kafka away) are published by the relays."""
+        if self._relay is None:
+            self._relay = OutboxRelay(self.settings, broker=self.broker, batch=500)
+        published = 0
+        try:
+            while published < most:
+                n = self._relay.relay_once()
+                published += n
+                if n < self._relay.batch:
+                    break
+        except (KafkaUnavailableError, StoreUnavailableError) as exc:
+            log.warning("a workflow's first tasks wait in the outbox for a relay: %s", exc)
+
+    def workflow_status(self, workflow_id: str) -> WorkflowStatus:
+        """What became of a workflow: its state, done or not, and its tasks counted by state."""
+        state, cancelled, counts = self._task_records().workflow_status(workflow_id)
+        return WorkflowStatus(workflow_id, state or "unknown", counts, cancelled)
+
+    def cancel_workflow(self, workflow_id: str) -> int:
+        """Cancel a workflow: its steps not started never start (waiting ones, and staged tasks no worker has
+        started, as `cancel` does); running ones see ctx.cancelled. Returns how many staged tasks were
+        stopped before they started. A workflow that has ended is refused (NotCancellableError)."""
+        state, _, _ = self._task_records().workflow_status(workflow_id)
+        if state is None:
+            raise InvalidTaskError(f"no workflow {workflow_id}")
+        if state != "running":
+            raise NotCancellableError(f"workflow {workflow_id}", state)
+        _, not_started = self._task_records().workflow_cancel(workflow_id)
+        return not_started
 
     def _task_records(self) -> TaskRecords:
         if self._records is None:

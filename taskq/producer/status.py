@@ -9,14 +9,15 @@ carry no index, kept off the claim's path).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
 from taskq._core.db import Database
 from taskq._core.errors import InvalidTaskError, NotCancellableError, TaskCancelled, TaskFailed
-from taskq._core.store import Store
+from taskq._core.store import NodeRecord, Store
+from taskq._core.workflows import PostgresNodes, advance
 
 __all__ = ["TaskRecords", "TaskState", "TaskStatus"]
 
@@ -109,6 +110,9 @@ class TaskRecords(Protocol):
     def get(self, idempotency_key: str) -> Mapping[str, Any] | None: ...
     def find(self, task_id: str) -> Mapping[str, Any] | None: ...
     def cancel(self, idempotency_key: str, task_id: str = "") -> tuple[str, int, bool]: ...
+    def workflow_create(self, workflow_id: str, nodes: Sequence[NodeRecord]) -> None: ...
+    def workflow_status(self, workflow_id: str) -> tuple[str | None, bool, dict[str, int]]: ...
+    def workflow_cancel(self, workflow_id: str) -> tuple[int, int]: ...
     def close(self) -> None: ...
 
 
@@ -131,6 +135,22 @@ class PostgresTaskRecords:
     def cancel(self, idempotency_key: str, task_id: str = "") -> tuple[str, int, bool]:
         """Cancel a key: (its stored state before, or "unknown"; its attempts; whether a worker held it)."""
         return self._store.cancel(self.namespace, idempotency_key, task_id)
+
+    def workflow_create(self, workflow_id: str, nodes: Sequence[NodeRecord]) -> None:
+        """Write a new workflow and stage its first tasks in the outbox, in one transaction."""
+        with self.database.transaction() as tx:
+            self._store.workflow_create(tx, self.namespace, workflow_id, nodes)
+            advance(PostgresNodes(tx, self.namespace), start=[(workflow_id, 0)])
+
+    def workflow_status(self, workflow_id: str) -> tuple[str | None, bool, dict[str, int]]:
+        """(the workflow's state or None if unknown, whether it was cancelled, its tasks by state)."""
+        row, counts = self._store.workflow_get(self.namespace, workflow_id)
+        return (None, False, {}) if row is None else (row["state"], bool(row["cancelled"]), counts)
+
+    def workflow_cancel(self, workflow_id: str) -> tuple[int, int]:
+        """Cancel a workflow: (its staged tasks, of which not started)."""
+        with self.database.transaction() as tx:
+            return self._store.workflow_cancel(tx, self.namespace, workflow_id)
 
     def close(self) -> None:
         """Close the connection."""
@@ -204,6 +224,6 @@ def cancel(records: TaskRecords, task_id: str | None, idempotency_key: str | Non
         idempotency_key = row["idempotency_key"]
     before, attempts, held = records.cancel(idempotency_key, task_id or "")
     if before in FINAL:
-        raise NotCancellableError(str(name), before)
+        raise NotCancellableError(f"task {name}", before)
     # Started: a worker holds it (running, or claimed ahead of its run), or an attempt of it ran before.
     return held or (attempts > 0 and before != "unknown")

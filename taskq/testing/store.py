@@ -13,7 +13,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from taskq._core.errors import TaskqError
-from taskq._core.store import encode_result
+from taskq._core.store import NodeRecord, encode_result
+from taskq._core.workflows import advance, parse_header, step_ends, workflow_inputs
 from taskq.consumer.store import (
     FORGET_WORKERS_AFTER,
     Claim,
@@ -26,6 +27,7 @@ from taskq.consumer.store import (
     SlotRequest,
     WorkerRecord,
 )
+from taskq.testing.workflows import InMemoryWorkflows, MemoryNodes
 
 
 @dataclass
@@ -114,6 +116,7 @@ class InMemoryStore:
         slots: dict[str, _Slot] | None = None,
         buckets: dict[str, _Bucket] | None = None,
         paused: dict[tuple[str, str], datetime] | None = None,
+        workflows: InMemoryWorkflows | None = None,
     ) -> None:
         self.owner = owner
         self.namespace = namespace
@@ -130,6 +133,8 @@ class InMemoryStore:
         self._replay_lock = threading.Lock()
         #: What operators paused, (kind, name) -> when; stores of one namespace share it: `paused=a.paused`
         self.paused: dict[tuple[str, str], datetime] = {} if paused is None else paused
+        #: Workflows and their nodes; stores of one namespace share them: `workflows=a.workflows`
+        self.workflows = InMemoryWorkflows() if workflows is None else workflows
 
     def pause(self, kind: str, name: str) -> bool:
         """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""
@@ -314,8 +319,10 @@ class InMemoryStore:
         return row if ok and row is not None and row.attempts == attempts else None
 
     def finish(self, finished: Sequence[Finished]) -> set[str]:
-        """Record completions and failures; returns the keys whose lease was lost (nothing recorded)."""
+        """Record completions and failures, and move on the workflows they end steps of; returns the keys
+        whose lease was lost (nothing recorded)."""
         lost: set[str] = set()
+        steps: list[tuple[str, str, str]] = []
         with self._lock:
             now = self._clock()
             for f in finished:
@@ -329,7 +336,72 @@ class InMemoryStore:
                     row.result, row.completed_at, row.last_error = _stored(f.result), now, None
                 else:
                     row.last_error, row.dlq = f.error[:4000], f.dlq
+                if f.workflow is not None:
+                    steps.append((f.workflow, f.idempotency_key, state))
+            advance(self._nodes(), step_ends(steps))
         return lost
+
+    def _nodes(self) -> MemoryNodes:
+        """The workflows' nodes, for `advance` (under the lock)."""
+
+        def result(key: str) -> tuple[str | None, Any, str | None]:
+            row = self.rows.get(key)
+            return (None, None, None) if row is None else (row.task_id, row.result, row.last_error)
+
+        return self.workflows.view(result)
+
+    def take_staged(self) -> list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]]:
+        """The records workflows staged since the last call (topic, key, value, headers), for the relay."""
+        with self._lock:
+            staged, self.workflows.outbox[:] = list(self.workflows.outbox), []
+            return staged
+
+    def workflow_ended(self, ends: Sequence[tuple[str, str, str]]) -> None:
+        """Record the ends of workflow steps skipped by the worker (as IdempotencyStore)."""
+        with self._lock:
+            advance(self._nodes(), step_ends(ends))
+
+    def workflow_inputs(self, workflow: str) -> tuple[Any, list[dict[str, Any]] | None]:
+        """(ctx.parent_result, ctx.group_results) of a workflow's step."""
+        workflow_id, node = parse_header(workflow)
+        with self._lock:
+            return workflow_inputs(self._nodes(), workflow_id, node)
+
+    def workflow_create(self, workflow_id: str, nodes: Sequence[NodeRecord]) -> None:
+        """Write a new workflow and start it: its first tasks wait in `workflows.outbox` for the relay."""
+        with self._lock:
+            self.workflows.create(workflow_id, nodes)
+            advance(self._nodes(), start=[(workflow_id, 0)])
+
+    def workflow_status(self, workflow_id: str) -> tuple[str | None, bool, dict[str, int]]:
+        """(the workflow's state or None if unknown, whether it was cancelled, its tasks by state)."""
+        with self._lock:
+            wf = self.workflows.workflows.get(workflow_id)
+            counts: dict[str, int] = {}
+            for (w, _), (node, _, _) in self.workflows.nodes.items():
+                if w == workflow_id and node.kind == "task":
+                    counts[node.state] = counts.get(node.state, 0) + 1
+            return (None, False, {}) if wf is None else (wf.state, wf.cancelled, counts)
+
+    def workflow_cancel(self, workflow_id: str) -> tuple[int, int]:
+        """Cancel a workflow: its waiting steps never start, its staged tasks are cancelled as `cancel`
+        would (as in Postgres). Returns (staged tasks, of which not started)."""
+        with self._lock:
+            wf = self.workflows.workflows.get(workflow_id)
+            if wf is None or wf.state != "running":
+                return 0, 0
+            wf.cancelled = True
+            staged = [
+                record
+                for (w, _), (node, record, _) in self.workflows.nodes.items()
+                if w == workflow_id and node.kind == "task" and node.state == "running"
+            ]
+        not_started = 0
+        for record in staged:
+            assert record.idempotency_key is not None
+            before, _, held = self.cancel(record.idempotency_key, record.task_id or "")
+            not_started += before in ("unknown", "failed") or (before == "running" and not held)
+        return len(staged), not_started
 
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]:
         """Give back claims whose attempts never started: uncounted, claimable at once (as in Postgres)."""
@@ -390,6 +462,7 @@ class InMemoryStore:
         result: Any = None,
         *,
         result_of: Callable[[], Any] | None = None,
+        workflow: str | None = None,
     ) -> Iterator[Any]:
         """The handler's connection (from `connect`); the completion is recorded only if it commits."""
         with self._connection() as conn:
@@ -403,6 +476,8 @@ class InMemoryStore:
                 if self._connect is not None:
                     conn.commit()
                 self._complete(row, result)
+                if workflow is not None:
+                    advance(self._nodes(), step_ends([(workflow, idempotency_key, "completed")]))
 
     def _complete(self, row: _Row, result: Any) -> None:
         now = self._clock()

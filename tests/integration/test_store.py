@@ -582,7 +582,7 @@ def test_migrating_a_table_of_a_million_records_to_hot_completions_keeps_every_r
                                           ELSE now() - interval '1 hour' + i * interval '1 ms' END AS at) t
                 """
             )
-        assert db.migrate(namespace="shop") == ["0010_hot_completions", "0011_status_and_cancellation"]
+        assert db.migrate(namespace="shop") == ["0010_hot_completions", "0011_status_and_cancellation", "0012_workflows"]
         with db.connection() as conn:
             (n,) = conn.execute("SELECT count(*) AS n FROM taskq_tasks").fetchone().values()
             indexes = {

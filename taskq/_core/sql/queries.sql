@@ -150,7 +150,7 @@ FROM unnest(%(keys)b::text[], %(attempts)b::int[], %(states)b::text[], %(errors)
 WHERE t.idempotency_key = ANY(%(keys)b::text[]) AND t.namespace = %(namespace)s
   AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
-RETURNING t.idempotency_key;
+RETURNING t.idempotency_key, t.state;
 
 -- name: release
 -- Give back keys claimed ahead whose attempts never started (their partition was revoked, or the worker is
@@ -479,3 +479,211 @@ SELECT count(*) AS n FROM taskq_tasks
 WHERE created_at >= statement_timestamp() - %(seconds)s * interval '1 second'
   AND namespace = %(namespace)s AND state = 'completed'
   AND completed_at >= statement_timestamp() - %(seconds)s * interval '1 second';
+
+-- name: wf_create
+-- A new workflow's row, in the transaction that writes its nodes and stages its first tasks.
+INSERT INTO taskq_workflows (namespace, workflow_id) VALUES (%(namespace)s, %(workflow_id)s);
+
+-- name: wf_insert_nodes
+-- A new workflow's nodes: its tree in preorder, each task with its record encoded and validated already.
+INSERT INTO taskq_workflow_nodes
+    (namespace, workflow_id, node, step, last, parent, position, kind, on_failure, task_id, idempotency_key,
+     task_type, topic, key, value, headers)
+SELECT %(namespace)s, %(workflow_id)s, node, %(workflow_id)s || ':' || node, last, parent, position, kind,
+       on_failure, task_id, idempotency_key, task_type, topic, key, value, headers
+FROM unnest(%(nodes)s::int[], %(lasts)s::int[], %(parents)s::int[], %(positions)s::int[], %(kinds)s::text[],
+            %(on_failures)s::text[], %(task_ids)s::text[], %(keys)s::text[], %(task_types)s::text[],
+            %(topics)s::text[], %(record_keys)s::bytea[], %(values)s::bytea[], %(headers)s::jsonb[])
+    AS n(node, last, parent, position, kind, on_failure, task_id, idempotency_key, task_type, topic, key, value,
+         headers);
+
+-- name: wf_end
+-- End nodes: a task that completed, died or was cancelled, or a chain or group whose turn is over. Only an
+-- open node ends, once: a redelivered task whose node ended already changes nothing. The row lock each
+-- update takes is what a group's last member is told apart by (wf_group_unlocked).
+UPDATE taskq_workflow_nodes n SET state = e.state, result_key = e.result_key, ended_at = clock_timestamp()
+FROM unnest(%(steps)s::text[], %(states)s::text[], %(result_keys)s::text[]) AS e(step, state, result_key)
+-- Plan stability: `= ANY(steps)` on the unique index's first column is the way in, whatever the statistics.
+WHERE n.step = ANY(%(steps)s::text[]) AND n.namespace = %(namespace)s AND n.step = e.step
+  AND n.state IN ('waiting', 'running')
+RETURNING n.workflow_id, n.node, n.last, n.parent, n.position, n.kind, n.on_failure, n.state, n.result_key,
+    -- Its parent's place in the tree (never changes), so moving on needs no statement more to find it.
+    (SELECT json_build_array(p.node, p.last, p.parent, p.position, p.kind, p.on_failure)
+     FROM taskq_workflow_nodes p
+     WHERE p.step = n.workflow_id || ':' || n.parent AND p.namespace = n.namespace) AS parent_place;
+
+-- name: wf_nodes
+-- Nodes by step: their place in the tree and their state.
+SELECT workflow_id, node, last, parent, position, kind, on_failure, state, result_key
+FROM taskq_workflow_nodes
+WHERE step = ANY(%(steps)s::text[]) AND namespace = %(namespace)s;
+
+-- name: wf_child
+-- The child of a node at a position (a chain's next step, a group's callback at -1), found in the node's
+-- subtree by primary key.
+SELECT workflow_id, node, last, parent, position, kind, on_failure, state, result_key
+FROM taskq_workflow_nodes
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND node BETWEEN %(parent)s + 1 AND %(last)s
+  AND parent = %(parent)s AND position = %(position)s;
+
+-- name: wf_group_unlocked
+-- One open member of a group, among the nodes from..to of its subtree, that no transaction is ending now,
+-- share-locked: its ender's update waits for this transaction, so it will see this transaction's ends and
+-- decide the group itself. None: every open member there is being ended by a transaction in flight (or none
+-- is open). Asked first after the members this transaction ended (members end about in order, so an open one
+-- is a few rows on), then before them. A row share-locked by another checker is not skipped (shares do not
+-- conflict).
+SELECT node FROM taskq_workflow_nodes
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND node BETWEEN %(from)s AND %(to)s
+  AND parent = %(group)s AND position >= 0 AND state IN ('waiting', 'running')
+ORDER BY node LIMIT 1 FOR SHARE SKIP LOCKED;
+
+-- name: wf_group_lock
+-- Lock a group's row: its deciders take turns, each seeing the members ended by those before it.
+SELECT fired FROM taskq_workflow_nodes
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND node = %(group)s
+FOR UPDATE;
+
+-- name: wf_group_open
+-- How many members of a group are still open, as committed now (read after wf_group_lock, a statement of
+-- its own: under READ COMMITTED it sees every end committed before the lock was granted).
+SELECT count(*) AS n FROM taskq_workflow_nodes g
+JOIN taskq_workflow_nodes m ON m.workflow_id = g.workflow_id AND m.namespace = g.namespace
+    AND m.node BETWEEN g.node + 1 AND g.last AND m.parent = g.node AND m.position >= 0
+    AND m.state IN ('waiting', 'running')
+WHERE g.workflow_id = %(workflow_id)s AND g.namespace = %(namespace)s AND g.node = %(group)s;
+
+-- name: wf_group_fire
+-- A group whose members all ended: marked decided, and its members counted by state. Under the group's lock.
+WITH fired AS (
+    UPDATE taskq_workflow_nodes SET fired = true
+    WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND node = %(group)s AND NOT fired
+    RETURNING node, last
+)
+SELECT m.state, count(*) AS n FROM fired f
+JOIN taskq_workflow_nodes m ON m.workflow_id = %(workflow_id)s AND m.namespace = %(namespace)s
+    AND m.node BETWEEN f.node + 1 AND f.last AND m.parent = f.node AND m.position >= 0
+GROUP BY m.state;
+
+-- name: wf_start
+-- Start waiting nodes: tasks are staged (wf_stage), chains and groups start their first step or members.
+UPDATE taskq_workflow_nodes SET state = 'running'
+WHERE step = ANY(%(steps)s::text[]) AND namespace = %(namespace)s AND state = 'waiting'
+RETURNING workflow_id, node, last, parent, position, kind, on_failure, state, result_key;
+
+-- name: wf_first_steps
+-- What starting chains and groups start: a chain's first step, a group's members (not its callback).
+-- One range of the primary key per started node (a LATERAL probe each).
+SELECT n.workflow_id, n.node FROM unnest(%(workflow_ids)s::text[], %(nodes)s::int[], %(lasts)s::int[],
+                                         %(groups)s::bool[]) AS k(workflow_id, node, last, is_group)
+CROSS JOIN LATERAL (
+    SELECT workflow_id, node FROM taskq_workflow_nodes n
+    WHERE n.workflow_id = k.workflow_id AND n.namespace = %(namespace)s AND n.node BETWEEN k.node + 1 AND k.last
+      AND n.parent = k.node AND (n.position = 0 OR (k.is_group AND n.position > 0))
+    OFFSET 0
+) n;
+
+-- name: wf_stage
+-- Stage started tasks in the outbox, in the transaction that started them, in the order given; relays are
+-- woken when, and only if, it commits.
+WITH staged AS (
+    INSERT INTO taskq_outbox (namespace, topic, key, value, headers)
+    SELECT n.namespace, n.topic, n.key, n.value, n.headers
+    FROM unnest(%(steps)s::text[]) WITH ORDINALITY AS k(step, i)
+    JOIN taskq_workflow_nodes n ON n.step = k.step
+    WHERE n.step = ANY(%(steps)s::text[]) AND n.namespace = %(namespace)s
+    ORDER BY k.i
+    RETURNING id
+)
+SELECT pg_notify('taskq_outbox', %(namespace)s) FROM (SELECT count(*) FROM staged) AS s;
+
+-- name: wf_close
+-- Close the waiting nodes below a node (a chain's steps after one that failed, a callback not run): they
+-- will never start.
+UPDATE taskq_workflow_nodes SET state = %(state)s, ended_at = clock_timestamp()
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND node BETWEEN %(node)s + 1 AND %(last)s
+  AND state = 'waiting';
+
+-- name: wf_cancelled
+-- Which of these workflows were cancelled: their waiting nodes never start.
+SELECT workflow_id FROM taskq_workflows
+WHERE workflow_id = ANY(%(workflow_ids)s::text[]) AND namespace = %(namespace)s AND cancelled;
+
+-- name: wf_finish
+-- A workflow's root ended: the workflow is done.
+UPDATE taskq_workflows SET state = %(state)s, ended_at = clock_timestamp()
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND state = 'running';
+
+-- name: wf_get
+-- A workflow's row.
+SELECT workflow_id, state, cancelled, created_at, ended_at FROM taskq_workflows
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s;
+
+-- name: wf_counts
+-- A workflow's tasks by state.
+SELECT state, count(*) AS n FROM taskq_workflow_nodes
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND kind = 'task'
+GROUP BY state;
+
+-- name: wf_tree
+-- A workflow's nodes in preorder, for the console (at most `limit`).
+SELECT node, last, parent, position, kind, on_failure, state, task_id, idempotency_key, task_type
+FROM taskq_workflow_nodes
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s
+ORDER BY node LIMIT %(limit)s;
+
+-- name: wf_cancel
+-- Mark a workflow cancelled (its waiting nodes will never start); returns its tasks staged and not ended,
+-- whose keys are cancelled next.
+WITH marked AS (
+    UPDATE taskq_workflows SET cancelled = true
+    WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND state = 'running'
+    RETURNING workflow_id
+)
+SELECT n.idempotency_key, n.task_id FROM marked m
+JOIN taskq_workflow_nodes n ON n.workflow_id = m.workflow_id AND n.namespace = %(namespace)s
+WHERE n.kind = 'task' AND n.state = 'running';
+
+-- name: cancel_many
+-- Cancel many keys at once (a workflow's staged tasks), by the rules of cancel: no record or waiting for an
+-- attempt or a new owner: cancelled; running: asked to stop; finished: left as it is. A key a claim inserts
+-- concurrently is left to run (it had started). Answers the keys that were not started.
+WITH fresh AS (
+    INSERT INTO taskq_tasks
+        (namespace, idempotency_key, task_id, task_type, state, attempts, cancel_requested, created_at,
+         updated_at, completed_at)
+    SELECT %(namespace)s, k, t, '', 'cancelled', 0, true, statement_timestamp(), statement_timestamp(),
+           statement_timestamp()
+    FROM unnest(%(keys)s::text[], %(task_ids)s::text[]) AS i(k, t)
+    ON CONFLICT (idempotency_key, namespace) DO NOTHING
+    RETURNING idempotency_key
+), before AS (
+    SELECT idempotency_key, state, lease_owner FROM taskq_tasks
+    WHERE idempotency_key = ANY(%(keys)s::text[]) AND namespace = %(namespace)s
+      AND state IN ('running', 'failed')
+    FOR UPDATE
+), changed AS (
+    UPDATE taskq_tasks t SET
+        state = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN t.state ELSE 'cancelled' END,
+        cancel_requested = true,
+        lease_owner = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN t.lease_owner END,
+        lease_expires_at = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL
+                                THEN t.lease_expires_at END,
+        updated_at = statement_timestamp()
+    FROM before b
+    WHERE t.idempotency_key = b.idempotency_key AND t.namespace = %(namespace)s
+    RETURNING t.idempotency_key, b.state, b.lease_owner
+)
+SELECT idempotency_key FROM fresh
+UNION ALL
+SELECT idempotency_key FROM changed WHERE NOT (state = 'running' AND lease_owner IS NOT NULL);
+
+-- name: wf_results
+-- A group's members in order, each with its result's record (the task's, or a chain's last step's).
+SELECT m.node, m.position, m.kind, m.state, t.task_id, t.result, t.last_error
+FROM taskq_workflow_nodes g
+JOIN taskq_workflow_nodes m ON m.workflow_id = g.workflow_id AND m.namespace = g.namespace
+    AND m.node BETWEEN g.node + 1 AND g.last AND m.parent = g.node AND m.position >= 0
+LEFT JOIN taskq_tasks t ON t.idempotency_key = m.result_key AND t.namespace = m.namespace
+WHERE g.workflow_id = %(workflow_id)s AND g.namespace = %(namespace)s AND g.node = %(group)s
+ORDER BY m.position;
