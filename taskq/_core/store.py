@@ -394,6 +394,11 @@ class Store:
             ],
         )
 
+    def workflow_purge(self, namespace: str, ttl_seconds: float, *, batch: int) -> int:
+        """Delete up to `batch` workflows that ended over `ttl_seconds` ago, with their nodes; how many."""
+        row = self.database.one("wf_purge", namespace=namespace, ttl_seconds=ttl_seconds, batch=batch)
+        return 0 if row is None else int(row["workflows"])
+
     def workflow_get(self, namespace: str, workflow_id: str) -> tuple[Row | None, dict[str, int]]:
         """A workflow's row (or None) and its tasks counted by state."""
         row = self.database.one("wf_get", namespace=namespace, workflow_id=workflow_id)

@@ -467,6 +467,15 @@ class IdempotencyStore:
             if n < batch:
                 return total
 
+    def purge_workflows(self, ttl_seconds: float, *, batch: int = 1_000) -> int:
+        """Delete workflows that ended more than the TTL ago, with their nodes; how many."""
+        total = 0
+        while True:
+            n = self._store.workflow_purge(self.namespace, ttl_seconds, batch=batch)
+            total += n
+            if n < batch:
+                return total
+
     def retries(self) -> tuple[int, int]:
         """(tasks that needed more than one attempt, attempts beyond the first), over all workers."""
         return self._store.retries(self.namespace)

@@ -348,7 +348,12 @@ class InMemoryStore:
             row = self.rows.get(key)
             return (None, None, None) if row is None else (row.task_id, row.result, row.last_error)
 
-        return self.workflows.view(result)
+        return self.workflows.view(result, self._clock)
+
+    def purge_workflows(self, ttl_seconds: float, *, batch: int = 1_000) -> int:
+        """Forget workflows that ended more than the TTL ago, with their nodes (as IdempotencyStore)."""
+        with self._lock:
+            return self.workflows.purge(self._clock() - ttl_seconds)
 
     def take_staged(self) -> list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]]:
         """The records workflows staged since the last call (topic, key, value, headers), for the relay."""

@@ -17,6 +17,7 @@ Staged = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
 class _Workflow:
     state: str = "running"
     cancelled: bool = False
+    ended_at: float | None = None
 
 
 @dataclass
@@ -38,17 +39,35 @@ class InMemoryWorkflows:
             )
             self.nodes[(workflow_id, r.node)] = (node, r, False)
 
-    def view(self, result: Callable[[str], tuple[str | None, Any, str | None]]) -> MemoryNodes:
-        """The `Nodes` that `advance` moves on; `result(key)` gives a key's (task id, result, last error)."""
-        return MemoryNodes(self, result)
+    def view(
+        self, result: Callable[[str], tuple[str | None, Any, str | None]], now: Callable[[], float]
+    ) -> MemoryNodes:
+        """The `Nodes` that `advance` moves on; `result(key)` gives a key's (task id, result, last error),
+        `now()` the time."""
+        return MemoryNodes(self, result, now)
+
+    def purge(self, cutoff: float) -> int:
+        """Forget the workflows that ended before `cutoff`, with their nodes; how many."""
+        gone = {w for w, wf in self.workflows.items() if wf.ended_at is not None and wf.ended_at < cutoff}
+        for w in gone:
+            del self.workflows[w]
+        for ref in [r for r in self.nodes if r[0] in gone]:
+            del self.nodes[ref]
+        return len(gone)
 
 
 class MemoryNodes:
     """`taskq._core.workflows.Nodes` over `InMemoryWorkflows` (and `workflow_inputs`' reads)."""
 
-    def __init__(self, held: InMemoryWorkflows, result: Callable[[str], tuple[str | None, Any, str | None]]):
+    def __init__(
+        self,
+        held: InMemoryWorkflows,
+        result: Callable[[str], tuple[str | None, Any, str | None]],
+        now: Callable[[], float],
+    ) -> None:
         self.held = held
         self._result = result
+        self._now = now
 
     def _set(self, node: Node, **changes: Any) -> Node:
         _, record, fired = self.held.nodes[node.ref]
@@ -134,7 +153,7 @@ class MemoryNodes:
         """Mark a workflow done."""
         wf = self.held.workflows[workflow_id]
         if wf.state == "running":
-            wf.state = state
+            wf.state, wf.ended_at = state, self._now()
 
     def members(self, group: Node) -> list[dict[str, Any]]:
         """A group's members in order, with their results or errors."""

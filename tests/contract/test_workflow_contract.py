@@ -76,6 +76,11 @@ def test_a_chain_around_a_group_stages_each_step_once_when_the_steps_before_it_e
     # A step delivered again after its end (its offset was not committed) ends nothing twice.
     b.workflow_ended([(h["e"], h["e"], "completed"), (h["b"], h["b"], "completed")])
     assert staged() == [] and records.workflow_status(wf)[0] == "completed"
+    # Purged once ended longer than the TTL: the running ones stay.
+    other, _ = create(records, chain(t("f")))
+    assert a.purge_workflows(3600) == 0 and a.purge_workflows(-60) == 1
+    assert records.workflow_status(wf) == (None, False, {})
+    assert records.workflow_status(other)[0] == "running"
 
 
 def test_a_group_that_skips_its_callback_ends_its_chain_and_the_steps_after_it_never_run(
