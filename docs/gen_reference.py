@@ -33,6 +33,8 @@ API_SECTIONS = {
         "RateLimit",
         "derive_idempotency_key",
     ],
+    "Status, results and cancellation": ["TaskStatus", "TaskState"],
+    "Workflows": ["chain", "group", "WorkflowReceipt", "WorkflowStatus"],
     "Handling and running": [
         "Handlers",
         "TaskContext",
@@ -56,6 +58,10 @@ API_SECTIONS = {
         "RateLimitedError",
         "StoreUnavailableError",
         "UnknownTaskTypeError",
+        "TaskFailed",
+        "TaskCancelled",
+        "NotCancellableError",
+        "ResultError",
         "SchemaError",
         "PayloadValidationError",
     ],
@@ -311,6 +317,7 @@ HEADER_MEANINGS = {
     "taskq-dlq-offset": "DLQ only: its offset",
     "taskq-dlq-value-bytes": "DLQ only, for a record too large to republish: the size of the original value",
     "taskq-dlq-value-sha256": "DLQ only, for a record too large to republish: the SHA-256 of the value",
+    "taskq-workflow": "a workflow's step only: `<workflow id>:<node>`, kept across its attempts",
     "traceparent": "W3C trace context of the enqueue (OpenTelemetry), when tracing is on",
 }
 

@@ -18,6 +18,12 @@ _EXPORTS = {
     "TaskProducer": "taskq.producer.producer",
     "TaskSpec": "taskq.producer.tasks",
     "Receipt": "taskq.producer.tasks",
+    "TaskStatus": "taskq.producer.status",
+    "chain": "taskq.producer.workflows",
+    "group": "taskq.producer.workflows",
+    "WorkflowReceipt": "taskq.producer.workflows",
+    "WorkflowStatus": "taskq.producer.workflows",
+    "TaskState": "taskq.producer.status",
     "derive_idempotency_key": "taskq.producer.tasks",
     "RateLimit": "taskq.producer.ratelimit",
     "Handlers": "taskq.consumer.handlers",
@@ -42,6 +48,10 @@ _EXPORTS = {
     "RateLimitedError": "taskq._core.errors",
     "StoreUnavailableError": "taskq._core.errors",
     "UnknownTaskTypeError": "taskq._core.errors",
+    "TaskFailed": "taskq._core.errors",
+    "TaskCancelled": "taskq._core.errors",
+    "NotCancellableError": "taskq._core.errors",
+    "ResultError": "taskq._core.errors",
     "SchemaError": "taskq.schemas.errors",
     "PayloadValidationError": "taskq.schemas.errors",
 }
@@ -55,6 +65,7 @@ __all__ = [
     "InvalidPriorityError",
     "InvalidTaskError",
     "KafkaUnavailableError",
+    "NotCancellableError",
     "PayloadTooLargeError",
     "PayloadValidationError",
     "Priority",
@@ -64,20 +75,29 @@ __all__ = [
     "RateLimitedError",
     "Receipt",
     "Reject",
+    "ResultError",
     "Retry",
     "RetryPolicy",
     "SchemaError",
     "Settings",
     "StoreUnavailableError",
+    "TaskCancelled",
     "TaskContext",
+    "TaskFailed",
     "TaskProducer",
     "TaskSpec",
+    "TaskState",
+    "TaskStatus",
     "TaskqError",
     "UnknownTaskTypeError",
     "Worker",
     "WorkerConfig",
+    "WorkflowReceipt",
+    "WorkflowStatus",
     "__version__",
+    "chain",
     "derive_idempotency_key",
+    "group",
 ]
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports on demand
@@ -87,11 +107,15 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
         InvalidPriorityError,
         InvalidTaskError,
         KafkaUnavailableError,
+        NotCancellableError,
         PayloadTooLargeError,
         ProducerClosedError,
         QueueFullError,
         RateLimitedError,
+        ResultError,
         StoreUnavailableError,
+        TaskCancelled,
+        TaskFailed,
         TaskqError,
         UnknownTaskTypeError,
     )
@@ -103,7 +127,9 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from taskq.producer.aio import AsyncTaskProducer
     from taskq.producer.producer import TaskProducer
     from taskq.producer.ratelimit import RateLimit
+    from taskq.producer.status import TaskState, TaskStatus
     from taskq.producer.tasks import Receipt, TaskSpec, derive_idempotency_key
+    from taskq.producer.workflows import WorkflowReceipt, WorkflowStatus, chain, group
     from taskq.schemas.errors import PayloadValidationError, SchemaError
 
 

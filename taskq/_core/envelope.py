@@ -142,6 +142,8 @@ ORIGIN_TOPIC: Final = H + "origin-topic"
 MAX_ATTEMPTS_HEADER: Final = H + "max-attempts"
 NOT_BEFORE: Final = H + "not-before"
 TIMEOUT: Final = H + "timeout"
+#: On a workflow's step only, beside the envelope and kept across its attempts: `<workflow id>:<node>`.
+WORKFLOW_HEADER: Final = H + "workflow"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -81,3 +81,43 @@ class StoreUnavailableError(TaskqError):
 
 class ProducerClosedError(TaskqError):
     """The producer is closed."""
+
+
+class ResultError(TaskqError):
+    """The handler's return value cannot be stored as its result: not JSON, or over the size limit."""
+
+
+class TaskFailed(TaskqError):
+    """The task was dead-lettered: it will not complete unless its DLQ record is replayed."""
+
+    def __init__(
+        self,
+        task_id: str,
+        reason: str,
+        *,
+        dlq_topic: str | None = None,
+        dlq_partition: int | None = None,
+        dlq_offset: int | None = None,
+    ) -> None:
+        where = (
+            f"; its DLQ record is {dlq_topic}[{dlq_partition}]@{dlq_offset}" if dlq_offset is not None else ""
+        )
+        super().__init__(f"task {task_id} was dead-lettered: {reason}{where}")
+        self.task_id = task_id
+        #: Why it was dead-lettered (the DLQ record's reason).
+        self.reason = reason
+        self.dlq_topic = dlq_topic
+        self.dlq_partition = dlq_partition
+        self.dlq_offset = dlq_offset
+
+
+class TaskCancelled(TaskqError):
+    """The task was cancelled before it completed; it has no result."""
+
+
+class NotCancellableError(TaskqError):
+    """The task has finished already; there is nothing left to cancel."""
+
+    def __init__(self, what: str, state: str) -> None:
+        super().__init__(f"{what} is {state} already; there is nothing left to cancel")
+        self.state = state

@@ -12,9 +12,9 @@ from psycopg import sql
 
 from taskq._core.db import Connection, Database, Row, Transaction, queries
 from taskq._core.envelope import PRIORITIES
-from taskq._core.errors import ConfigurationError
+from taskq._core.errors import ConfigurationError, ResultError, StoreUnavailableError
 
-ClaimOutcome = Literal["claimed", "completed", "dead", "running", "duplicate"]
+ClaimOutcome = Literal["claimed", "completed", "dead", "cancelled", "running", "duplicate"]
 #: What an operator pauses: a tier (its partitions) or a task type (its tasks, held in the buffer).
 PauseKind = Literal["tier", "task_type"]
 
@@ -94,13 +94,36 @@ class Pauses:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """An attempt's end, to record: completed (with a small result) or failed/dead (with its error)."""
+    """An attempt's end, to record: completed (with its result, a JSON value checked against the worker's
+    limit) or failed/dead (with its error; a dead one with the (partition, offset) of its DLQ record)."""
 
     idempotency_key: str
     attempts: int
     state: Literal["completed", "failed", "dead"]
     result: Any = None
     error: str = ""
+    dlq: tuple[int, int] | None = None
+    #: The task's workflow header (`<workflow id>:<node>`) if it is a step of a workflow.
+    workflow: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """A node of a new workflow's tree, as it is written: its place, and for a task its encoded record."""
+
+    node: int
+    last: int
+    parent: int | None
+    position: int
+    kind: str
+    on_failure: str | None = None
+    task_id: str | None = None
+    idempotency_key: str | None = None
+    task_type: str | None = None
+    topic: str | None = None
+    key: bytes | None = None
+    value: bytes | None = None
+    headers: Sequence[tuple[str, bytes]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +194,7 @@ class Store:
                 out.append(Claim(r.idempotency_key, "claimed", 1))
                 continue
             outcome = row["outcome"]
-            if outcome not in ("claimed", "completed", "dead"):
+            if outcome not in ("claimed", "completed", "dead", "cancelled"):
                 outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
             out.append(
                 Claim(
@@ -202,15 +225,40 @@ class Store:
 
     def fail(self, namespace: str, owner: str, failed: Sequence[Finished]) -> set[str]:
         """Record failed or dead attempts held by `owner`'s lease; returns the keys recorded."""
-        rows = self.database.all(
+        return set(self.fail_states(namespace, owner, failed))
+
+    def fail_states(
+        self, namespace: str, owner: str, failed: Sequence[Finished], *, tx: Transaction | None = None
+    ) -> dict[str, str]:
+        """Record failed or dead attempts held by `owner`'s lease, in `tx` if given; returns the keys
+        recorded with the state each now has (a failed attempt of a task asked to stop is cancelled)."""
+        rows = (tx or self.database).all(
             "fail",
             namespace=namespace,
             keys=[f.idempotency_key for f in failed],
             attempts=[f.attempts for f in failed],
             states=[f.state for f in failed],
             errors=[f.error[:4000] for f in failed],
+            dlq_partitions=[None if f.dlq is None else f.dlq[0] for f in failed],
+            dlq_offsets=[None if f.dlq is None else f.dlq[1] for f in failed],
             owner=owner,
         )
+        return {r["idempotency_key"]: r["state"] for r in rows}
+
+    def cancel(self, namespace: str, idempotency_key: str, task_id: str = "") -> tuple[str, int, bool]:
+        """Cancel a key (see the query): (its state before, or "unknown" if it had no record; its attempts;
+        whether a worker held its lease)."""
+        for _ in range(3):
+            row = self.database.one("cancel", namespace=namespace, key=idempotency_key, task_id=task_id)
+            if row is not None:
+                return str(row["state"]), int(row["attempts"]), row["lease_owner"] is not None
+        # A claim inserted the key after the statement's snapshot each time: a claim loop this tight is
+        # not what happens; say so rather than spin.
+        raise StoreUnavailableError(f"could not cancel {idempotency_key!r}: its record kept changing")
+
+    def cancel_requested(self, namespace: str, idempotency_keys: Sequence[str]) -> set[str]:
+        """Which of these keys were asked to stop."""
+        rows = self.database.all("cancel_requested", namespace=namespace, keys=list(idempotency_keys))
         return {r["idempotency_key"] for r in rows}
 
     def release(self, namespace: str, owner: str, claims: Sequence[tuple[str, int]]) -> set[str]:
@@ -318,6 +366,62 @@ class Store:
     def workers_alive(self, namespace: str, stale_after: float) -> list[Row]:
         """The liveness records of a namespace's workers that beat within `stale_after` seconds."""
         return self.database.all("workers_alive", namespace=namespace, stale_after=stale_after)
+
+    # ---------------------------------------------------------------------------------------- workflows
+    def workflow_create(
+        self, tx: Transaction, namespace: str, workflow_id: str, nodes: Sequence[NodeRecord]
+    ) -> None:
+        """Write a new workflow and its nodes in `tx` (its first tasks are started by `advance`)."""
+        tx.execute("wf_create", namespace=namespace, workflow_id=workflow_id)
+        tx.execute(
+            "wf_insert_nodes",
+            namespace=namespace,
+            workflow_id=workflow_id,
+            nodes=[n.node for n in nodes],
+            lasts=[n.last for n in nodes],
+            parents=[n.parent for n in nodes],
+            positions=[n.position for n in nodes],
+            kinds=[n.kind for n in nodes],
+            on_failures=[n.on_failure for n in nodes],
+            task_ids=[n.task_id for n in nodes],
+            keys=[n.idempotency_key for n in nodes],
+            task_types=[n.task_type for n in nodes],
+            topics=[n.topic for n in nodes],
+            record_keys=[n.key for n in nodes],
+            values=[n.value for n in nodes],
+            headers=[
+                None if n.headers is None else json.dumps([[k, v.hex()] for k, v in n.headers]) for n in nodes
+            ],
+        )
+
+    def workflow_purge(self, namespace: str, ttl_seconds: float, *, batch: int) -> int:
+        """Delete up to `batch` workflows that ended over `ttl_seconds` ago, with their nodes; how many."""
+        row = self.database.one("wf_purge", namespace=namespace, ttl_seconds=ttl_seconds, batch=batch)
+        return 0 if row is None else int(row["workflows"])
+
+    def workflow_get(self, namespace: str, workflow_id: str) -> tuple[Row | None, dict[str, int]]:
+        """A workflow's row (or None) and its tasks counted by state."""
+        row = self.database.one("wf_get", namespace=namespace, workflow_id=workflow_id)
+        rows = self.database.all("wf_counts", namespace=namespace, workflow_id=workflow_id)
+        return row, {r["state"]: int(r["n"]) for r in rows}
+
+    def workflow_tree(self, namespace: str, workflow_id: str, limit: int) -> list[Row]:
+        """A workflow's first `limit` nodes in preorder."""
+        return self.database.all("wf_tree", namespace=namespace, workflow_id=workflow_id, limit=limit)
+
+    def workflow_cancel(self, tx: Transaction, namespace: str, workflow_id: str) -> tuple[int, int]:
+        """Cancel a workflow in `tx`: its waiting steps never start, its staged ones are cancelled as
+        `cancel` would. Returns (staged tasks, of which not started)."""
+        staged = tx.all("wf_cancel", namespace=namespace, workflow_id=workflow_id)
+        if not staged:
+            return 0, 0
+        not_started = tx.all(
+            "cancel_many",
+            namespace=namespace,
+            keys=[r["idempotency_key"] for r in staged],
+            task_ids=[r["task_id"] for r in staged],
+        )
+        return len(staged), len(not_started)
 
     # ------------------------------------------------------------------------------------------ lookups
     def task_by_id(self, namespace: str, task_id: str) -> Row | None:
@@ -480,11 +584,24 @@ def _recorded(done: Sequence[Finished], lost: Sequence[Row]) -> set[str]:
 
 
 def _result_json(result: Any) -> str | None:
-    if result is None:
-        return None
+    # The worker checked the result (encode_result): JSON within its size limit, never cut short here.
+    return None if result is None else encode_result(result)
+
+
+#: The largest result a worker stores by default (bytes of its JSON): WorkerConfig.result_max_bytes.
+RESULT_MAX_BYTES = 64 * 1024
+
+
+def encode_result(result: Any, limit: int | None = None) -> str:
+    """A handler's return value as the JSON text stored as its result; ResultError if it is not JSON (a
+    NaN included: Postgres refuses it) or its JSON is over `limit` bytes."""
     try:
-        text = json.dumps(result, default=str)
-    except (TypeError, ValueError):
-        text = json.dumps(repr(result))
-    # Results are for inspection, not storage: keep rows small.
-    return text if len(text) <= 8192 else json.dumps({"truncated": text[:8000]})
+        text = json.dumps(result, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ResultError(f"the handler's return value is not JSON-serialisable: {exc}") from None
+    if limit is not None and len(text) > limit:  # ASCII: json.dumps escapes the rest
+        raise ResultError(
+            f"the handler's result is {len(text)} bytes of JSON, over the limit of {limit} "
+            "(WorkerConfig.result_max_bytes)"
+        )
+    return text

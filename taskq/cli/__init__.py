@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     processes.add_forwarder(sub)
     dlq.add_dlq(sub)
     operate.add_pause(sub)
+    operate.add_status(sub)
     operate.add_console(sub)
     operate.add_stats(sub)
     for name in _LOGGING:

@@ -34,13 +34,14 @@ def cmd_db_purge(args: argparse.Namespace) -> int:
     )
     try:
         n = store.purge(ttl, keep=sorted(keep))
+        workflows = store.purge_workflows(ttl)
         buckets, slots = store.purge_idle()
     finally:
         store.close()
     print_result(
         args,
-        {"purged": n, "idle_rate_buckets": buckets, "expired_slots": slots},
-        f"purged {n} record(s) older than {args.older_than}, "
+        {"purged": n, "workflows": workflows, "idle_rate_buckets": buckets, "expired_slots": slots},
+        f"purged {n} record(s) and {workflows} ended workflow(s) older than {args.older_than}, "
         f"{buckets} full rate bucket(s) and {slots} expired concurrency slot(s)",
     )
     return 0

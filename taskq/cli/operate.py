@@ -1,20 +1,24 @@
-"""`taskq stats`, `taskq pause`, `taskq resume` and `taskq console`: watching and steering a running
-namespace."""
+"""`taskq stats`, `taskq pause`, `taskq resume`, `taskq status`, `taskq cancel` and `taskq console`:
+watching and steering a running namespace."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError, TaskqError
 from taskq._core.settings import Settings
 from taskq.cli.common import Commands, leaf, print_result, progress_to, settings_of
+
+if TYPE_CHECKING:
+    from taskq.producer.status import TaskStatus
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -153,6 +157,71 @@ def cmd_pause(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print what became of a task: its state, attempts, last error, result and times."""
+    from taskq._core.db import Database
+    from taskq._core.envelope import Topics
+    from taskq.producer.status import PostgresTaskRecords, lookup, status_of
+
+    s = settings_of(args)
+    records = PostgresTaskRecords(Database(s.database_url, schema=s.database_schema), s.namespace)
+    try:
+        records.database.migrate(namespace=s.namespace)
+        name, row = lookup(records, args.task_id, args.idempotency_key)
+    finally:
+        records.close()
+    status = status_of(row, task_id=name, dlq_topic=Topics(s.namespace, s.delay_tiers).dlq)
+    print_result(args, status.as_dict(), status_text(status))
+    return 0
+
+
+def status_text(status: TaskStatus) -> str:
+    """A TaskStatus as `taskq status` prints it: one field a line, the empty ones left out."""
+    where = f"{status.dlq_topic}[{status.dlq_partition}]@{status.dlq_offset}"
+    dlq = None if status.dlq_offset is None else where
+    takeovers = f", {status.takeovers} takeover(s)" if status.takeovers else ""
+    lines = [
+        ("task", status.task_id),
+        ("state", status.state + (" (cancel requested)" if status.cancel_requested else "")),
+        ("key", status.idempotency_key),
+        ("type", status.task_type),
+        ("attempts", f"{status.attempts}{takeovers}"),
+        ("error", status.last_error),
+        ("result", None if status.state != "completed" else json.dumps(status.result)),
+        ("dlq", dlq),
+        ("created", status.created_at and status.created_at.isoformat()),
+        ("updated", status.updated_at and status.updated_at.isoformat()),
+        ("finished", status.completed_at and status.completed_at.isoformat()),
+    ]
+    if status.state == "unknown":
+        lines.append(("", "no record: not claimed by a worker yet, or purged"))
+    return "\n".join(f"{k:<9} {v}" for k, v in lines if v not in (None, ""))
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel a task: one not started never starts; a running one sees ctx.cancelled."""
+    from taskq._core.db import Database
+    from taskq.producer.status import PostgresTaskRecords, cancel
+
+    s = settings_of(args)
+    if args.task_id is None and args.idempotency_key is None:
+        raise ConfigurationError("give a task id or --idempotency-key")
+    records = PostgresTaskRecords(Database(s.database_url, schema=s.database_schema), s.namespace)
+    try:
+        records.database.migrate(namespace=s.namespace)
+        started = cancel(records, args.task_id, args.idempotency_key)
+    finally:
+        records.close()
+    name = args.task_id or args.idempotency_key
+    text = (
+        f"asked {name} to stop: it had started (a running handler sees ctx.cancelled)"
+        if started
+        else f"cancelled {name}: it will not start"
+    )
+    print_result(args, {"task": name, "cancelled": True, "started": started}, text)
+    return 0
+
+
 def cmd_console(args: argparse.Namespace) -> int:
     """Serve the web console until SIGINT/SIGTERM."""
     from taskq.console import serve
@@ -180,6 +249,25 @@ def add_pause(sub: Commands) -> None:
         what.add_argument(
             "--task-type", metavar="TYPE", help="a task type (its tasks wait in the workers' buffers)"
         )
+
+
+def add_status(sub: Commands) -> None:
+    """`taskq status` and `taskq cancel`."""
+    sp = leaf(sub, "status", cmd_status, "what became of a task: state, attempts, last error, result")
+    sp.add_argument("task_id", metavar="TASK_ID", nargs="?", help="the task's id (a scan of the records)")
+    sp.add_argument(
+        "--idempotency-key", metavar="K", help="find it by its idempotency key instead (one lookup)"
+    )
+    sp = leaf(
+        sub,
+        "cancel",
+        cmd_cancel,
+        "cancel a task: not started, it never starts; running, its handler sees ctx.cancelled",
+    )
+    sp.add_argument("task_id", metavar="TASK_ID", nargs="?", help="the task's id (once a worker claimed it)")
+    sp.add_argument(
+        "--idempotency-key", metavar="K", help="the task's idempotency key (works before any claim)"
+    )
 
 
 def add_console(sub: Commands) -> None:

@@ -93,6 +93,7 @@ def cmd_bench_worker(args: argparse.Namespace) -> int:
         partitions=args.partitions,
         timeout=args.timeout,
         profile=args.profile,
+        workflow=args.workflow,
     )
     print_result(args, data, _worker_text(data))
     return 0
@@ -113,7 +114,8 @@ def _worker_text(data: dict[str, Any]) -> str:
         else ""
     )
     return (
-        f"{data['completed']} tasks ({data['handler']}, {data['processes']} x concurrency "
+        f"{data['completed']} tasks ({data['handler']}{', one workflow group' if data['workflow'] else ''}, "
+        f"{data['processes']} x concurrency "
         f"{data['concurrency']}): {data['tasks_per_s']:.0f} tasks/s from worker start "
         f"({data['tasks_per_s_after_assignment']:.0f}/s after partition assignment at "
         f"{data['startup_s']:.2f} s, {data['tasks_per_s_from_first_enqueue']:.0f}/s from the first enqueue); "
@@ -288,6 +290,11 @@ def add_bench(sub: Commands) -> None:
     sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
     sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every completion")
     sp.add_argument("--profile", metavar="PATH", help="write a cProfile of the worker loop's thread to PATH")
+    sp.add_argument(
+        "--workflow",
+        choices=("group",),
+        help="group: the tasks are one workflow group of members and a callback (its bookkeeping's cost)",
+    )
     sp = leaf(
         bench,
         "ceiling",

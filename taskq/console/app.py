@@ -152,6 +152,16 @@ def create_app(console: Console, *, token: str = "", session_seconds: float = SE
                 error = shown_error(exc)
         return page(request, "tasks.html", q=q, record=record, error=error)
 
+    async def workflows(request: Request) -> Response:
+        q = request.query_params.get("id", "").strip()
+        tree, error = None, None
+        if q:
+            try:
+                tree = await run(lambda: console.workflow(q))
+            except TaskqError as exc:
+                error = shown_error(exc)
+        return page(request, "workflows.html", q=q, tree=tree, error=error)
+
     def dlq_filter(values: Any) -> tuple[DlqFilter, str | None]:
         since_text = str(values.get("since", "")).strip()
         try:
@@ -268,6 +278,7 @@ def create_app(console: Console, *, token: str = "", session_seconds: float = SE
         Route("/overview/fragment", guarded(overview_fragment)),
         Route("/api/overview", guarded(overview_json)),
         Route("/tasks", guarded(tasks)),
+        Route("/workflows", guarded(workflows)),
         Route("/dlq", guarded(dlq)),
         Route("/dlq/replay", guarded(dlq_replay), methods=["POST"]),
         Route("/dlq/{offset:int}", guarded(dlq_record)),

@@ -25,6 +25,10 @@ from taskq._core.settings import Settings
 from taskq._core.store import Store, pause_target
 from taskq.consumer.dlq import DeadLetters, DlqRecord, ReplayResult
 from taskq.producer.backpressure import backlog, depths_of
+from taskq.producer.status import status_of
+
+#: The most nodes of a workflow's tree the console shows (a group of 10,000 is shown by its first ones).
+TREE_LIMIT = 500
 
 #: A worker whose heartbeat is older than this (seconds) is not shown as alive (the workers' default).
 STALE_AFTER = 10.0
@@ -202,13 +206,51 @@ class Console:
 
     # ---------------------------------------------------------------------------------------------- tasks
     def lookup(self, text: str) -> dict[str, Any] | None:
-        """The record of a task, by idempotency key or else by task id; None if neither names one."""
+        """The record of a task, by idempotency key or else by task id, with its status as `taskq status`
+        says it (`status`: its state, and where a dead task's DLQ record is); None if neither names one."""
         with self._locked():
             ns = self.settings.namespace
             row = self._store.get(ns, text) or self._store.task_by_id(ns, text)
         if row is None:
             return None
-        return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in dict(row).items()}
+        status = status_of(row, task_id=row["task_id"], dlq_topic=self.topics.dlq)
+        record = {k: v.isoformat() if isinstance(v, datetime) else v for k, v in dict(row).items()}
+        record["status"] = status.state
+        where = f"{status.dlq_topic}[{status.dlq_partition}]@{status.dlq_offset}"
+        record["dlq"] = None if status.dlq_offset is None else where
+        return record
+
+    # ------------------------------------------------------------------------------------------ workflows
+    def workflow(self, workflow_id: str) -> dict[str, Any] | None:
+        """A workflow's state, its tasks counted by state, and its tree (nested `children`, each node with
+        its kind and state; a group's callback is `then`); None if there is no such workflow. At most
+        TREE_LIMIT nodes are shown (`truncated` says so)."""
+        with self._locked():
+            ns = self.settings.namespace
+            row, counts = self._store.workflow_get(ns, workflow_id)
+            if row is None:
+                return None
+            nodes = self._store.workflow_tree(ns, workflow_id, TREE_LIMIT + 1)
+        by_node: dict[int, dict[str, Any]] = {}
+        root: dict[str, Any] | None = None
+        for n in nodes[:TREE_LIMIT]:
+            item = {**dict(n), "children": [], "then": None}
+            by_node[n["node"]] = item
+            parent = by_node.get(n["parent"]) if n["parent"] is not None else None
+            if n["parent"] is None:
+                root = item
+            elif parent is not None and n["position"] == -1:
+                parent["then"] = item
+            elif parent is not None:
+                parent["children"].append(item)
+        return {
+            "workflow_id": workflow_id,
+            "state": row["state"],
+            "cancelled": row["cancelled"],
+            "counts": counts,
+            "root": root,
+            "truncated": len(nodes) > TREE_LIMIT,
+        }
 
     # ------------------------------------------------------------------------------------------------ DLQ
     def dlq_list(self, f: DlqFilter) -> list[DlqRecord]:

@@ -57,19 +57,27 @@ class Completer:
         self._batch.append((finished, on_recorded))
 
     def publish(
-        self, out: Outgoing, on_acked: Durable, *, too_large: Callable[[], Outgoing] | None = None
+        self,
+        out: Outgoing,
+        on_acked: Durable,
+        *,
+        too_large: Callable[[], Outgoing] | None = None,
+        on_record: Callable[[Record | None], None] | None = None,
     ) -> None:
-        """Send a retry or DLQ record; `on_acked` runs once the broker acknowledged it (sent again if not).
+        """Send a retry or DLQ record; `on_acked` runs once the broker acknowledged it (sent again if not),
+        after `on_record(the record as written: partition and offset)` if given.
 
         A record the producer refuses as too large is replaced by `too_large()`, a bounded DLQ record:
         the offset still moves on, with a decision on record (invariant 6).
         """
 
-        def delivered(err: str | None, _: Record | None) -> None:
+        def delivered(err: str | None, written: Record | None) -> None:
             if err is not None:
                 log.error("publishing to %s failed (%s); sending again", out.topic, err)
                 self._sink.send(out.topic, out.value, key=out.key, headers=out.headers, on_delivery=delivered)
                 return
+            if on_record is not None:
+                on_record(written)
             on_acked()
 
         try:
@@ -78,7 +86,7 @@ class Completer:
             if too_large is None:
                 raise
             log.warning("%s; dead-lettering a bounded record instead", exc)
-            self.publish(too_large(), on_acked)
+            self.publish(too_large(), on_acked, on_record=on_record)
 
     def flush(self, linger: float = 0.0) -> None:
         """Write the queued outcomes in one round trip; with Postgres away they wait for the next call.
@@ -107,13 +115,27 @@ class Completer:
 
     def _record_loop(self) -> None:
         assert self._recorder is not None
-        while (batch := self._to_write.get()) is not None:
+        stopping = False
+        while not stopping and (batch := self._to_write.get()) is not None:
+            # Batches queued while the last was written go in one round trip: when writing falls behind
+            # (a workflow's steps cost a few statements a batch), batches grow instead of the queue.
+            batches = [batch]
+            while True:
+                try:
+                    more = self._to_write.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                batches.append(more)
             result: object
             try:
-                result = self._recorder.finish([f for f, _ in batch])
+                result = self._recorder.finish([f for b in batches for f, _ in b])
             except Exception as exc:  # settled on the loop's thread: unavailable is retried, a bug raised
                 result = exc
-            self._written.put((batch, result))
+            for b in batches:
+                self._written.put((b, result))
 
     def _settle(self, batch: list[tuple[Finished, Durable | None]], result: object) -> None:
         """On the loop's thread: run a written batch's callbacks, or queue it again if Postgres was away."""

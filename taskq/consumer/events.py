@@ -18,6 +18,7 @@ __all__ = [
     "AttemptFailed",
     "AttemptStarted",
     "AttemptSucceeded",
+    "CancelledSkipped",
     "DeadLettered",
     "DuplicateSkipped",
     "Event",
@@ -115,6 +116,16 @@ class DuplicateSkipped:
 
 
 @dataclass(frozen=True, slots=True)
+class CancelledSkipped:
+    """A task cancelled before it started: its offset is committed, it never runs and never reaches the
+    DLQ."""
+
+    task_type: str
+    task_id: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class TaskRetried:
     """A failed attempt was sent to a delay tier for another try."""
 
@@ -163,6 +174,7 @@ Event = (
     | AttemptFailed
     | TaskCompleted
     | DuplicateSkipped
+    | CancelledSkipped
     | TaskRetried
     | DeadLettered
     | OffsetsCommitted

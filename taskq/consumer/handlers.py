@@ -41,6 +41,30 @@ class TaskContext:
     db: Any = None
     #: Set when the task is picked up; a handler may check it between steps of long work.
     deadline: float | None = None
+    #: The task was cancelled while it ran: a handler may check it between steps of long work and stop
+    #: (cooperative: its outcome is recorded as usual). Seen within the worker's pause_interval; a
+    #: process-isolated handler's stays False.
+    cancelled: bool = False
+    #: For a step of a workflow: reads what the steps before it gave, once, when the handler first asks.
+    workflow_inputs: Callable[[], tuple[Any, Any]] | None = field(default=None, repr=False)
+
+    @cached_property
+    def _inputs(self) -> tuple[Any, Any]:
+        return self.workflow_inputs() if self.workflow_inputs is not None else (None, None)
+
+    @property
+    def parent_result(self) -> Any:
+        """In a chain, the result of the step before: a task's, a chain's (its last step's) or a group's
+        callback's. A chain's first step, or a group's member, gets what came before its chain or group.
+        None elsewhere, and for a process-isolated handler."""
+        return self._inputs[0]
+
+    @property
+    def group_results(self) -> list[dict[str, Any]] | None:
+        """For a group's callback (or the step after a group without one): per member, in order, a dict of
+        its task id, state (completed, dead, cancelled, skipped), result and error. None elsewhere."""
+        result: list[dict[str, Any]] | None = self._inputs[1]
+        return result
 
     @cached_property
     def log(self) -> TaskLog:

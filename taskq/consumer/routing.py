@@ -11,7 +11,7 @@ from hashlib import sha256
 
 from taskq._core.broker import Record
 from taskq._core.durations import pick_delay_tier
-from taskq._core.envelope import MAX_HEADER_BYTES, Envelope, H, Headers, Topics
+from taskq._core.envelope import MAX_HEADER_BYTES, WORKFLOW_HEADER, Envelope, H, Headers, Topics
 
 #: Bound on the traceback a DLQ record carries (Kafka records should stay small).
 MAX_TRACEBACK = 8 * 1024
@@ -55,7 +55,12 @@ def retry_record(
         not_before=now + delay,
         origin_topic=envelope.origin_topic or topics.tier(envelope.priority),
     )
-    extra = [(k, v) for k, v in record.headers if not k.startswith(H) and k != "traceparent"]
+    # The envelope is written anew; a workflow's step stays one across its attempts.
+    extra = [
+        (k, v)
+        for k, v in record.headers
+        if (not k.startswith(H) or k == WORKFLOW_HEADER) and k != "traceparent"
+    ]
     return Outgoing(
         topics.delay(pick_delay_tier(delay, tiers)), record.key, record.value, nxt.to_headers() + extra
     )

@@ -25,6 +25,7 @@ from taskq._core.store import (
     WorkerRecord,
     pause_target,
 )
+from taskq._core.workflows import STEP_ENDS, PostgresNodes, advance, parse_header, step_ends, workflow_inputs
 
 __all__ = [
     "Claim",
@@ -91,8 +92,17 @@ class TaskStore(Protocol):
     def mark_started(self, runs: Sequence[tuple[str, int]]) -> set[str]: ...
     def pauses(self) -> Pauses: ...
     def transaction(
-        self, idempotency_key: str, attempts: int, result: Any = None
+        self,
+        idempotency_key: str,
+        attempts: int,
+        result: Any = None,
+        *,
+        result_of: Callable[[], Any] | None = None,
+        workflow: str | None = None,
     ) -> AbstractContextManager[Any]: ...
+    def cancel_requested(self, idempotency_keys: Sequence[str]) -> set[str]: ...
+    def workflow_ended(self, ends: Sequence[tuple[str, str, str]]) -> None: ...
+    def workflow_inputs(self, workflow: str) -> tuple[Any, list[dict[str, Any]] | None]: ...
     def run_group(self, members: Sequence[Member]) -> None: ...
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]: ...
     def beat(self, worker: WorkerRecord, in_flight: int) -> None: ...
@@ -122,6 +132,7 @@ class IdempotencyStore:
         self._local = threading.local()
         self._thread_conns: list[Connection] = []
         self._slots_conn: Connection | None = None
+        self._wf_conn: Connection | None = None
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim each key for one attempt; answers in request order. A key twice in one batch: 'duplicate'."""
@@ -147,6 +158,8 @@ class IdempotencyStore:
 
     def finish(self, finished: Sequence[Finished]) -> set[str]:
         """Record completions and failures; returns the keys whose lease was lost (nothing recorded)."""
+        if any(f.workflow is not None for f in finished):
+            return self._finish_steps(finished)
         lost: set[str] = set()
         done = [f for f in finished if f.state == "completed"]
         failed = [f for f in finished if f.state != "completed"]
@@ -155,6 +168,52 @@ class IdempotencyStore:
         if failed:
             lost |= {f.idempotency_key for f in failed} - self._store.fail(self.namespace, self.owner, failed)
         return lost
+
+    def _finish_steps(self, finished: Sequence[Finished]) -> set[str]:
+        """`finish` for a batch holding steps of workflows: the outcomes and what they move on, in one
+        transaction (on a connection of its own, kept)."""
+        done = [f for f in finished if f.state == "completed"]
+        failed = [f for f in finished if f.state != "completed"]
+        conn = self._workflow_connection()
+        try:
+            with self.database.transaction(conn) as tx:
+                states = dict.fromkeys(
+                    self._store.complete(self.namespace, self.owner, done, tx=tx) if done else (), "completed"
+                )
+                if failed:
+                    states.update(self._store.fail_states(self.namespace, self.owner, failed, tx=tx))
+                steps = [
+                    (f.workflow, f.idempotency_key, states[f.idempotency_key])
+                    for f in finished
+                    if f.workflow is not None and states.get(f.idempotency_key) in STEP_ENDS
+                ]
+                # Exactly once: the next steps are staged in the transaction that records these outcomes.
+                advance(PostgresNodes(tx, self.namespace), step_ends(steps))
+        except StoreUnavailableError:
+            conn.close()
+            raise
+        return {f.idempotency_key for f in finished} - set(states)
+
+    def workflow_ended(self, ends: Sequence[tuple[str, str, str]]) -> None:
+        """Record the ends of workflow steps this worker skipped, (workflow header, key, state): cancelled
+        before they started, or completed or dead already (a redelivery). A step that ended already is not
+        ended again."""
+        steps = step_ends(ends)
+        if not steps:
+            return
+        with self.database.transaction(self._workflow_connection()) as tx:
+            advance(PostgresNodes(tx, self.namespace), steps)
+
+    def workflow_inputs(self, workflow: str) -> tuple[Any, list[dict[str, Any]] | None]:
+        """(ctx.parent_result, ctx.group_results) of a workflow's step, read when its handler asks."""
+        workflow_id, node = parse_header(workflow)
+        return workflow_inputs(PostgresNodes(self.database, self.namespace), workflow_id, node)
+
+    def _workflow_connection(self) -> Connection:
+        conn = self._wf_conn
+        if conn is None or conn.closed or conn.broken:
+            conn = self._wf_conn = self.database.connect(autocommit=False, keyed=True)
+        return conn
 
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]:
         """Give back (key, attempt) claims whose attempts never started: the attempt is uncounted and the
@@ -169,6 +228,12 @@ class IdempotencyStore:
         """Mark (key, attempt) runs started, so that their worker's death counts as an interruption; returns
         the keys marked (the others' leases were lost)."""
         return self._store.mark_started(self.namespace, self.owner, runs) if runs else set()
+
+    def cancel_requested(self, idempotency_keys: Sequence[str]) -> set[str]:
+        """Which of these keys (tasks this worker runs) were asked to stop: what ctx.cancelled says."""
+        if not idempotency_keys:
+            return set()
+        return self._store.cancel_requested(self.namespace, idempotency_keys)
 
     def pause(self, kind: str, name: str) -> bool:
         """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""
@@ -187,8 +252,18 @@ class IdempotencyStore:
         )
 
     @contextmanager
-    def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Connection]:
-        """A connection in a transaction that records the key's completion when the block exits cleanly.
+    def transaction(
+        self,
+        idempotency_key: str,
+        attempts: int,
+        result: Any = None,
+        *,
+        result_of: Callable[[], Any] | None = None,
+        workflow: str | None = None,
+    ) -> Iterator[Connection]:
+        """A connection in a transaction that records the key's completion when the block exits cleanly, with
+        `result` (or what `result_of()` returns then) as its result; for a step of a workflow (its header
+        `workflow`), the workflow moves on in that transaction too.
 
         The handler's writes and the completion commit together or not at all: exactly-once for effects in
         Postgres. LeaseLostError (and a rollback) if another worker took the lease meanwhile.
@@ -197,10 +272,16 @@ class IdempotencyStore:
         try:
             with self.database.transaction(conn) as tx:
                 yield conn
+                if result_of is not None:
+                    result = result_of()
                 done = Finished(idempotency_key, attempts, "completed", result=result)
                 if not self._store.complete(self.namespace, self.owner, [done], tx=tx):
                     # Raised inside the transaction, so the handler's writes roll back with it.
                     raise LeaseLostError(f"lease of {idempotency_key!r} attempt {attempts} was taken over")
+                if workflow is not None:
+                    # Exactly once: the next step is staged in the transaction that records this completion.
+                    step = (workflow, idempotency_key, "completed")
+                    advance(PostgresNodes(tx, self.namespace), step_ends([step]))
         finally:
             self._check_in(conn)
 
@@ -276,7 +357,7 @@ class IdempotencyStore:
                     _answer(conn, pipeline)
                     raise psycopg.Rollback
                 ok = [m for m in members if m.error is None]
-                done = [Finished(m.idempotency_key, m.attempts, "completed") for m in ok]
+                done = [Finished(m.idempotency_key, m.attempts, "completed", result=m.result) for m in ok]
                 recorded: Callable[[], set[str]] = set
                 if done:
                     tx = Transaction(self.database, conn)
@@ -386,6 +467,15 @@ class IdempotencyStore:
             if n < batch:
                 return total
 
+    def purge_workflows(self, ttl_seconds: float, *, batch: int = 1_000) -> int:
+        """Delete workflows that ended more than the TTL ago, with their nodes; how many."""
+        total = 0
+        while True:
+            n = self._store.workflow_purge(self.namespace, ttl_seconds, batch=batch)
+            total += n
+            if n < batch:
+                return total
+
     def retries(self) -> tuple[int, int]:
         """(tasks that needed more than one attempt, attempts beyond the first), over all workers."""
         return self._store.retries(self.namespace)
@@ -402,9 +492,10 @@ class IdempotencyStore:
     def close(self) -> None:
         """Close the connections (the loop's, and the handler threads' idle ones)."""
         self.database.close()
-        if self._slots_conn is not None:
-            self._slots_conn.close()
-            self._slots_conn = None
+        for kept in (self._slots_conn, self._wf_conn):
+            if kept is not None:
+                kept.close()
+        self._slots_conn = self._wf_conn = None
         with self._lock:
             for conn in self._thread_conns:
                 if not conn.closed and not in_transaction(conn):

@@ -13,6 +13,7 @@ batch-stage restructuring of the hot path (issue 21).
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import os
 import queue
@@ -30,11 +31,20 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from taskq._core.db import Database
-from taskq._core.envelope import DEFAULT_WEIGHTS, PRIORITIES, Envelope, EnvelopeError, Priority, Topics
-from taskq._core.errors import ConfigurationError, StoreUnavailableError, TaskqError
+from taskq._core.envelope import (
+    DEFAULT_WEIGHTS,
+    PRIORITIES,
+    WORKFLOW_HEADER,
+    Envelope,
+    EnvelopeError,
+    Priority,
+    Topics,
+)
+from taskq._core.errors import ConfigurationError, ResultError, StoreUnavailableError, TaskqError
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
+from taskq._core.store import RESULT_MAX_BYTES, encode_result
 from taskq._core.tracing import Tracer
 from taskq.consumer import metrics
 from taskq.consumer.completer import Completer
@@ -42,6 +52,7 @@ from taskq.consumer.events import (
     AttemptFailed,
     AttemptStarted,
     AttemptSucceeded,
+    CancelledSkipped,
     DeadLettered,
     DuplicateSkipped,
     Event,
@@ -112,6 +123,21 @@ def max_worker_deaths(max_attempts: int) -> int:
     return max(max_attempts, 2)
 
 
+def _workflow_of(task: _Task) -> str | None:
+    """The task's workflow header (`<workflow id>:<node>`), if it is a step of a workflow."""
+    for name, value in task.record.headers:
+        if name == WORKFLOW_HEADER:
+            return value.decode(errors="replace")
+    return None
+
+
+def _checked_result(result: Any, limit: int) -> Any:
+    """The handler's return value, once known to be storable as its result; ResultError if not."""
+    if result is not None:
+        encode_result(result, limit)
+    return result
+
+
 def worker_deaths(claim: Claim) -> int:
     """Deaths charged to a key: interruptions of its runs in quarantine (invariant 10).
 
@@ -159,6 +185,9 @@ class WorkerConfig:
     periodic: bool = True
     #: What operators paused (`taskq pause`) is read this often (seconds): one query, never per task.
     pause_interval: float = 2.0
+    #: A handler's return value is stored as its result, as JSON of at most this many bytes; a larger or
+    #: non-JSON one fails the attempt (to the DLQ: it would fail again), never stored cut short.
+    result_max_bytes: int = RESULT_MAX_BYTES
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -181,6 +210,8 @@ class WorkerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.result_max_bytes < 16:
+            raise ConfigurationError(f"result_max_bytes must be >= 16, got {self.result_max_bytes}")
         if not self.stale_after >= 2 * self.heartbeat_interval:
             raise ConfigurationError(
                 f"stale_after must be at least twice heartbeat_interval ({self.heartbeat_interval} s), "
@@ -203,6 +234,7 @@ class _Task:
     gate: Gate | None = None  # the concurrency slot and rate bucket of a limited task type
     recorded: bool = False  # the completion was recorded inside the handler's transaction
     span: Any = None  # the attempt's span, when tracing
+    ctx: TaskContext | None = None  # the running attempt's context (ctx.cancelled is set on it)
 
 
 @dataclass(slots=True)
@@ -293,6 +325,7 @@ class Worker:
         # groups of about 8 (pops a group gives back unstarted cost weighted order its precision).
         self._member_seconds = GROUP_WINDOW / 8
         self._quarantine: _Task | None = None  # the suspect running alone, until its outcome is recorded
+        self._step_ends: list[tuple[_Task, str, str]] = []  # workflow steps the claims skipped
         self._suspect_waits = False  # a suspect is next: nothing starts until the running tasks end
         self._members_running = 0  # members of group commits started and not reported yet
         self.heartbeat = metrics.Heartbeat()
@@ -826,6 +859,7 @@ class Worker:
         if now - self._pauses_read_at < self.config.pause_interval:
             return
         self._pauses_read_at = now
+        self._read_cancels()
         try:
             pauses = self.store.pauses()
         except StoreUnavailableError as exc:  # the last known state holds meanwhile
@@ -868,6 +902,45 @@ class Worker:
         if lost:
             self._on_hold = [t for t in self._on_hold if id(t) not in lost]
             self._scheduler.remove_if(lambda t: id(t) in lost)
+
+    def _read_cancels(self) -> None:
+        """With the pauses: which tasks that run here or wait claimed in the buffer were cancelled. A running
+        one's handler sees ctx.cancelled; a waiting one never starts: its attempt is recorded failed, which
+        a cancelled key's record turns into cancelled (no retry, no DLQ), and its offset moves on."""
+        running = [t for t in self._running.values() if t.ctx is not None and not t.ctx.cancelled]
+        waiting = [*self._scheduler, *self._on_hold]
+        if not running and not waiting:
+            return
+        try:
+            asked = self.store.cancel_requested(
+                [t.envelope.idempotency_key for t in (*running, *waiting)]
+            )
+        except StoreUnavailableError as exc:
+            log.warning("cannot read cancellations: %s", exc)
+            return
+        if not asked:
+            return
+        for task in running:
+            if task.envelope.idempotency_key in asked and task.ctx is not None:
+                task.ctx.cancelled = True
+        dropped = {id(t): t for t in waiting if t.envelope.idempotency_key in asked}
+        if not dropped:
+            return
+        self._scheduler.remove_if(lambda t: id(t) in dropped)
+        self._on_hold = [t for t in self._on_hold if id(t) not in dropped]
+        for task in dropped.values():
+            env = task.envelope
+            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._completer.record(
+                Finished(
+                    env.idempotency_key,
+                    task.attempts,
+                    "failed",
+                    error="cancelled before it started",
+                    workflow=_workflow_of(task),
+                ),
+                lambda task=task: self._done(task),  # type: ignore[misc]
+            )
 
     def _release_held(self) -> None:
         now = self._clock()
@@ -934,7 +1007,8 @@ class Worker:
                     singles.append(task)
                     self._hold_key(task)
                 break
-            if not (task.spec.transactional and task.spec.group_commit):
+            # A workflow's step commits alone: the transaction recording its end also moves the workflow on.
+            if not (task.spec.transactional and task.spec.group_commit) or _workflow_of(task) is not None:
                 if used >= free:  # only the open group had room: the task waits, first in line
                     self._scheduler.push_front(task.tier, task)
                     break
@@ -994,7 +1068,7 @@ class Worker:
             if job and job[0].suspect:
                 self._quarantine = job[0]
                 self._start(job[0])
-            elif job and job[0].spec.transactional and job[0].spec.group_commit:
+            elif job and job[0].spec.transactional and job[0].spec.group_commit and not _workflow_of(job[0]):
                 self._start_group(job)
             elif job:
                 self._start(job[0])
@@ -1032,6 +1106,26 @@ class Worker:
         for task, claim in zip(batch, claims, strict=True):
             task.claimed_at = now
             self._handle_claim(task, claim)
+        if self._step_ends:
+            self._end_steps()
+
+    def _end_steps(self) -> None:
+        """Record the ends of the workflow steps the claims skipped, then let their offsets move on; with
+        Postgres away they are held and claimed again."""
+        ends, self._step_ends = self._step_ends, []
+        try:
+            self.store.workflow_ended([(wf, t.envelope.idempotency_key, state) for t, wf, state in ends])
+        except StoreUnavailableError as exc:
+            log.warning("store unavailable, holding %d workflow step(s): %s", len(ends), exc)
+            self._held.extend(_Held(t, self._clock() + 1.0) for t, _, _ in ends)
+            return
+        for task, _, state in ends:
+            env = task.envelope
+            if state == "cancelled":
+                self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+            else:
+                self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._done(task)
 
     def _renew(self, waited: list[_Task], parked: Sequence[_Task] = ()) -> list[_Task]:
         """Extend the leases of tasks that waited long for a slot (about to start: leased for their run) and
@@ -1094,6 +1188,18 @@ class Worker:
             log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
 
     def _handle_claim(self, task: _Task, claim: Claim) -> None:
+        workflow = _workflow_of(task)
+        if workflow is not None and claim.outcome in ("completed", "dead", "cancelled"):
+            # A workflow's step skipped here still ends its node (once: a node ended already stays so),
+            # before its offset moves on.
+            self._step_ends.append((task, workflow, claim.outcome))
+            return
+        if claim.outcome == "cancelled":
+            # Cancelled before it started: it never runs, and never reaches the DLQ; its offset moves on.
+            env = task.envelope
+            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._done(task)
+            return
         if claim.outcome in ("completed", "dead"):
             # Completed, or this very task was dead-lettered already (its offset was not committed before
             # its worker died): the DLQ holds it once, so its redelivery is skipped and committed.
@@ -1128,16 +1234,22 @@ class Worker:
         ctx = self._context(task)
         call = None
         if task.spec.transactional:
-            spec, store = task.spec, self.store
+            spec, store, limit = task.spec, self.store, self.config.result_max_bytes
+            workflow = _workflow_of(task)
 
             def call() -> Any:
-                with store.transaction(env.idempotency_key, task.attempts) as conn:
+                returned: list[Any] = [None]
+                with store.transaction(
+                    env.idempotency_key, task.attempts, result_of=lambda: returned[0], workflow=workflow
+                ) as conn:
                     ctx.db = conn
-                    result = spec.fn(task.payload, ctx)
+                    # Checked inside the transaction: a result that cannot be stored rolls the effect back.
+                    returned[0] = _checked_result(spec.fn(task.payload, ctx), limit)
                 task.recorded = True
-                return result
+                return returned[0]
 
         timeout = task.spec.timeout or env.timeout
+        task.ctx = ctx
         self._running[id(task)] = task
         self._emit(
             AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts, task.suspect)
@@ -1163,6 +1275,7 @@ class Worker:
 
     def _context(self, task: _Task) -> TaskContext:
         env = task.envelope
+        workflow = _workflow_of(task)
         return TaskContext(
             task_id=env.task_id,
             task_type=env.task_type,
@@ -1172,6 +1285,9 @@ class Worker:
             priority=env.priority,
             headers=dict(task.record.headers),
             logger=_task_logger(env.task_type),
+            workflow_inputs=None
+            if workflow is None
+            else functools.partial(self.store.workflow_inputs, workflow),
         )
 
     def _start_group(self, tasks: list[_Task]) -> None:
@@ -1186,8 +1302,11 @@ class Worker:
                 ctx.deadline = time.monotonic() + timeout if timeout else None
                 if self._tracer.active():
                     task.span, trace = self._attempt_span(task)
-                    return trace.run(task.spec.fn, task.payload, ctx)
-                return task.spec.fn(task.payload, ctx)
+                    returned = trace.run(task.spec.fn, task.payload, ctx)
+                else:
+                    returned = task.spec.fn(task.payload, ctx)
+                # Checked under the member's savepoint: a result that cannot be stored rolls it back alone.
+                return _checked_result(returned, self.config.result_max_bytes)
 
             tp = task.record.tp
             # A member whose turn comes after SIGTERM or its partition's revocation is not started: the
@@ -1236,7 +1355,8 @@ class Worker:
                     self._outcomes.put((task, Outcome(ok=True, result=m.result, seconds=m.seconds)))
 
         timeouts = [t.spec.timeout or t.envelope.timeout for t in tasks]
-        for task in tasks:
+        for task, ctx in zip(tasks, contexts, strict=True):
+            task.ctx = ctx
             self._running[id(task)] = task
             task.grouped = True  # AttemptStarted is emitted when it reports: a member may never start
         self._members_running += len(tasks)
@@ -1287,6 +1407,11 @@ class Worker:
                 return
             self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
             self._member_seconds += (outcome.seconds - self._member_seconds) / 8
+        if outcome.ok and not task.recorded and outcome.result is not None:
+            try:
+                _checked_result(outcome.result, self.config.result_max_bytes)
+            except ResultError as exc:
+                outcome = failure(exc, outcome.seconds)  # never stored cut short, nor dropped silently
         if outcome.ok:
             self._end_span(task, "completed")
             self._emit(
@@ -1298,7 +1423,13 @@ class Worker:
                 self._completed(task)
             else:
                 self._completer.record(
-                    Finished(env.idempotency_key, task.attempts, "completed", result=outcome.result),
+                    Finished(
+                        env.idempotency_key,
+                        task.attempts,
+                        "completed",
+                        result=outcome.result,
+                        workflow=_workflow_of(task),
+                    ),
                     lambda: self._completed(task),
                 )
             return
@@ -1318,10 +1449,16 @@ class Worker:
         policy = spec.policy
         if env.max_attempts is not None:
             policy = replace(policy, max_attempts=env.max_attempts)
-        delay = None if isinstance(error, Reject) else policy.next_delay(task.attempts, error)
+        # A result that cannot be stored would be the same on the next attempt: to the DLQ at once.
+        final = isinstance(error, Reject | ResultError)
+        delay = None if final else policy.next_delay(task.attempts, error)
         if delay is None:
             reason = (
-                "rejected by handler" if isinstance(error, Reject) else f"failed {task.attempts} attempt(s)"
+                "result refused"
+                if isinstance(error, ResultError)
+                else "rejected by handler"
+                if isinstance(error, Reject)
+                else f"failed {task.attempts} attempt(s)"
             )
             self._end_span(task, "dead_lettered", message)
             self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
@@ -1340,7 +1477,9 @@ class Worker:
             # wait for it (what ordering means); a restart or rebalance redelivers it first.
             self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
             self._completer.record(
-                Finished(env.idempotency_key, task.attempts, "failed", error=message),
+                Finished(
+                    env.idempotency_key, task.attempts, "failed", error=message, workflow=_workflow_of(task)
+                ),
                 lambda: self._lift_quarantine(task),
             )
             self._held.append(_Held(task, self._clock() + delay.total_seconds()))
@@ -1355,7 +1494,9 @@ class Worker:
             now,
         )
         self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
-        self._completer.record(Finished(env.idempotency_key, task.attempts, "failed", error=message))
+        self._completer.record(
+            Finished(env.idempotency_key, task.attempts, "failed", error=message, workflow=_workflow_of(task))
+        )
         # Delivery guarantee: the offset is done only when the broker acknowledged the retry record.
         # One too large to send again cannot be retried: a bounded DLQ record takes its place.
         self._completer.publish(
@@ -1389,14 +1530,24 @@ class Worker:
         self._emit(
             DeadLettered(reason, error_type, env.task_id, env.idempotency_key, record.topic, record.offset)
         )
-        dead = Finished(env.idempotency_key, task.attempts, "dead", error=reason)
         # Delivery guarantee: the key is recorded dead only once the broker acknowledged its DLQ record (a
         # dead key's redelivery is skipped, so recording it first could lose the record), and the offset is
-        # done only once both are durable.
+        # done only once both are durable. The record says where the DLQ record is, for result().
         self._completer.publish(
             out,
-            lambda: self._completer.record(dead, lambda: self._done(task)),
+            lambda: None,
             too_large=lambda: bounded(out),
+            on_record=lambda at: self._completer.record(
+                Finished(
+                    env.idempotency_key,
+                    task.attempts,
+                    "dead",
+                    error=reason,
+                    dlq=None if at is None else (at.partition, at.offset),
+                    workflow=_workflow_of(task),
+                ),
+                lambda: self._done(task),
+            ),
         )
 
     def _dead_letter_raw(self, record: Record, reason: str, error_type: str, attempts: int) -> None:
@@ -1615,7 +1766,13 @@ class Worker:
             try:
                 self.store.finish(
                     [
-                        Finished(t.envelope.idempotency_key, t.attempts, "failed", error="worker shut down")
+                        Finished(
+                            t.envelope.idempotency_key,
+                            t.attempts,
+                            "failed",
+                            error="worker shut down",
+                            workflow=_workflow_of(t),
+                        )
                         for t in abandoned
                     ]
                 )

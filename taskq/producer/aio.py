@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -23,7 +25,9 @@ import psycopg
 from taskq._core.errors import KafkaAuthenticationError, ProducerClosedError
 from taskq._core.settings import Settings
 from taskq.producer.producer import TaskProducer, _settled
+from taskq.producer.status import TaskStatus, result_of
 from taskq.producer.tasks import Receipt, TaskSpec, _Bulk
+from taskq.producer.workflows import Chain, Group, WorkflowReceipt, WorkflowStatus
 
 __all__ = ["AsyncTaskProducer"]
 
@@ -168,10 +172,10 @@ class AsyncTaskProducer:
                 await conn.execute(statement, params)
             except psycopg.Error as exc:
                 raise producer._stage_failed(exc) from exc
-            return accepted.receipts()
+            return accepted.receipts(self)
         if not wait or not accepted.tasks:  # an empty batch has nothing to wait for
             producer._send(accepted, None)
-            return accepted.receipts()
+            return accepted.receipts(self)
         future: asyncio.Future[list[tuple[Receipt, str | None]]] = loop.create_future()
 
         def done(outcomes: list[tuple[Receipt, str | None]]) -> None:
@@ -185,9 +189,63 @@ class AsyncTaskProducer:
         waiting = (loop, (future,))
         self._waiting.add(waiting)
         try:
-            return _settled(await future)
+            receipts = _settled(await future)
         finally:
             self._waiting.discard(waiting)
+        for receipt in receipts:
+            receipt.producer = self  # its status() and result() are awaited
+        return receipts
+
+    async def status(self, task_id: str | None = None, *, idempotency_key: str | None = None) -> TaskStatus:
+        """What became of a task (TaskProducer.status), read in a thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self._producer.status, task_id, idempotency_key=idempotency_key)
+        )
+
+    async def result(
+        self, task_id: str | None = None, *, idempotency_key: str | None = None, timeout: float | None = None
+    ) -> Any:
+        """Wait for a task's result (TaskProducer.result); the waits between reads suspend only this
+        coroutine."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        key, pause = idempotency_key, 0.05
+        while True:
+            current = await self.status(task_id, idempotency_key=key)
+            key = key or current.idempotency_key
+            if current.final:
+                return result_of(current)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"task {current.task_id} is {current.state} after {timeout}s")
+                pause = min(pause, left)
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, 1.0)
+
+    async def enqueue_workflow(self, workflow: TaskSpec | Chain | Group) -> WorkflowReceipt:
+        """Enqueue a workflow (TaskProducer.enqueue_workflow), in a thread: it writes to Postgres. The
+        receipt's `status()` and `cancel()` are the synchronous producer's."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, contextvars.copy_context().run, self._producer.enqueue_workflow, workflow
+        )
+
+    async def workflow_status(self, workflow_id: str) -> WorkflowStatus:
+        """What became of a workflow (TaskProducer.workflow_status), read in a thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._producer.workflow_status, workflow_id
+        )
+
+    async def cancel_workflow(self, workflow_id: str) -> int:
+        """Cancel a workflow (TaskProducer.cancel_workflow), in a thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._producer.cancel_workflow, workflow_id
+        )
+
+    async def cancel(self, task_id: str | None = None, *, idempotency_key: str | None = None) -> bool:
+        """Cancel a task (TaskProducer.cancel), in a thread; whether it had started."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self._producer.cancel, task_id, idempotency_key=idempotency_key)
+        )
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every accepted task is acknowledged; DeliveryError lists any the broker refused."""

@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +28,8 @@ from taskq._core.errors import (
     DeliveryError,
     InvalidPriorityError,
     InvalidTaskError,
+    KafkaUnavailableError,
+    NotCancellableError,
     PayloadTooLargeError,
     ProducerClosedError,
     QueueFullError,
@@ -39,7 +42,17 @@ from taskq._core.settings import Settings, redact
 from taskq._core.store import outbox_stage
 from taskq.producer.backpressure import DepthMonitor
 from taskq.producer.metrics import producer_metrics
+from taskq.producer.outbox import OutboxRelay
 from taskq.producer.ratelimit import RateLimit, RateLimiter
+from taskq.producer.status import (
+    PostgresTaskRecords,
+    TaskRecords,
+    TaskStatus,
+    lookup,
+    status_of,
+    wait_for_result,
+)
+from taskq.producer.status import cancel as cancel_task
 from taskq.producer.tasks import (
     Encoder,
     Receipt,
@@ -48,6 +61,14 @@ from taskq.producer.tasks import (
     _Bulk,
     check_priority,
     derive_idempotency_key,
+)
+from taskq.producer.workflows import (
+    Chain,
+    Group,
+    WorkflowReceipt,
+    WorkflowStatus,
+    flatten,
+    new_workflow_id,
 )
 from taskq.schemas import avro
 from taskq.schemas.errors import PayloadValidationError
@@ -93,6 +114,7 @@ class _Reports:
             None if record is None else record.partition,
             None if record is None else record.offset,
         )
+        receipt.producer = self._producer
         if err is not None:
             self._producer._undelivered(task_id, task_type, err, waited=self._done is not None)
         if self._hook is not None:
@@ -175,8 +197,13 @@ class TaskProducer:
         on_delivery: Callable[[Receipt, str | None], None] | None = None,
         schema_ttl: float = 60.0,
         kafka_config: Mapping[str, Any] | None = None,
+        records: TaskRecords | None = None,
     ) -> None:
         self.settings = settings or Settings.from_env()
+        # Task records (status, results, cancel): Postgres, connected on first use, unless given.
+        self._records = records
+        self._owns_records = records is None
+        self._relay: OutboxRelay | None = None  # publishes a workflow's first tasks, made on first use
         self.topics = Topics(self.settings.namespace, self.settings.delay_tiers)
         self._owns_registry = registry is None
         self.registry: SchemaRegistry = registry or Registry.from_settings(self.settings)
@@ -377,12 +404,12 @@ class TaskProducer:
             except psycopg.Error as exc:
                 raise self._stage_failed(exc) from exc
             self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
-            return accepted.receipts()
+            return accepted.receipts(self)
         accepted = self._accept(batch)
         if not wait or not accepted.tasks:  # an empty batch has nothing to wait for
             self._send(accepted, None)
             self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
-            return accepted.receipts()
+            return accepted.receipts(self)
         settled: list[list[tuple[Receipt, str | None]]] = []
         self._send(accepted, settled.append)
         self._metrics.enqueue_seconds.observe(time.perf_counter() - started)
@@ -521,8 +548,119 @@ class TaskProducer:
             if self._depth is not None:
                 self._depth.close()
             self._limiter.close()
+            if self._owns_records and self._records is not None:
+                self._records.close()
+            if self._relay is not None:
+                self._relay.close()
             if self._owns_registry:
                 self.registry.close()
+
+    def status(self, task_id: str | None = None, *, idempotency_key: str | None = None) -> TaskStatus:
+        """What became of a task, from its idempotency record: by `idempotency_key` (one primary-key probe;
+        a receipt's `status()` uses it) or else by task id (a scan of the namespace's records)."""
+        name, row = lookup(self._task_records(), task_id, idempotency_key)
+        return status_of(row, task_id=name, dlq_topic=self.topics.dlq)
+
+    def result(
+        self, task_id: str | None = None, *, idempotency_key: str | None = None, timeout: float | None = None
+    ) -> Any:
+        """Wait up to `timeout` seconds (None: no limit) for a task's result, its handler's return value.
+
+        Raises TaskFailed (dead-lettered: the reason and where its DLQ record is), TaskCancelled, or
+        TimeoutError. Polls the record with backoff (50 ms growing to 1 s); found by task id once, then by
+        its key.
+        """
+        key = idempotency_key
+
+        def poll() -> TaskStatus:
+            nonlocal key
+            current = self.status(task_id, idempotency_key=key)
+            key = key or current.idempotency_key
+            return current
+
+        return wait_for_result(poll, timeout)
+
+    def cancel(self, task_id: str | None = None, *, idempotency_key: str | None = None) -> bool:
+        """Cancel a task; returns whether it had started (a worker held it, or an attempt of it ran).
+
+        A task that has not started never does: its record says cancelled, and the worker that claims it
+        commits its offset without running it (nor dead-lettering it), even from a delay tier. A running
+        task's handler sees `ctx.cancelled` (cooperative; its outcome is recorded as usual), and a failed
+        attempt of it is not retried. A finished task is refused: NotCancellableError, with its state. A task
+        no worker has claimed yet has no record to find by its id: cancel it by its idempotency key (its
+        receipt's `cancel()` does).
+        """
+        return cancel_task(self._task_records(), task_id, idempotency_key)
+
+    def enqueue_workflow(self, workflow: TaskSpec | Chain | Group) -> WorkflowReceipt:
+        """Enqueue a workflow (`taskq.chain`, `taskq.group`, nested): every task is validated and encoded now
+        (an invalid one means nothing is enqueued), kept in Postgres, and staged in the outbox when its turn
+        comes, in the transaction that records the end of the step before it. Its first tasks are staged
+        now; a relay (every worker runs one) publishes them. Delays count from now."""
+        workflow_id = new_workflow_id()
+        nodes, specs = flatten(workflow_id, workflow)
+        accepted = self._accept([spec for _, spec in specs])
+        for (node, _), (topic, value, key, headers), (task_id, idem, task_type, _) in zip(
+            specs, accepted.records, accepted.tasks, strict=True
+        ):
+            nodes[node] = replace(
+                nodes[node],
+                task_id=task_id,
+                idempotency_key=idem,
+                task_type=task_type,
+                topic=topic,
+                key=key,
+                value=value or b"",
+                headers=list(headers),
+            )
+        records = self._task_records()
+        records.workflow_create(workflow_id, nodes)
+        self._count(accepted)
+        if isinstance(records, PostgresTaskRecords):
+            self._publish_staged(len(specs))
+        return WorkflowReceipt(workflow_id, self)
+
+    def _publish_staged(self, most: int) -> None:
+        """Publish the outbox's oldest rows (this workflow's first tasks among them) as a relay would, so
+        they do not wait for a worker's relay; rows left (Kafka away) are published by the relays."""
+        if self._relay is None:
+            self._relay = OutboxRelay(self.settings, broker=self.broker, batch=500)
+        published = 0
+        try:
+            while published < most:
+                n = self._relay.relay_once()
+                published += n
+                if n < self._relay.batch:
+                    break
+        except (KafkaUnavailableError, StoreUnavailableError) as exc:
+            log.warning("a workflow's first tasks wait in the outbox for a relay: %s", exc)
+
+    def workflow_status(self, workflow_id: str) -> WorkflowStatus:
+        """What became of a workflow: its state, done or not, and its tasks counted by state."""
+        state, cancelled, counts = self._task_records().workflow_status(workflow_id)
+        return WorkflowStatus(workflow_id, state or "unknown", counts, cancelled)
+
+    def cancel_workflow(self, workflow_id: str) -> int:
+        """Cancel a workflow: its steps not started never start (waiting ones, and staged tasks no worker has
+        started, as `cancel` does); running ones see ctx.cancelled. Returns how many staged tasks were
+        stopped before they started. A workflow that has ended is refused (NotCancellableError)."""
+        state, _, _ = self._task_records().workflow_status(workflow_id)
+        if state is None:
+            raise InvalidTaskError(f"no workflow {workflow_id}")
+        if state != "running":
+            raise NotCancellableError(f"workflow {workflow_id}", state)
+        _, not_started = self._task_records().workflow_cancel(workflow_id)
+        return not_started
+
+    def _task_records(self) -> TaskRecords:
+        if self._records is None:
+            with self._lock:
+                if self._records is None:
+                    self._records = PostgresTaskRecords(
+                        Database(self.settings.database_url, schema=self.settings.database_schema),
+                        self.settings.namespace,
+                    )
+        return self._records
 
     def depth(self) -> dict[str, int]:
         """The last measured depth per tier (empty without depth limits)."""

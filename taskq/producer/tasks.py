@@ -54,9 +54,7 @@ from taskq.schemas.errors import PayloadValidationError, SchemaNotFoundError
 from taskq.schemas.registry import SchemaRegistry
 
 
-class Receipt(NamedTuple):
-    """What enqueue() accepted: the task id, its topic and keys; partition/offset once confirmed."""
-
+class _ReceiptFields(NamedTuple):
     task_id: str
     task_type: str
     topic: str
@@ -65,6 +63,35 @@ class Receipt(NamedTuple):
     not_before: datetime | None = None
     partition: int | None = None
     offset: int | None = None
+
+
+class Receipt(_ReceiptFields):
+    """What enqueue() accepted: the task id, its topic and keys; partition/offset once confirmed.
+
+    From a producer's enqueue, it also asks that producer what became of the task (`status`, `result`,
+    `cancel`), by the task's idempotency key: one primary-key probe of its record.
+    """
+
+    #: The producer that enqueued it (None for a receipt built by hand).
+    producer: Any = None
+
+    def _asked(self) -> Any:
+        if self.producer is None:
+            raise InvalidTaskError("this receipt was not made by a producer: ask one, producer.status(...)")
+        return self.producer
+
+    def status(self) -> Any:
+        """The task's TaskStatus (TaskProducer.status)."""
+        return self._asked().status(self.task_id, idempotency_key=self.idempotency_key)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for the task's result (TaskProducer.result)."""
+        return self._asked().result(self.task_id, idempotency_key=self.idempotency_key, timeout=timeout)
+
+    def cancel(self) -> bool:
+        """Cancel the task (TaskProducer.cancel); whether it had started."""
+        started: bool = self._asked().cancel(self.task_id, idempotency_key=self.idempotency_key)
+        return started
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,9 +167,13 @@ class _Accepted(NamedTuple):
     records: list[OutRecord]
     tasks: list[tuple[str, str, str, _Route]]  # task id, idempotency key, task type, route
 
-    def receipts(self) -> list[Receipt]:
+    def receipts(self, producer: Any = None) -> list[Receipt]:
         """The receipts of the batch, before acknowledgement (no partition, no offset)."""
-        return [Receipt(t, tt, r.topic, r.priority, k, r.not_before) for t, k, tt, r in self.tasks]
+        out = [Receipt(t, tt, r.topic, r.priority, k, r.not_before) for t, k, tt, r in self.tasks]
+        if producer is not None:
+            for receipt in out:
+                receipt.producer = producer
+        return out
 
 
 class _Bulk(NamedTuple):

@@ -50,7 +50,9 @@ class InMemoryQueue:
         self.store = InMemoryStore(
             owner="in-memory", namespace=namespace, clock=self.clock.time, connect=connect
         )
-        self.producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
+        self.producer = TaskProducer(
+            self.settings, registry=self.registry, broker=self.broker, records=self.store
+        )
         self.events = RecordingHook()
         self.worker = Worker(
             handlers,
@@ -68,6 +70,7 @@ class InMemoryQueue:
             self.settings, instance_id="in-memory", broker=self.broker, clock=self.clock.time
         )
         self._started = False
+        self._relay_sink = self.broker.sink()
 
     @property
     def completed(self) -> list[TaskCompleted]:
@@ -92,6 +95,7 @@ class InMemoryQueue:
             self._started = True
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self._relay()
             self.producer.flush()
             if self.forwarder.step(wait=0.0):
                 continue
@@ -108,6 +112,14 @@ class InMemoryQueue:
             if due is not None:
                 self.clock.advance(due - self.clock.time())
         raise TaskqError(f"the in-memory queue was still busy after {timeout}s")
+
+    def _relay(self) -> None:
+        """Publish what workflows staged (the outbox relay's part)."""
+        staged = self.store.take_staged()
+        if staged:
+            for topic, key, value, headers in staged:
+                self._relay_sink.send(topic, value, key=key, headers=headers)
+            self._relay_sink.flush()
 
     def close(self) -> None:
         """Stop the worker's executor and release everything."""

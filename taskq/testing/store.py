@@ -3,6 +3,7 @@ memory."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -12,6 +13,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from taskq._core.errors import TaskqError
+from taskq._core.store import NodeRecord, encode_result
+from taskq._core.workflows import advance, parse_header, step_ends, workflow_inputs
 from taskq.consumer.store import (
     FORGET_WORKERS_AFTER,
     Claim,
@@ -24,6 +27,7 @@ from taskq.consumer.store import (
     SlotRequest,
     WorkerRecord,
 )
+from taskq.testing.workflows import InMemoryWorkflows, MemoryNodes
 
 
 @dataclass
@@ -42,6 +46,8 @@ class _Row:
     interruptions: int = 0
     takeovers: int = 0
     started: bool = False
+    cancel_requested: bool = False
+    dlq: tuple[int, int] | None = None
 
 
 @dataclass
@@ -78,6 +84,11 @@ class _NoDatabase:
         )
 
 
+def _stored(result: Any) -> Any:
+    """A result as Postgres gives it back: its JSON read again (tuples become lists, and so on)."""
+    return None if result is None else json.loads(encode_result(result))
+
+
 class InMemoryStore:
     """The idempotency store's rules in memory: claim with a lease (attempts counted at claim), completion
     and failure only by the lease holder's current attempt, replay resets, purge of old finished keys.
@@ -105,6 +116,7 @@ class InMemoryStore:
         slots: dict[str, _Slot] | None = None,
         buckets: dict[str, _Bucket] | None = None,
         paused: dict[tuple[str, str], datetime] | None = None,
+        workflows: InMemoryWorkflows | None = None,
     ) -> None:
         self.owner = owner
         self.namespace = namespace
@@ -121,6 +133,8 @@ class InMemoryStore:
         self._replay_lock = threading.Lock()
         #: What operators paused, (kind, name) -> when; stores of one namespace share it: `paused=a.paused`
         self.paused: dict[tuple[str, str], datetime] = {} if paused is None else paused
+        #: Workflows and their nodes; stores of one namespace share them: `workflows=a.workflows`
+        self.workflows = InMemoryWorkflows() if workflows is None else workflows
 
     def pause(self, kind: str, name: str) -> bool:
         """Pause a tier or a task type (kind "tier" or "task_type"); False if it was paused already."""
@@ -180,6 +194,8 @@ class InMemoryStore:
                 counts = row.interruptions, row.takeovers
                 if row.state == "completed":
                     out.append(Claim(r.idempotency_key, "completed", row.attempts, 0.0, *counts))
+                elif row.state == "cancelled":
+                    out.append(Claim(r.idempotency_key, "cancelled", row.attempts, 0.0, *counts))
                 elif row.state == "dead":
                     out.append(Claim(r.idempotency_key, "dead", row.attempts, 0.0, *counts))
                 else:
@@ -303,8 +319,10 @@ class InMemoryStore:
         return row if ok and row is not None and row.attempts == attempts else None
 
     def finish(self, finished: Sequence[Finished]) -> set[str]:
-        """Record completions and failures; returns the keys whose lease was lost (nothing recorded)."""
+        """Record completions and failures, and move on the workflows they end steps of; returns the keys
+        whose lease was lost (nothing recorded)."""
         lost: set[str] = set()
+        steps: list[tuple[str, str, str]] = []
         with self._lock:
             now = self._clock()
             for f in finished:
@@ -312,12 +330,83 @@ class InMemoryStore:
                 if row is None:
                     lost.add(f.idempotency_key)
                     continue
-                row.state, row.updated_at, row.lease_owner, row.lease_expires_at = f.state, now, None, None
+                state = "cancelled" if f.state == "failed" and row.cancel_requested else f.state
+                row.state, row.updated_at, row.lease_owner, row.lease_expires_at = state, now, None, None
                 if f.state == "completed":
-                    row.result, row.completed_at, row.last_error = f.result, now, None
+                    row.result, row.completed_at, row.last_error = _stored(f.result), now, None
                 else:
-                    row.last_error = f.error[:4000]
+                    row.last_error, row.dlq = f.error[:4000], f.dlq
+                if f.workflow is not None:
+                    steps.append((f.workflow, f.idempotency_key, state))
+            advance(self._nodes(), step_ends(steps))
         return lost
+
+    def _nodes(self) -> MemoryNodes:
+        """The workflows' nodes, for `advance` (under the lock)."""
+
+        def result(key: str) -> tuple[str | None, Any, str | None]:
+            row = self.rows.get(key)
+            return (None, None, None) if row is None else (row.task_id, row.result, row.last_error)
+
+        return self.workflows.view(result, self._clock)
+
+    def purge_workflows(self, ttl_seconds: float, *, batch: int = 1_000) -> int:
+        """Forget workflows that ended more than the TTL ago, with their nodes (as IdempotencyStore)."""
+        with self._lock:
+            return self.workflows.purge(self._clock() - ttl_seconds)
+
+    def take_staged(self) -> list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]]:
+        """The records workflows staged since the last call (topic, key, value, headers), for the relay."""
+        with self._lock:
+            staged, self.workflows.outbox[:] = list(self.workflows.outbox), []
+            return staged
+
+    def workflow_ended(self, ends: Sequence[tuple[str, str, str]]) -> None:
+        """Record the ends of workflow steps skipped by the worker (as IdempotencyStore)."""
+        with self._lock:
+            advance(self._nodes(), step_ends(ends))
+
+    def workflow_inputs(self, workflow: str) -> tuple[Any, list[dict[str, Any]] | None]:
+        """(ctx.parent_result, ctx.group_results) of a workflow's step."""
+        workflow_id, node = parse_header(workflow)
+        with self._lock:
+            return workflow_inputs(self._nodes(), workflow_id, node)
+
+    def workflow_create(self, workflow_id: str, nodes: Sequence[NodeRecord]) -> None:
+        """Write a new workflow and start it: its first tasks wait in `workflows.outbox` for the relay."""
+        with self._lock:
+            self.workflows.create(workflow_id, nodes)
+            advance(self._nodes(), start=[(workflow_id, 0)])
+
+    def workflow_status(self, workflow_id: str) -> tuple[str | None, bool, dict[str, int]]:
+        """(the workflow's state or None if unknown, whether it was cancelled, its tasks by state)."""
+        with self._lock:
+            wf = self.workflows.workflows.get(workflow_id)
+            counts: dict[str, int] = {}
+            for (w, _), (node, _, _) in self.workflows.nodes.items():
+                if w == workflow_id and node.kind == "task":
+                    counts[node.state] = counts.get(node.state, 0) + 1
+            return (None, False, {}) if wf is None else (wf.state, wf.cancelled, counts)
+
+    def workflow_cancel(self, workflow_id: str) -> tuple[int, int]:
+        """Cancel a workflow: its waiting steps never start, its staged tasks are cancelled as `cancel`
+        would (as in Postgres). Returns (staged tasks, of which not started)."""
+        with self._lock:
+            wf = self.workflows.workflows.get(workflow_id)
+            if wf is None or wf.state != "running":
+                return 0, 0
+            wf.cancelled = True
+            staged = [
+                record
+                for (w, _), (node, record, _) in self.workflows.nodes.items()
+                if w == workflow_id and node.kind == "task" and node.state == "running"
+            ]
+        not_started = 0
+        for record in staged:
+            assert record.idempotency_key is not None
+            before, _, held = self.cancel(record.idempotency_key, record.task_id or "")
+            not_started += before in ("unknown", "failed") or (before == "running" and not held)
+        return len(staged), not_started
 
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]:
         """Give back claims whose attempts never started: uncounted, claimable at once (as in Postgres)."""
@@ -371,10 +460,20 @@ class InMemoryStore:
                 conn.close()
 
     @contextmanager
-    def transaction(self, idempotency_key: str, attempts: int, result: Any = None) -> Iterator[Any]:
+    def transaction(
+        self,
+        idempotency_key: str,
+        attempts: int,
+        result: Any = None,
+        *,
+        result_of: Callable[[], Any] | None = None,
+        workflow: str | None = None,
+    ) -> Iterator[Any]:
         """The handler's connection (from `connect`); the completion is recorded only if it commits."""
         with self._connection() as conn:
             yield conn
+            if result_of is not None:
+                result = result_of()
             with self._lock:
                 row = self._holds(idempotency_key, attempts)
                 if row is None:
@@ -382,10 +481,12 @@ class InMemoryStore:
                 if self._connect is not None:
                     conn.commit()
                 self._complete(row, result)
+                if workflow is not None:
+                    advance(self._nodes(), step_ends([(workflow, idempotency_key, "completed")]))
 
     def _complete(self, row: _Row, result: Any) -> None:
         now = self._clock()
-        row.state, row.result, row.completed_at, row.updated_at = "completed", result, now, now
+        row.state, row.result, row.completed_at, row.updated_at = "completed", _stored(result), now, now
         row.lease_owner, row.lease_expires_at, row.last_error = None, None, None
 
     def run_group(self, members: Sequence[Member]) -> None:
@@ -412,7 +513,7 @@ class InMemoryStore:
                 if self._connect is not None:
                     conn.commit()
                 for m in done:
-                    self._complete(self.rows[m.idempotency_key], None)
+                    self._complete(self.rows[m.idempotency_key], m.result)
 
     def get(self, idempotency_key: str) -> dict[str, Any] | None:
         """The record of one key, or None."""
@@ -440,7 +541,43 @@ class InMemoryStore:
                 "created_at": at(row.created_at),
                 "updated_at": at(row.updated_at),
                 "completed_at": at(row.completed_at),
+                "cancel_requested": row.cancel_requested,
+                "dlq_partition": None if row.dlq is None else row.dlq[0],
+                "dlq_offset": None if row.dlq is None else row.dlq[1],
             }
+
+    def find(self, task_id: str) -> dict[str, Any] | None:
+        """The record of the task with this id, or None (as Postgres: the latest updated of its keys)."""
+        with self._lock:
+            keys = [k for k, r in self.rows.items() if r.task_id == task_id]
+            key = max(keys, key=lambda k: self.rows[k].updated_at, default=None)
+        return None if key is None else self.get(key)
+
+    def cancel(self, idempotency_key: str, task_id: str = "") -> tuple[str, int, bool]:
+        """Cancel a key (as Postgres): (its state before, or "unknown"; its attempts; whether a worker held
+        it). A key without a record, waiting for an attempt or for a new owner ends cancelled; a running one
+        is asked to stop; a finished one stays as it is."""
+        with self._lock:
+            now = self._clock()
+            row = self.rows.get(idempotency_key)
+            if row is None:
+                self.rows[idempotency_key] = _Row(
+                    task_id, "", "cancelled", 0, None, None, created_at=now, updated_at=now, completed_at=now,
+                    cancel_requested=True,
+                )  # fmt: skip
+                return "unknown", 0, False
+            before, held = row.state, row.state == "running" and row.lease_owner is not None
+            if before in ("running", "failed"):
+                row.cancel_requested, row.updated_at = True, now
+                if not held:
+                    row.state, row.completed_at = "cancelled", now
+                    row.lease_owner = row.lease_expires_at = None
+            return before, row.attempts, held
+
+    def cancel_requested(self, idempotency_keys: Sequence[str]) -> set[str]:
+        """Which of these keys were asked to stop."""
+        with self._lock:
+            return {k for k in idempotency_keys if k in self.rows and self.rows[k].cancel_requested}
 
     def reset_for_replay(self, idempotency_key: str) -> bool:
         """Start a dead key's attempts over (DLQ replay); False if it is not dead."""
@@ -460,7 +597,7 @@ class InMemoryStore:
             old = [
                 k
                 for k, r in self.rows.items()
-                if r.state in ("completed", "dead") and r.updated_at < cutoff and k not in kept
+                if r.state in ("completed", "dead", "cancelled") and r.updated_at < cutoff and k not in kept
             ]
             for k in old:
                 del self.rows[k]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import psycopg.types.json
 
 from taskq import Handlers, Reject, Retry, RetryPolicy, TaskContext
 
@@ -49,6 +50,14 @@ def schemas(ns: str) -> dict[str, dict[str, Any]]:
             {"name": "seq", "type": "long"},
             {"name": "seconds", "type": "double", "default": 0.0},
         ],
+        "Answer": [
+            {"name": "key", "type": "string"},
+            {"name": "reject", "type": "boolean", "default": False},
+            {"name": "pad", "type": "int", "default": 0},
+        ],
+        "Patient": [{"name": "key", "type": "string"}],
+        "Collect": [{"name": "key", "type": "string"}],
+        "Step": [{"name": "key", "type": "string"}, {"name": "fail_times", "type": "int", "default": 0}],
         "Paced": [
             {"name": "partner", "type": "string"},
             {"name": "seq", "type": "long"},
@@ -80,6 +89,10 @@ CREATE TABLE IF NOT EXISTS limit_runs (
     attempt int NOT NULL, worker int NOT NULL, started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     ended_at timestamptz
 );
+CREATE TABLE IF NOT EXISTS collected (
+    key text NOT NULL, members int NOT NULL, states jsonb NOT NULL, worker int NOT NULL
+);
+CREATE TABLE IF NOT EXISTS steps (key text NOT NULL, attempt int NOT NULL, parent jsonb);
 CREATE TABLE IF NOT EXISTS limit_pauses (
     partner text PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""  # no unique constraint on key: a duplicate effect must be visible, not refused
@@ -206,6 +219,54 @@ def fragile(payload: dict[str, Any], ctx: TaskContext) -> None:
 @handlers.task(f"{NS}.RejectProc", schema=S["RejectProc"], max_attempts=5, isolation="process")
 def reject_in_process(payload: dict[str, Any], ctx: TaskContext) -> None:
     raise Reject(f"code {payload['code']} can never be processed")
+
+
+@handlers.task(f"{NS}.Answer", schema=S["Answer"], max_attempts=2)
+def answer(payload: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    # Its return value is the task's result; `pad` characters make one too large to store.
+    if payload["reject"]:
+        raise Reject(f"{payload['key']} can never be answered")
+    return {"echo": payload["key"], "attempt": ctx.attempt, "pad": "x" * payload["pad"]}
+
+
+@handlers.task(f"{NS}.Patient", schema=S["Patient"], timeout=60, max_attempts=1)
+def patient(payload: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    # Works until it is cancelled (cooperatively), then says what it saw.
+    deadline = time.monotonic() + 50
+    while not ctx.cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"cancelled": ctx.cancelled}
+
+
+@handlers.task(f"{NS}.Collect", schema=S["Collect"], transactional=True, timeout=30)
+def collect(payload: dict[str, Any], ctx: TaskContext) -> int:
+    # A group's callback: what it saw of the members, recorded with its completion.
+    results = ctx.group_results or []
+    states: dict[str, int] = {}
+    for member in results:
+        states[member["state"]] = states.get(member["state"], 0) + 1
+    ctx.db.execute(
+        "INSERT INTO collected (key, members, states, worker) VALUES (%s, %s, %s, %s)",
+        (payload["key"], len(results), psycopg.types.json.Jsonb(states), os.getpid()),
+    )
+    return len(results)
+
+
+@handlers.task(
+    f"{NS}.Step", schema=S["Step"], transactional=True, timeout=10,
+    retry=RetryPolicy(max_attempts=5, base=timedelta(seconds=0.2)),
+)
+def step(payload: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    # A chain's step: every attempt logged outside its transaction; fails its first `fail_times` attempts.
+    with _log() as log:
+        log.execute("INSERT INTO attempt_log (key, attempt) VALUES (%s, %s)", (payload["key"], ctx.attempt))
+    if ctx.attempt <= payload["fail_times"]:
+        raise RuntimeError(f"{payload['key']}: failure on attempt {ctx.attempt}")
+    ctx.db.execute(
+        "INSERT INTO steps (key, attempt, parent) VALUES (%s, %s, %s)",
+        (payload["key"], ctx.attempt, psycopg.types.json.Jsonb(ctx.parent_result)),
+    )
+    return {"key": payload["key"], "attempt": ctx.attempt}
 
 
 @handlers.task(f"{NS}.Tick", schema=S["Tick"], transactional=True)

@@ -3,17 +3,19 @@ services, so a fake that drifts from the real semantics fails here."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from taskq._core.db import Database
+from taskq._core.envelope import WORKFLOW_HEADER
 from taskq._core.kafka import Broker, KafkaBroker, TopicSpec
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import PostgresReplayLog
 from taskq.consumer.store import IdempotencyStore
+from taskq.producer.status import PostgresTaskRecords
 from taskq.schemas.registry import Registry
 from taskq.testing import InMemoryBroker, InMemoryRegistry, InMemoryStore
 
@@ -53,7 +55,8 @@ def stores(kind: str, request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any
     if kind == "memory":
         a = InMemoryStore(owner="a")
         yield a, InMemoryStore(
-            owner="b", rows=a.rows, workers=a.workers, slots=a.slots, buckets=a.buckets, paused=a.paused
+            owner="b", rows=a.rows, workers=a.workers, slots=a.slots, buckets=a.buckets, paused=a.paused,
+            workflows=a.workflows,
         )
         return
     s = _settings(request)
@@ -62,6 +65,41 @@ def stores(kind: str, request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.fixture
+def records(kind: str, stores: tuple[Any, Any], request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Where a producer reads task records and cancels tasks, over the records of `stores`."""
+    if kind == "memory":
+        yield stores[0]
+        return
+    s = _settings(request)
+    records = PostgresTaskRecords(Database(s.database_url, schema=s.database_schema), s.namespace)
+    yield records
+    records.close()
+
+
+@pytest.fixture
+def staged(
+    kind: str, stores: tuple[Any, Any], request: pytest.FixtureRequest
+) -> Iterator[Callable[[], list[str]]]:
+    """Take the records workflows staged since the last call (as a relay would): their workflow headers."""
+    if kind == "memory":
+        yield lambda: [dict(h)[WORKFLOW_HEADER].decode() for _, _, _, h in stores[0].take_staged()]
+        return
+    s = _settings(request)
+    db = Database(s.database_url, schema=s.database_schema)
+
+    def take() -> list[str]:
+        with db.connection() as conn:
+            rows = conn.execute(
+                "DELETE FROM taskq_outbox WHERE namespace = %s RETURNING id, headers", (s.namespace,)
+            ).fetchall()
+        rows.sort(key=lambda r: r["id"])
+        return [bytes.fromhex(dict(r["headers"])[WORKFLOW_HEADER]).decode() for r in rows]
+
+    yield take
+    db.close()
 
 
 @pytest.fixture

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
+from taskq._core.errors import InvalidTaskError, NotCancellableError, TaskFailed
 from taskq.consumer.store import ClaimRequest, Finished, LeaseLostError, Pauses, SlotRequest, WorkerRecord
+from taskq.producer.status import cancel, result_of, status_of
 from taskq.testing import InMemoryStore
 from tests.acceptance.helpers import wait_until
 
@@ -395,3 +397,67 @@ def test_a_pause_is_seen_by_every_store_of_its_namespace_until_resumed(
     x, y = namespaces  # another namespace's pauses are its own
     assert x.pause("tier", "high") is True
     assert y.pauses() == Pauses() and x.pauses() == Pauses(tiers=frozenset({"high"}))
+
+
+def test_a_result_is_stored_as_json_and_the_status_says_what_became_of_each_task(
+    stores: tuple[Any, Any], records: Any
+) -> None:
+    a, _ = stores
+    assert status_of(records.get("k"), task_id="id-k", dlq_topic="t.dlq").state == "unknown"
+    a.claim([req("k"), req("f"), req("d")])
+    assert status_of(records.get("k"), task_id="id-k", dlq_topic="t.dlq").state == "running"
+    assert a.finish([Finished("k", 1, "completed", result={"n": [1, 2], "s": "é"})]) == set()
+    assert a.finish([Finished("f", 1, "failed", error="boom")]) == set()
+    assert a.finish([Finished("d", 1, "dead", error="bad input", dlq=(2, 41))]) == set()
+    done = status_of(records.find("id-k"), task_id="id-k", dlq_topic="t.dlq")
+    assert (done.state, done.attempts, done.idempotency_key) == ("completed", 1, "k")
+    assert done.result == {"n": [1, 2], "s": "é"}
+    assert result_of(done) == {"n": [1, 2], "s": "é"}
+    assert status_of(records.get("f"), task_id="id-f", dlq_topic="t.dlq").state == "retrying"
+    dead = status_of(records.get("d"), task_id="id-d", dlq_topic="t.dlq")
+    assert (dead.state, dead.last_error, dead.dlq_partition, dead.dlq_offset) == ("dead", "bad input", 2, 41)
+    with pytest.raises(TaskFailed, match=r"bad input; its DLQ record is t\.dlq\[2\]@41") as failed:
+        result_of(dead)
+    assert failed.value.dlq_offset == 41
+    assert records.find("id-none") is None
+
+
+def test_a_transaction_records_what_its_block_returned_as_the_result(stores: tuple[Any, Any]) -> None:
+    a, _ = stores
+    a.claim([req("t")])
+    returned: list[Any] = [None]
+    with a.transaction("t", 1, result_of=lambda: returned[0]):
+        returned[0] = [1, "two"]
+    assert a.get("t")["result"] == [1, "two"]
+
+
+def test_a_cancelled_key_is_never_claimed_and_its_state_says_whether_it_had_started(
+    stores: tuple[Any, Any], records: Any
+) -> None:
+    a, b = stores
+    # No record yet (waiting in a tier or a delay tier): cancelled, and a claim answers it as cancelled.
+    assert cancel(records, "id-new", "new") is False
+    (claim,) = b.claim([req("new")])
+    assert claim.outcome == "cancelled"
+    assert status_of(records.get("new"), task_id="id-new", dlq_topic="t.dlq").state == "cancelled"
+    # Failed, waiting for its next attempt: cancelled, had started.
+    a.claim([req("f")])
+    a.finish([Finished("f", 1, "failed", error="boom")])
+    assert cancel(records, None, "f") is True
+    assert b.claim([req("f")])[0].outcome == "cancelled"
+    # Running: asked to stop, recorded as usual when it ends; a failed attempt of it is not retried.
+    a.claim([req("r"), req("r2")])
+    assert cancel(records, "id-r", None) is True
+    assert a.cancel_requested(["r", "r2"]) == {"r"}
+    assert status_of(records.get("r"), task_id="id-r", dlq_topic="t.dlq").cancel_requested
+    a.finish([Finished("r", 1, "failed", error="stopped")])
+    assert records.get("r")["state"] == "cancelled"
+    # Finished: refused, with its state.
+    a.finish([Finished("r2", 1, "completed")])
+    with pytest.raises(NotCancellableError, match="is completed already"):
+        cancel(records, None, "r2")
+    with pytest.raises(NotCancellableError, match="is cancelled already"):
+        cancel(records, None, "new")
+    # A task id no worker has claimed cannot be found: its key is needed.
+    with pytest.raises(InvalidTaskError, match="idempotency key"):
+        cancel(records, "id-nobody", None)

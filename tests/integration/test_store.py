@@ -60,7 +60,8 @@ def test_named_queries_return_a_row_rows_and_a_row_count(db: Database) -> None:
     ]
     assert db.all("counts", namespace="ns") == [{"state": "running", "n": 2}]
     db.all(
-        "fail", namespace="ns", keys=["a", "b"], attempts=[1, 1], states=["dead", "dead"], errors=["x", "y"], owner="w"
+        "fail", namespace="ns", keys=["a", "b"], attempts=[1, 1], states=["dead", "dead"], errors=["x", "y"], owner="w",
+        dlq_partitions=[0, 0], dlq_offsets=[7, None],
     )
     assert db.execute("purge", namespace="ns", ttl_seconds=-60, batch=10, keep=[]) == 2
 
@@ -291,7 +292,8 @@ def test_claims_and_completions_reach_rows_by_key_on_a_new_unanalyzed_table(db: 
     keys = [f"new-{i}" for i in range(500)]
     claim = _plan(db, "claim", namespace="ns", stale_after=10.0, keys=keys, task_ids=keys, task_types=keys, leases=[60.0] * 500, owner="w")
     complete = _plan(db, "complete", namespace="ns", keys=keys, attempts=[1] * 500, results=[None] * 500, owner="w")
-    fail = _plan(db, "fail", namespace="ns", keys=keys, attempts=[1] * 500, states=["dead"] * 500, errors=[""] * 500, owner="w")
+    fail = _plan(db, "fail", namespace="ns", keys=keys, attempts=[1] * 500, states=["dead"] * 500, errors=[""] * 500, owner="w",
+                 dlq_partitions=[0] * 500, dlq_offsets=list(range(500)))
     for plan in (claim, complete, fail):
         assert "Seq Scan on taskq_tasks" not in plan, plan
         assert "Join Filter" not in plan, plan  # a nested loop comparing every key with every row
@@ -580,7 +582,7 @@ def test_migrating_a_table_of_a_million_records_to_hot_completions_keeps_every_r
                                           ELSE now() - interval '1 hour' + i * interval '1 ms' END AS at) t
                 """
             )
-        assert db.migrate(namespace="shop") == ["0010_hot_completions"]
+        assert db.migrate(namespace="shop") == ["0010_hot_completions", "0011_status_and_cancellation", "0012_workflows"]
         with db.connection() as conn:
             (n,) = conn.execute("SELECT count(*) AS n FROM taskq_tasks").fetchone().values()
             indexes = {

@@ -137,16 +137,20 @@ SELECT key AS idempotency_key FROM unnest(%(keys)b::text[]) AS key
 WHERE key NOT IN (SELECT idempotency_key FROM done);
 
 -- name: fail
--- Record failed attempts: 'failed' stays retryable, 'dead' was dead-lettered. Same lease guard as complete.
+-- Record failed attempts: 'failed' stays retryable, 'dead' was dead-lettered (with where its DLQ record is).
+-- A failed attempt of a task asked to stop (cancel) is not retried: it ends 'cancelled'. Same lease guard as
+-- complete.
 UPDATE taskq_tasks t SET
-    state = c.state, last_error = c.error, updated_at = statement_timestamp(), lease_owner = NULL,
-    lease_expires_at = NULL
-FROM unnest(%(keys)b::text[], %(attempts)b::int[], %(states)b::text[], %(errors)b::text[])
-    AS c(idempotency_key, attempts, state, error)
+    state = CASE WHEN c.state = 'failed' AND t.cancel_requested THEN 'cancelled' ELSE c.state END,
+    last_error = c.error, updated_at = statement_timestamp(), lease_owner = NULL,
+    lease_expires_at = NULL, dlq_partition = c.dlq_partition, dlq_offset = c.dlq_offset
+FROM unnest(%(keys)b::text[], %(attempts)b::int[], %(states)b::text[], %(errors)b::text[],
+            %(dlq_partitions)s::int[], %(dlq_offsets)s::bigint[])
+    AS c(idempotency_key, attempts, state, error, dlq_partition, dlq_offset)
 WHERE t.idempotency_key = ANY(%(keys)b::text[]) AND t.namespace = %(namespace)s
   AND t.idempotency_key = c.idempotency_key
   AND t.state = 'running' AND t.lease_owner = %(owner)s AND t.attempts = c.attempts
-RETURNING t.idempotency_key;
+RETURNING t.idempotency_key, t.state;
 
 -- name: release
 -- Give back keys claimed ahead whose attempts never started (their partition was revoked, or the worker is
@@ -190,10 +194,54 @@ UPDATE taskq_tasks SET attempts = 0, takeovers = 0, interruptions = 0, state = '
 WHERE namespace = %(namespace)s AND idempotency_key = %(key)s AND state = 'dead'
 RETURNING idempotency_key;
 
+-- name: cancel
+-- Cancel a key: one that has no record yet (not claimed: waiting in a tier, a delay tier or a worker's buffer)
+-- or is waiting for its next attempt or for a new owner gets the record 'cancelled', and the claim of its
+-- task then answers it like a completed key: it never starts. A running key is asked to stop
+-- (cancel_requested): its handler sees ctx.cancelled and its outcome is recorded as usual. A finished key
+-- is left as it is. The key's row is locked first (a claim of it waits, or is waited for), so the answer,
+-- the state before, is the state the cancel acted on. Nothing comes back when a claim inserted the key
+-- after this statement's snapshot: the caller runs it again.
+WITH before AS (
+    SELECT state, lease_owner, attempts FROM taskq_tasks
+    WHERE idempotency_key = %(key)s AND namespace = %(namespace)s
+    FOR UPDATE
+), fresh AS (
+    INSERT INTO taskq_tasks
+        (namespace, idempotency_key, task_id, task_type, state, attempts, cancel_requested, created_at,
+         updated_at, completed_at)
+    SELECT %(namespace)s, %(key)s, %(task_id)s, '', 'cancelled', 0, true, statement_timestamp(),
+           statement_timestamp(), statement_timestamp()
+    WHERE NOT EXISTS (SELECT FROM before)
+    ON CONFLICT (idempotency_key, namespace) DO NOTHING
+    RETURNING 'unknown'::text AS state
+), changed AS (
+    UPDATE taskq_tasks t SET
+        state = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN t.state ELSE 'cancelled' END,
+        cancel_requested = true,
+        lease_owner = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN t.lease_owner END,
+        lease_expires_at = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN t.lease_expires_at END,
+        completed_at = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN NULL
+                            ELSE statement_timestamp() END,
+        updated_at = statement_timestamp()
+    FROM before b
+    WHERE t.idempotency_key = %(key)s AND t.namespace = %(namespace)s AND b.state IN ('running', 'failed')
+    RETURNING b.state
+)
+SELECT state, attempts, lease_owner FROM before
+UNION ALL SELECT state, 0, NULL FROM fresh;
+
+-- name: cancel_requested
+-- Which of these running keys were asked to stop (cancel): read every few seconds for the tasks a worker
+-- runs, one primary-key probe each.
+SELECT idempotency_key FROM taskq_tasks
+WHERE idempotency_key = ANY(%(keys)s::text[]) AND namespace = %(namespace)s AND cancel_requested;
+
 -- name: get
 -- One key's record; a plain read that takes no row locks and sees committed changes only.
 SELECT idempotency_key, task_id, task_type, state, attempts, takeovers, interruptions, started, lease_owner,
-       lease_expires_at, last_error, result, created_at, updated_at, completed_at
+       lease_expires_at, last_error, result, created_at, updated_at, completed_at, cancel_requested,
+       dlq_partition, dlq_offset
 FROM taskq_tasks WHERE namespace = %(namespace)s AND idempotency_key = %(key)s;
 
 -- name: purge
@@ -205,7 +253,7 @@ FROM taskq_tasks WHERE namespace = %(namespace)s AND idempotency_key = %(key)s;
 DELETE FROM taskq_tasks WHERE ctid IN (
     SELECT ctid FROM taskq_tasks
     WHERE created_at < statement_timestamp() - %(ttl_seconds)s * interval '1 second'
-      AND namespace = %(namespace)s AND state IN ('completed', 'dead')
+      AND namespace = %(namespace)s AND state IN ('completed', 'dead', 'cancelled')
       AND updated_at < statement_timestamp() - %(ttl_seconds)s * interval '1 second'
       AND NOT (idempotency_key = ANY(%(keep)s::text[]))
     LIMIT %(batch)s
@@ -416,9 +464,11 @@ ORDER BY started_at;
 -- name: task_by_id
 -- The record of the task with this id (the console's lookup). A scan of the namespace's records: task ids
 -- carry no index, kept off the claim's hot path; an operator's lookup can afford it.
-SELECT idempotency_key, task_id, task_type, state, attempts, takeovers, interruptions, lease_owner,
-       lease_expires_at, last_error, result, created_at, updated_at, completed_at
-FROM taskq_tasks WHERE namespace = %(namespace)s AND task_id = %(task_id)s;
+SELECT idempotency_key, task_id, task_type, state, attempts, takeovers, interruptions, started, lease_owner,
+       lease_expires_at, last_error, result, created_at, updated_at, completed_at, cancel_requested,
+       dlq_partition, dlq_offset
+FROM taskq_tasks WHERE namespace = %(namespace)s AND task_id = %(task_id)s
+ORDER BY updated_at DESC LIMIT 1;
 
 -- name: completed_since
 -- Tasks of a namespace completed in the last `seconds` seconds, among those first claimed in that time: the
@@ -429,3 +479,229 @@ SELECT count(*) AS n FROM taskq_tasks
 WHERE created_at >= statement_timestamp() - %(seconds)s * interval '1 second'
   AND namespace = %(namespace)s AND state = 'completed'
   AND completed_at >= statement_timestamp() - %(seconds)s * interval '1 second';
+
+-- name: wf_create
+-- A new workflow's row, in the transaction that writes its nodes and stages its first tasks.
+INSERT INTO taskq_workflows (namespace, workflow_id) VALUES (%(namespace)s, %(workflow_id)s);
+
+-- name: wf_insert_nodes
+-- A new workflow's nodes: its tree in preorder, each task with its record encoded and validated already.
+INSERT INTO taskq_workflow_nodes
+    (namespace, workflow_id, node, step, last, parent, position, kind, on_failure, task_id, idempotency_key,
+     task_type, topic, key, value, headers)
+SELECT %(namespace)s, %(workflow_id)s, node, %(workflow_id)s || ':' || node, last, parent, position, kind,
+       on_failure, task_id, idempotency_key, task_type, topic, key, value, headers
+FROM unnest(%(nodes)s::int[], %(lasts)s::int[], %(parents)s::int[], %(positions)s::int[], %(kinds)s::text[],
+            %(on_failures)s::text[], %(task_ids)s::text[], %(keys)s::text[], %(task_types)s::text[],
+            %(topics)s::text[], %(record_keys)s::bytea[], %(values)s::bytea[], %(headers)s::jsonb[])
+    AS n(node, last, parent, position, kind, on_failure, task_id, idempotency_key, task_type, topic, key, value,
+         headers);
+
+-- name: wf_end
+-- End nodes: a task that completed, died or was cancelled, or a chain or group whose turn is over. Only an
+-- open node ends, once: a redelivered task whose node ended already changes nothing. The row lock each
+-- update takes is what a group's last member is told apart by (wf_group_unlocked).
+UPDATE taskq_workflow_nodes n SET state = e.state, result_key = e.result_key, ended_at = clock_timestamp()
+FROM unnest(%(steps)s::text[], %(states)s::text[], %(result_keys)s::text[]) AS e(step, state, result_key)
+-- Plan stability: `= ANY(steps)` on the unique index's first column is the way in, whatever the statistics.
+WHERE n.step = ANY(%(steps)s::text[]) AND n.namespace = %(namespace)s AND n.step = e.step
+  AND n.state IN ('waiting', 'running')
+RETURNING n.workflow_id, n.node, n.last, n.parent, n.position, n.kind, n.on_failure, n.state, n.result_key,
+    -- Its parent's place in the tree (never changes), so moving on needs no statement more to find it.
+    (SELECT json_build_array(p.node, p.last, p.parent, p.position, p.kind, p.on_failure)
+     FROM taskq_workflow_nodes p
+     WHERE p.step = n.workflow_id || ':' || n.parent AND p.namespace = n.namespace) AS parent_place;
+
+-- name: wf_nodes
+-- Nodes by step: their place in the tree and their state.
+SELECT workflow_id, node, last, parent, position, kind, on_failure, state, result_key
+FROM taskq_workflow_nodes
+WHERE step = ANY(%(steps)s::text[]) AND namespace = %(namespace)s;
+
+-- name: wf_child
+-- The child of a node at a position (a chain's next step, a group's callback at -1), found in the node's
+-- subtree by primary key.
+SELECT workflow_id, node, last, parent, position, kind, on_failure, state, result_key
+FROM taskq_workflow_nodes
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND node BETWEEN %(parent)s + 1 AND %(last)s
+  AND parent = %(parent)s AND position = %(position)s;
+
+-- name: wf_group_unlocked
+-- One open member of a group, among the nodes from..to of its subtree, that no transaction is ending now,
+-- share-locked: its ender's update waits for this transaction, so it will see this transaction's ends and
+-- decide the group itself. None: every open member there is being ended by a transaction in flight (or none
+-- is open). Asked first after the members this transaction ended (members end about in order, so an open one
+-- is a few rows on), then before them. A row share-locked by another checker is not skipped (shares do not
+-- conflict).
+SELECT node FROM taskq_workflow_nodes
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND node BETWEEN %(from)s AND %(to)s
+  AND parent = %(group)s AND position >= 0 AND state IN ('waiting', 'running')
+ORDER BY node LIMIT 1 FOR SHARE SKIP LOCKED;
+
+-- name: wf_group_lock
+-- Lock a group's row: its deciders take turns, each seeing the members ended by those before it.
+SELECT fired FROM taskq_workflow_nodes
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND node = %(group)s
+FOR UPDATE;
+
+-- name: wf_group_open
+-- How many members of a group are still open, as committed now (read after wf_group_lock, a statement of
+-- its own: under READ COMMITTED it sees every end committed before the lock was granted).
+SELECT count(*) AS n FROM taskq_workflow_nodes g
+JOIN taskq_workflow_nodes m ON m.workflow_id = g.workflow_id AND m.namespace = g.namespace
+    AND m.node BETWEEN g.node + 1 AND g.last AND m.parent = g.node AND m.position >= 0
+    AND m.state IN ('waiting', 'running')
+WHERE g.workflow_id = %(workflow_id)s AND g.namespace = %(namespace)s AND g.node = %(group)s;
+
+-- name: wf_group_fire
+-- A group whose members all ended: marked decided, and its members counted by state. Under the group's lock.
+WITH fired AS (
+    UPDATE taskq_workflow_nodes SET fired = true
+    WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND node = %(group)s AND NOT fired
+    RETURNING node, last
+)
+SELECT m.state, count(*) AS n FROM fired f
+JOIN taskq_workflow_nodes m ON m.workflow_id = %(workflow_id)s AND m.namespace = %(namespace)s
+    AND m.node BETWEEN f.node + 1 AND f.last AND m.parent = f.node AND m.position >= 0
+GROUP BY m.state;
+
+-- name: wf_start
+-- Start waiting nodes: tasks are staged (wf_stage), chains and groups start their first step or members.
+UPDATE taskq_workflow_nodes SET state = 'running'
+WHERE step = ANY(%(steps)s::text[]) AND namespace = %(namespace)s AND state = 'waiting'
+RETURNING workflow_id, node, last, parent, position, kind, on_failure, state, result_key;
+
+-- name: wf_first_steps
+-- What starting chains and groups start: a chain's first step, a group's members (not its callback).
+-- One range of the primary key per started node (a LATERAL probe each).
+SELECT n.workflow_id, n.node FROM unnest(%(workflow_ids)s::text[], %(nodes)s::int[], %(lasts)s::int[],
+                                         %(groups)s::bool[]) AS k(workflow_id, node, last, is_group)
+CROSS JOIN LATERAL (
+    SELECT workflow_id, node FROM taskq_workflow_nodes n
+    WHERE n.workflow_id = k.workflow_id AND n.namespace = %(namespace)s AND n.node BETWEEN k.node + 1 AND k.last
+      AND n.parent = k.node AND (n.position = 0 OR (k.is_group AND n.position > 0))
+    OFFSET 0
+) n;
+
+-- name: wf_stage
+-- Stage started tasks in the outbox, in the transaction that started them, in the order given; relays are
+-- woken when, and only if, it commits.
+WITH staged AS (
+    INSERT INTO taskq_outbox (namespace, topic, key, value, headers)
+    SELECT n.namespace, n.topic, n.key, n.value, n.headers
+    FROM unnest(%(steps)s::text[]) WITH ORDINALITY AS k(step, i)
+    JOIN taskq_workflow_nodes n ON n.step = k.step
+    WHERE n.step = ANY(%(steps)s::text[]) AND n.namespace = %(namespace)s
+    ORDER BY k.i
+    RETURNING id
+)
+SELECT pg_notify('taskq_outbox', %(namespace)s) FROM (SELECT count(*) FROM staged) AS s;
+
+-- name: wf_close
+-- Close the waiting nodes below a node (a chain's steps after one that failed, a callback not run): they
+-- will never start.
+UPDATE taskq_workflow_nodes SET state = %(state)s, ended_at = clock_timestamp()
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND node BETWEEN %(node)s + 1 AND %(last)s
+  AND state = 'waiting';
+
+-- name: wf_cancelled
+-- Which of these workflows were cancelled: their waiting nodes never start.
+SELECT workflow_id FROM taskq_workflows
+WHERE workflow_id = ANY(%(workflow_ids)s::text[]) AND namespace = %(namespace)s AND cancelled;
+
+-- name: wf_finish
+-- A workflow's root ended: the workflow is done.
+UPDATE taskq_workflows SET state = %(state)s, ended_at = clock_timestamp()
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND state = 'running';
+
+-- name: wf_get
+-- A workflow's row.
+SELECT workflow_id, state, cancelled, created_at, ended_at FROM taskq_workflows
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s;
+
+-- name: wf_counts
+-- A workflow's tasks by state.
+SELECT state, count(*) AS n FROM taskq_workflow_nodes
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND kind = 'task'
+GROUP BY state;
+
+-- name: wf_tree
+-- A workflow's nodes in preorder, for the console (at most `limit`).
+SELECT node, last, parent, position, kind, on_failure, state, task_id, idempotency_key, task_type
+FROM taskq_workflow_nodes
+WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s
+ORDER BY node LIMIT %(limit)s;
+
+-- name: wf_cancel
+-- Mark a workflow cancelled (its waiting nodes will never start); returns its tasks staged and not ended,
+-- whose keys are cancelled next.
+WITH marked AS (
+    UPDATE taskq_workflows SET cancelled = true
+    WHERE workflow_id = %(workflow_id)s AND namespace = %(namespace)s AND state = 'running'
+    RETURNING workflow_id
+)
+SELECT n.idempotency_key, n.task_id FROM marked m
+JOIN taskq_workflow_nodes n ON n.workflow_id = m.workflow_id AND n.namespace = %(namespace)s
+WHERE n.kind = 'task' AND n.state = 'running';
+
+-- name: cancel_many
+-- Cancel many keys at once (a workflow's staged tasks), by the rules of cancel: no record or waiting for an
+-- attempt or a new owner: cancelled; running: asked to stop; finished: left as it is. A key a claim inserts
+-- concurrently is left to run (it had started). Answers the keys that were not started.
+WITH fresh AS (
+    INSERT INTO taskq_tasks
+        (namespace, idempotency_key, task_id, task_type, state, attempts, cancel_requested, created_at,
+         updated_at, completed_at)
+    SELECT %(namespace)s, k, t, '', 'cancelled', 0, true, statement_timestamp(), statement_timestamp(),
+           statement_timestamp()
+    FROM unnest(%(keys)s::text[], %(task_ids)s::text[]) AS i(k, t)
+    ON CONFLICT (idempotency_key, namespace) DO NOTHING
+    RETURNING idempotency_key
+), before AS (
+    SELECT idempotency_key, state, lease_owner FROM taskq_tasks
+    WHERE idempotency_key = ANY(%(keys)s::text[]) AND namespace = %(namespace)s
+      AND state IN ('running', 'failed')
+    FOR UPDATE
+), changed AS (
+    UPDATE taskq_tasks t SET
+        state = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN t.state ELSE 'cancelled' END,
+        cancel_requested = true,
+        lease_owner = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL THEN t.lease_owner END,
+        lease_expires_at = CASE WHEN b.state = 'running' AND b.lease_owner IS NOT NULL
+                                THEN t.lease_expires_at END,
+        updated_at = statement_timestamp()
+    FROM before b
+    WHERE t.idempotency_key = b.idempotency_key AND t.namespace = %(namespace)s
+    RETURNING t.idempotency_key, b.state, b.lease_owner
+)
+SELECT idempotency_key FROM fresh
+UNION ALL
+SELECT idempotency_key FROM changed WHERE NOT (state = 'running' AND lease_owner IS NOT NULL);
+
+-- name: wf_results
+-- A group's members in order, each with its result's record (the task's, or a chain's last step's).
+SELECT m.node, m.position, m.kind, m.state, t.task_id, t.result, t.last_error
+FROM taskq_workflow_nodes g
+JOIN taskq_workflow_nodes m ON m.workflow_id = g.workflow_id AND m.namespace = g.namespace
+    AND m.node BETWEEN g.node + 1 AND g.last AND m.parent = g.node AND m.position >= 0
+LEFT JOIN taskq_tasks t ON t.idempotency_key = m.result_key AND t.namespace = m.namespace
+WHERE g.workflow_id = %(workflow_id)s AND g.namespace = %(namespace)s AND g.node = %(group)s
+ORDER BY m.position;
+
+-- name: wf_purge
+-- Forget workflows of one namespace that ended more than the TTL ago, with their nodes, a bounded batch at a
+-- time. A scan of the namespace's workflows: one row each, far fewer than tasks.
+WITH gone AS (
+    DELETE FROM taskq_workflows WHERE ctid IN (
+        SELECT ctid FROM taskq_workflows
+        WHERE namespace = %(namespace)s AND state <> 'running'
+          AND ended_at < statement_timestamp() - %(ttl_seconds)s * interval '1 second'
+        LIMIT %(batch)s
+    )
+    RETURNING workflow_id
+), nodes AS (
+    DELETE FROM taskq_workflow_nodes n USING gone g
+    WHERE n.workflow_id = g.workflow_id AND n.namespace = %(namespace)s
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone) AS workflows, (SELECT count(*) FROM nodes) AS nodes;

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from taskq._core.db import Database
+from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError
 from taskq._core.settings import Settings
+from taskq.producer.producer import TaskProducer
+from taskq.producer.tasks import TaskSpec
+from taskq.producer.workflows import group
 from taskq.tools.bench.run import (
     _EFFECTS_TABLE,
     BENCH_HANDLERS,
@@ -14,6 +19,7 @@ from taskq.tools.bench.run import (
     _enqueue,
     _ms,
     _namespace,
+    _Run,
     _wal_bytes_since,
     _wal_position,
 )
@@ -34,16 +40,24 @@ def bench_worker(
     partitions: int = 6,
     timeout: float = 600.0,
     profile: str | None = None,
+    workflow: str | None = None,
 ) -> dict[str, Any]:
-    """Enqueue `count` tasks over the four tiers, time `processes` Workers running them all, then clean up."""
+    """Enqueue `count` tasks over the four tiers, time `processes` Workers running them all, then clean up.
+
+    With `workflow="group"`, the tasks are the members of one group with a callback (`count` + 1 tasks, the
+    callback staged by the transaction that records the last member's end): the cost of a workflow's
+    bookkeeping, against the same run without it."""
     if count < 1:
         raise ConfigurationError(f"count must be >= 1, got {count}")
     if concurrency < 1:
         raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
+    if workflow not in (None, "group"):
+        raise ConfigurationError(f"workflow must be group, got {workflow!r}")
     if handler not in BENCH_HANDLERS:
         raise ConfigurationError(f"handler must be one of {', '.join(BENCH_HANDLERS)}, got {handler!r}")
     with _namespace(settings, partitions=partitions, handler=handler) as run:
-        enqueued, enqueue_s, _ = _enqueue(run, count)
+        enqueued, enqueue_s = _enqueue_group(run, count) if workflow else _enqueue(run, count)[:2]
+        tasks = len(enqueued)
         # In spawned processes, as `taskq worker` runs: launch figures include the interpreter's start and the
         # imports. --profile runs the worker in a thread of this process, whose start is then not measured.
         spec = _WorkerSpec.of(run, handler, concurrency)
@@ -51,7 +65,7 @@ def bench_worker(
         wal_start = _wal_position(run.settings)
         with workers:
             workers.wait(
-                lambda: len(workers.completed) >= count, timeout, f"not every one of {count} tasks ran"
+                lambda: len(workers.completed) >= tasks, timeout, f"not every one of {tasks} tasks ran"
             )
             wal_bytes = _wal_bytes_since(run.settings, wal_start)
         completed, started = workers.completed, workers.started
@@ -70,9 +84,10 @@ def bench_worker(
     starts = sorted(started.values())
     t_spawned = workers.spawned_at if workers.spawned else None
     return {
-        "tasks": count,
+        "tasks": tasks,
         "completed": done,
         "handler": handler,
+        "workflow": workflow,
         "concurrency": concurrency,
         "processes": processes,
         "partitions": partitions,
@@ -105,3 +120,24 @@ def bench_worker(
         # Postgres WAL from launch to the last completion, per task: the whole server's (every client's).
         "wal_bytes_per_task": wal_bytes / done,
     }
+
+
+def _enqueue_group(run: _Run, count: int) -> tuple[dict[str, float], float]:
+    """One workflow: a group of `count` members over the four tiers and a callback, its members staged in
+    the outbox and published by the producer as a relay would: (the enqueue time of each key, seconds to
+    enqueue it)."""
+    members = [
+        TaskSpec(
+            task_type=run.task_type,
+            payload={"i": i},
+            priority=PRIORITIES[i % 4],
+            idempotency_key=f"bench:{i}",
+        )
+        for i in range(count)
+    ]
+    callback = TaskSpec(task_type=run.task_type, payload={"i": -1}, idempotency_key="bench:callback")
+    with TaskProducer(run.settings) as producer:
+        t0 = time.monotonic()
+        producer.enqueue_workflow(group(*members, then=callback))
+        enqueue_s = time.monotonic() - t0
+    return dict.fromkeys([*(s.idempotency_key or "" for s in members), "bench:callback"], t0), enqueue_s
