@@ -56,7 +56,7 @@ class TaskContext:
     def parent_result(self) -> Any:
         """In a chain, the result of the step before: a task's, a chain's (its last step's) or a group's
         callback's. A chain's first step, or a group's member, gets what came before its chain or group.
-        None elsewhere, and for a process-isolated handler."""
+        None elsewhere."""
         return self._inputs[0]
 
     @property

@@ -30,6 +30,8 @@ def ok(payload: Any, ctx: TaskContext) -> dict[str, Any]:
         "echo": payload,
         "task_id": ctx.task_id,
         "has_deadline": ctx.deadline is not None,
+        "parent_result": ctx.parent_result,
+        "group_results": ctx.group_results,
     }
 
 

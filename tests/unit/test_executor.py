@@ -330,6 +330,19 @@ def test_process_ok_runs_in_a_reused_child(pex: Executor) -> None:
     assert pids[0] == pids[1]  # one task at a time: the idle child is reused, not respawned
 
 
+def test_a_process_isolated_workflow_step_gets_the_results_before_it(pex: Executor) -> None:
+    # Read in the worker (where Postgres is) and sent with the job: the child has no store to ask.
+    done = Done()
+    step = job(process_spec("x.Ok"), {"n": 1}, timeout=30)
+    members = [{"task_id": "m1", "state": "completed", "result": 2, "error": None}]
+    step.ctx.workflow_inputs = lambda: ({"total": 3}, members)
+    pex.submit(step, done)
+    outcome = done.wait()
+    assert outcome.ok, outcome
+    assert outcome.result["parent_result"] == {"total": 3}
+    assert outcome.result["group_results"] == members
+
+
 def test_process_exception_becomes_task_failed(pex: Executor) -> None:
     done = Done()
     pex.submit(job(process_spec("x.Raises"), 7), done)

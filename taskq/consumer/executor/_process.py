@@ -108,7 +108,13 @@ class ChildPool:
         if job.timeout is not None:
             # The clock starts once the child is up: start-up is bounded by process_start_timeout instead.
             job.ctx.deadline = start + job.timeout
+        what = "the workflow inputs"
         try:
+            if job.ctx.workflow_inputs is not None:
+                # A workflow step's inputs (the results before it) are read here, where Postgres is, and
+                # travel with the job: ctx.parent_result and ctx.group_results in the child are these.
+                fields["inputs"] = job.ctx._inputs
+            what = "the payload"
             # The child gets the time left, not our deadline: monotonic clocks may differ between processes.
             message = pickle.dumps((job.spec.task_type, job.payload, fields, job.timeout))
         except Exception as exc:
@@ -116,7 +122,7 @@ class ChildPool:
             self._release(attempt)
             error = TaskFailed(
                 qualified_name(type(exc)),
-                f"the payload of {job.spec.task_type} cannot be pickled for its process: {describe(exc)}",
+                f"{what} of {job.spec.task_type} cannot be read or pickled for its process: {describe(exc)}",
                 format_traceback(exc),
             )
             self._report(attempt, _failed_in_child(error, None, 0.0))
@@ -382,7 +388,13 @@ def _child_main(
                 raise LookupError(f"no handler for {task_type!r} in {handlers_path}")
             deadline = None if timeout is None else time.monotonic() + timeout
             logger = logging.getLogger(f"taskq.task.{task_type}")  # the name a thread handler's has
-            ctx = TaskContext(**fields, logger=logger, deadline=deadline)
+            inputs = fields.pop("inputs", None)
+            ctx = TaskContext(
+                **fields,
+                logger=logger,
+                deadline=deadline,
+                workflow_inputs=None if inputs is None else (lambda: inputs),
+            )
             reply: tuple[Any, ...] = ("ok", spec.fn(payload, ctx))
         except BaseException as exc:
             # SystemExit and KeyboardInterrupt raised by a handler are failed attempts like any other: the
