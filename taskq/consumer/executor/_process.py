@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -393,7 +394,7 @@ def _child_main(
                 **fields,
                 logger=logger,
                 deadline=deadline,
-                workflow_inputs=None if inputs is None else (lambda: inputs),
+                workflow_inputs=None if inputs is None else functools.partial(tuple, inputs),
             )
             reply: tuple[Any, ...] = ("ok", spec.fn(payload, ctx))
         except BaseException as exc:
