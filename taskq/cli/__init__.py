@@ -19,6 +19,8 @@ __all__ = ["build_parser", "main"]
 
 #: Commands that log as they run, and take --log-format after their name (any command takes it before).
 _LOGGING = (*LONG_RUNNING, "chaos", "stats", "console")
+#: The command `main` ran last (for `run`).
+_ran: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `taskq` console script."""
+    global _ran
     args = build_parser().parse_args(argv)
+    _ran = args.command
     # The flag wins over the environment; read here, where the command line is.
     args.log_format = args.log_format or os.environ.get("TASKQ_LOG_FORMAT") or "text"
     if args.log_format not in LOG_FORMATS:
@@ -79,4 +83,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def run() -> None:
+    """The `taskq` console script (and `python -m taskq.cli`): `main`, then the process ends with its code.
+
+    A long-running command (worker, forwarder, relay) ends its process at once, without the interpreter's
+    finalization: by then it has recorded and committed what it did and closed its clients, or it failed
+    and said why. Objects of the Kafka client left to finalization (a producer whose own threads still
+    call back into Python, say) crashed a worker refused by the broker with SIGSEGV on its way out.
+    """
+    code = main(sys.argv[1:])
+    if _ran in LONG_RUNNING:
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 

@@ -1,7 +1,5 @@
 """`python -m taskq.cli`: the `taskq` command."""
 
-import sys
+from taskq.cli import run
 
-from taskq.cli import main
-
-sys.exit(main())
+run()

@@ -66,13 +66,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     log.info("worker %s: %d handler(s), group %s", worker.worker_id, len(handlers), worker.group)
     worker.run()
     log.info("worker %s: stopped", worker.worker_id)
-    # Stopped cleanly: every outcome is recorded, the offsets committed, the group left and every client
-    # closed. The process ends now: a client thread still waiting on the broker (a dead predecessor's
-    # transaction being fenced, say) or a library's finalizer must not hold up its exit.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0  # and the process ends at once (cli.run): no client thread or finalizer holds up its exit
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
