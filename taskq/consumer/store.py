@@ -313,6 +313,17 @@ class IdempotencyStore:
     def _run_members(self, conn: Connection, members: Sequence[Member], *, answer_each: bool) -> bool:
         """One pass of `run_group`; False if it was rolled back for a statement that failed at the server
         (only when not `answer_each`)."""
+        # Autocommit for the pass, so the transaction below sends the only BEGIN: with it off, the driver
+        # adds its own before the first statement (it cannot see the first BEGIN unanswered in the pipeline),
+        # a statement and a server warning per group. Set on the client alone, no round trip.
+        conn.autocommit = True
+        try:
+            return self._run_pass(conn, members, answer_each=answer_each)
+        finally:
+            if not conn.closed:
+                conn.autocommit = False
+
+    def _run_pass(self, conn: Connection, members: Sequence[Member], *, answer_each: bool) -> bool:
         committing = False
         with conn.pipeline() as pipeline:
             # The group's transaction, its BEGIN and COMMIT sent with the group's statements: two round trips

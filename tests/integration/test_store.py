@@ -381,6 +381,26 @@ def test_a_groups_statements_are_answered_together_not_one_by_one(db: Database) 
     store.close()
 
 
+def test_a_group_sends_one_begin_not_a_second_one_the_server_warns_about(db: Database) -> None:
+    # A second BEGIN cost a statement and a server log line per group ("there is already a transaction in
+    # progress"), thousands a second under load.
+    store = _group_store(db)
+    notices: list[str | None] = []
+    conns: list[Any] = []
+
+    def call(conn: Any) -> None:
+        conns.append(conn)
+        conn.execute("INSERT INTO group_effects (k) VALUES ('a')")
+
+    store.run_group([Member("a", 1, call)])
+    conns[0].add_notice_handler(lambda diag: notices.append(diag.message_primary))
+    store.run_group([Member("b", 1, _insert("b")), Member("c", 1, _insert("c"))])
+    assert notices == []
+    assert _group_effects(db) == ["a", "b", "c"]
+    assert conns[0].autocommit is False  # as a single transactional handler's transaction expects
+    store.close()
+
+
 def test_a_member_whose_statement_fails_at_the_server_fails_alone(db: Database) -> None:
     # Its error comes back only when the group's statements are answered: the group runs again one member
     # at a time, so the others' effects are recorded once and the failing one's error is its own.
