@@ -273,12 +273,43 @@ def test_dispatch_follows_the_weights_over_every_window_of_150_completions(
         return {t: (counts[t], e) for t, e in expected.items() if abs(counts[t] - e) > max(0.15 * e, edges)}
 
     assert not off(order), f"shares of the first 600 completions: {Counter(order)}; order: {''.join(t[0] for t in order)}"
-    bad = {start: off(order[start : start + 150]) for start in range(0, 451)}
+    # A tier whose buffer ran dry while Kafka still held its records (a fetch that came back late: a broker
+    # paused for longer than the tier's buffered work) gives its turns to the tiers that have work, as it
+    # must: slots are not left idle. Weighted dispatch alone never leaves critical out of more than 2 picks
+    # in a row, nor high out of more than 3, and eight slots reorder by eight at most; so a longer absence
+    # is such a dry spell. One is tolerated in 600 completions, and only the windows that take it in are
+    # not judged; more than one, or a long one, fails (a worker that refetches too late).
+    longest = {"critical": 10, "high": 16} if concurrency > 1 else {"critical": 3, "high": 4}
+    spells = _absences(order, longest)
+    assert len(spells) <= 1 and sum(end - start for start, end in spells) <= 50, (
+        f"dry spells (first, last completion) {spells}; order: {''.join(t[0] for t in order)}"
+    )
+    bad = {
+        start: off(order[start : start + 150])
+        for start in range(0, 451)
+        if not any(first < start + 150 and last >= start for first, last in spells)
+    }
     bad = {start: v for start, v in bad.items() if v}
     assert not bad, (
         f"{len(bad)} windows of 150 off their weights, e.g. at {min(bad)}: {bad[min(bad)]} "
         f"(tier: (completions, expected)); order: {''.join(t[0] for t in order)}"
     )
+
+
+def _absences(order: list[str], longest: dict[str, int]) -> list[tuple[int, int]]:
+    """Stretches (first, last index) in which a tier of `longest` is absent for more than its count,
+    merged where they overlap."""
+    found: list[tuple[int, int]] = []
+    for tier, most in longest.items():
+        seen = [-1] + [i for i, t in enumerate(order) if t == tier] + [len(order)]
+        found += [(a + 1, b - 1) for a, b in zip(seen, seen[1:]) if b - a - 1 > most and b < len(order)]
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted(found):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    return merged
 
 
 def test_timeouts_fail_the_attempt_and_crashes_spare_the_worker(app: App) -> None:
