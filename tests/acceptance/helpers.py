@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -177,9 +177,10 @@ def private_ports(count: int) -> int:
     return base
 
 
-def tier_records(settings: Settings) -> list[Record]:
-    """Every committed record on the namespace's priority topics, read from the start until idle."""
-    topics = Topics(settings.namespace).priority_topics
+def tier_records(settings: Settings, topics: Sequence[str] = ()) -> list[Record]:
+    """Every committed record on the namespace's priority topics (or `topics`), read from the start until
+    idle."""
+    topics = list(topics) or Topics(settings.namespace).priority_topics
     end = Admin(settings).end_offsets(topics)
     source = Source(settings, group=f"{settings.namespace}.reader")  # read_committed, like every Source
     source.assign([(t, p, 0) for (t, p) in end])

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -166,9 +166,30 @@ def _alive(app: App) -> None:
     assert not dead, f"processes died: {dead}\n{app.logs()}"
 
 
-def _on_the_topics(app: App) -> Counter[str]:
-    """Idempotency keys of every committed record on the priority topics, counted."""
-    return Counter(Envelope.from_headers(r.headers).idempotency_key for r in tier_records(app.settings))
+def _on_the_topics(app: App, topics: Sequence[str] = ()) -> Counter[str]:
+    """Idempotency keys of every committed record on the priority topics (or `topics`), counted."""
+    return Counter(Envelope.from_headers(r.headers).idempotency_key for r in tier_records(app.settings, topics))
+
+
+def _doubles(app: App, keys: set[str]) -> str:
+    """Where the copies of `keys` are on the priority topics, how many the delay topics hold, and what the
+    forwarders logged about their transactions: enough to tell a forwarder's double from a producer's."""
+    copies = [
+        f"{key} {r.topic}[{r.tp[1]}]@{r.offset} ts={r.timestamp_ms}"
+        for r in tier_records(app.settings)
+        if (key := Envelope.from_headers(r.headers).idempotency_key) in keys
+    ]
+    delayed = _on_the_topics(app, Topics(app.settings.namespace).delay_topics)
+    logged = [
+        line
+        for w in app.workers
+        for line in w.output().splitlines()
+        if "forward" in line or "transaction" in line
+    ]
+    return "\n".join(
+        ["copies on the priority topics:", *sorted(copies), f"on the delay topics: { {k: delayed[k] for k in keys} }",
+         "forwarder lines:", *logged[-60:]]
+    )
 
 
 def test_topics_on_the_cluster_get_three_replicas_and_two_in_sync(cluster_app: App) -> None:
@@ -249,6 +270,8 @@ def test_a_broker_killed_under_load_loses_nothing_and_doubles_nothing(
     on_topics = _on_the_topics(app)
     expected = [f"ledger:{k}" for k in keys]
     doubled = {k: n for k, n in on_topics.items() if n > 1}
-    assert on_topics == Counter(expected), (doubled, sorted(set(expected) - set(on_topics))[:10])
+    assert on_topics == Counter(expected), (
+        f"doubled {doubled}, missing {sorted(set(expected) - set(on_topics))[:10]}\n{_doubles(app, set(doubled))}"
+    )
     dead = [w.log.name for w in app.workers if w is not producer and w.proc.poll() is not None]
     assert not dead, f"workers died: {dead}\n{app.logs()}"
