@@ -168,7 +168,8 @@ def _alive(app: App) -> None:
 
 def _on_the_topics(app: App, topics: Sequence[str] = ()) -> Counter[str]:
     """Idempotency keys of every committed record on the priority topics (or `topics`), counted."""
-    return Counter(Envelope.from_headers(r.headers).idempotency_key for r in tier_records(app.settings, topics))
+    records = tier_records(app.settings, topics)
+    return Counter(Envelope.from_headers(r.headers).idempotency_key for r in records)
 
 
 def _doubles(app: App, keys: set[str]) -> str:
@@ -186,10 +187,9 @@ def _doubles(app: App, keys: set[str]) -> str:
         for line in w.output().splitlines()
         if "forward" in line or "transaction" in line
     ]
-    return "\n".join(
-        ["copies on the priority topics:", *sorted(copies), f"on the delay topics: { {k: delayed[k] for k in keys} }",
-         "forwarder lines:", *logged[-60:]]
-    )
+    on_delay = {k: delayed[k] for k in keys}
+    lines = ["copies on the priority topics:", *sorted(copies), f"on the delay topics: {on_delay}"]
+    return "\n".join([*lines, "forwarder lines:", *logged[-60:]])
 
 
 def test_topics_on_the_cluster_get_three_replicas_and_two_in_sync(cluster_app: App) -> None:
@@ -271,7 +271,8 @@ def test_a_broker_killed_under_load_loses_nothing_and_doubles_nothing(
     expected = [f"ledger:{k}" for k in keys]
     doubled = {k: n for k, n in on_topics.items() if n > 1}
     assert on_topics == Counter(expected), (
-        f"doubled {doubled}, missing {sorted(set(expected) - set(on_topics))[:10]}\n{_doubles(app, set(doubled))}"
+        f"doubled {doubled}, missing {sorted(set(expected) - set(on_topics))[:10]}\n"
+        f"{_doubles(app, set(doubled))}"
     )
     dead = [w.log.name for w in app.workers if w is not producer and w.proc.poll() is not None]
     assert not dead, f"workers died: {dead}\n{app.logs()}"

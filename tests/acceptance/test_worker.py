@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections import Counter
@@ -302,7 +303,7 @@ def _absences(order: list[str], longest: dict[str, int]) -> list[tuple[int, int]
     found: list[tuple[int, int]] = []
     for tier, most in longest.items():
         seen = [-1] + [i for i, t in enumerate(order) if t == tier] + [len(order)]
-        found += [(a + 1, b - 1) for a, b in zip(seen, seen[1:]) if b - a - 1 > most and b < len(order)]
+        found += [(a + 1, b - 1) for a, b in itertools.pairwise(seen) if b - a - 1 > most and b < len(order)]
     merged: list[tuple[int, int]] = []
     for first, last in sorted(found):
         if merged and first <= merged[-1][1] + 1:
