@@ -14,7 +14,6 @@ import contextlib
 import contextvars
 import functools
 import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -25,7 +24,7 @@ import psycopg
 from taskq._core.errors import KafkaAuthenticationError, ProducerClosedError
 from taskq._core.settings import Settings
 from taskq.producer.producer import TaskProducer, _settled
-from taskq.producer.status import TaskStatus, result_of
+from taskq.producer.status import Polls, TaskStatus, result_of
 from taskq.producer.tasks import Receipt, TaskSpec, _Bulk
 from taskq.producer.workflows import Chain, Group, WorkflowReceipt, WorkflowStatus
 
@@ -207,20 +206,13 @@ class AsyncTaskProducer:
     ) -> Any:
         """Wait for a task's result (TaskProducer.result); the waits between reads suspend only this
         coroutine."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        key, pause = idempotency_key, 0.05
+        key, polls = idempotency_key, Polls(timeout)
         while True:
             current = await self.status(task_id, idempotency_key=key)
             key = key or current.idempotency_key
             if current.final:
                 return result_of(current)
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"task {current.task_id} is {current.state} after {timeout}s")
-                pause = min(pause, left)
-            await asyncio.sleep(pause)
-            pause = min(pause * 1.5, 1.0)
+            await asyncio.sleep(polls.next(current))
 
     async def enqueue_workflow(self, workflow: TaskSpec | Chain | Group) -> WorkflowReceipt:
         """Enqueue a workflow (TaskProducer.enqueue_workflow), in a thread: it writes to Postgres. The

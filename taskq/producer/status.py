@@ -172,24 +172,39 @@ def lookup(
     return task_id, records.find(task_id)
 
 
+class Polls:
+    """When to read a task's status again while waiting for its result: 50 ms, growing by half to 1 s,
+    never past `timeout` seconds from now (then TimeoutError). Shared by the blocking and the asyncio
+    producers, which differ only in how they wait."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._pause = 0.05
+
+    def next(self, current: TaskStatus) -> float:
+        """Seconds to wait before reading again, `current` not being final; TimeoutError when time is up."""
+        pause = self._pause
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"task {current.task_id} is {current.state} after {self._timeout}s")
+            pause = min(pause, left)
+        self._pause = min(pause * 1.5, 1.0)
+        return pause
+
+
 def wait_for_result(
     status: Callable[[], TaskStatus], timeout: float | None, *, sleep: Callable[[float], None] = time.sleep
 ) -> Any:
-    """Poll `status` with backoff (50 ms, growing to 1 s) until the task is final: its result if completed;
-    TaskFailed if dead, TaskCancelled if cancelled, TimeoutError if `timeout` seconds pass first."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pause = 0.05
+    """Poll `status` (see Polls) until the task is final: its result if completed; TaskFailed if dead,
+    TaskCancelled if cancelled, TimeoutError if `timeout` seconds pass first."""
+    polls = Polls(timeout)
     while True:
         current = status()
         if current.final:
             return result_of(current)
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"task {current.task_id} is {current.state} after {timeout}s")
-            pause = min(pause, left)
-        sleep(pause)
-        pause = min(pause * 1.5, 1.0)
+        sleep(polls.next(current))
 
 
 def result_of(status: TaskStatus) -> Any:

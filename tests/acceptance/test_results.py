@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
-from taskq import NotCancellableError, TaskCancelled, TaskFailed
+from taskq import AsyncTaskProducer, NotCancellableError, TaskCancelled, TaskFailed
 from taskq.consumer.dlq import DeadLetters
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import all_committed, tier_records, wait_until
@@ -23,6 +25,36 @@ def taskq(app: App, *args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
+
+
+def test_the_asyncio_producer_awaits_a_result_and_times_out_on_a_task_not_due_yet(app: App) -> None:
+    # Its waits between reads suspend only the coroutine: another one keeps ticking meanwhile.
+    app.spawn("--concurrency", "2")
+
+    async def scenario() -> tuple[object, float, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        async with AsyncTaskProducer(app.settings) as producer:
+            answered = await producer.enqueue(app.type("Answer"), {"key": "async"}, wait=True)
+            later = await producer.enqueue(app.type("Answer"), {"key": "later"}, delay=3600, wait=True)
+            result = await producer.result(answered.task_id, timeout=30)
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match=r"after 0\.5s"):
+                await producer.result(idempotency_key=later.idempotency_key, timeout=0.5)
+            waited = time.monotonic() - started
+        ticker.cancel()
+        return result, waited, ticks
+
+    result, waited, ticks = asyncio.run(scenario())
+    assert result == {"echo": "async", "attempt": 1, "pad": ""}
+    assert waited >= 0.5 and ticks > 0
 
 
 def test_result_returns_the_handlers_value_and_a_dead_lettered_task_names_its_dlq_record(app: App) -> None:

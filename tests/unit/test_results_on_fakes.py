@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
 
 from taskq import Handlers, TaskCancelled, TaskContext, TaskFailed
 from taskq.consumer.events import CancelledSkipped
+from taskq.producer.status import Polls, TaskStatus
 from taskq.testing import InMemoryQueue
 
 JOB = {"type": "record", "name": "Job", "namespace": "unit", "fields": [{"name": "n", "type": "long"}]}
@@ -58,3 +60,16 @@ def test_a_task_cancelled_before_it_starts_never_runs_and_never_reaches_the_dlq(
             receipts[0].result(timeout=0)
         with pytest.raises(TimeoutError):
             q.producer.result(idempotency_key="never-enqueued", timeout=0.01)
+
+
+def test_result_polls_back_off_from_50_ms_to_a_second_and_stop_at_the_timeout() -> None:
+
+
+    waiting = TaskStatus(task_id="t", idempotency_key="k", state="queued")
+    polls = Polls(None)
+    pauses = [polls.next(waiting) for _ in range(12)]
+    assert pauses[:3] == pytest.approx([0.05, 0.075, 0.1125]) and pauses[-1] == 1.0
+    assert all(a <= b for a, b in itertools.pairwise(pauses))
+    assert Polls(3600).next(waiting) == 0.05
+    with pytest.raises(TimeoutError, match="task t is queued after 0s"):
+        Polls(0).next(waiting)
