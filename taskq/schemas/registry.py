@@ -1,8 +1,8 @@
 """The one module that talks to the schema registry (Confluent REST API, e.g. Apicurio ccompat).
 
-confluent-kafka's registry client is imported when a `Registry` is made, not with this module: with its
-HTTP and OAuth libraries it takes a few hundred milliseconds, which a worker spends on a thread of its own
-(`PendingRegistry`) while it joins its group.
+Its HTTP calls are the standard library's (`taskq.schemas.rest`): nothing to import but urllib. A worker
+still makes its registry on a thread of its own (`PendingRegistry`) while it joins its group, and looks up
+its task types' latest versions there.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
+from urllib.parse import quote
 
 from taskq._core.errors import ConfigurationError
 from taskq._core.settings import Settings, redact
@@ -26,14 +27,10 @@ from taskq.schemas.errors import (
     SchemaError,
     SchemaNotFoundError,
 )
-
-if TYPE_CHECKING:
-    from confluent_kafka.schema_registry import Schema
+from taskq.schemas.rest import RegistryHTTPError, RestClient
 
 log = logging.getLogger("taskq.registry")
 T = TypeVar("T")
-#: Packages whose exceptions mean the HTTP transport failed (confluent-kafka's client has used each).
-_TRANSPORT_MODULES = frozenset({"httpx", "httpx2", "httpcore", "requests", "urllib3"})
 #: Confluent error codes meaning "no such subject / version / schema".
 _NOT_FOUND = {40401, 40402, 40403, 404}
 
@@ -69,7 +66,8 @@ class Registry:
     def __init__(
         self, url: str, *, config: Mapping[str, Any] | None = None, latest_ttl: float = 30.0
     ) -> None:
-        """A client of the registry at `url`; `config` adds confluent-kafka's client properties."""
+        """A client of the registry at `url`; `config` adds confluent-kafka's registry client properties
+        (credentials and TLS files: see `client_config`)."""
         self.url = url
         config = dict(config or {})
         # Credentials given outside the URL: every message strips them as it strips the URL's password.
@@ -81,10 +79,8 @@ class Registry:
             )
             if secret
         )
-        from confluent_kafka.schema_registry import SchemaRegistryClient
-
         try:
-            self._client = SchemaRegistryClient({"url": url, **config})
+            self._rest = RestClient(url, config)
         except (OSError, ValueError, TypeError) as exc:  # ssl.SSLError is an OSError: a bad PEM file
             raise ConfigurationError(self._redact(f"schema registry client for {url}: {exc}")) from exc
         self._latest_ttl = latest_ttl
@@ -101,8 +97,8 @@ class Registry:
         return redact(text, self.url, secrets=self._secrets)
 
     def close(self) -> None:
-        """Close the HTTP connections."""
-        self._client.close()
+        """Release the client (each call has its own connection: nothing stays open between calls)."""
+        self._rest.close()
 
     def __enter__(self) -> Registry:
         return self
@@ -111,12 +107,10 @@ class Registry:
         self.close()
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        from confluent_kafka.schema_registry.error import SchemaRegistryError
-
         try:
             return fn()
-        except SchemaRegistryError as exc:
-            message, status = self._redact(str(exc.error_message)), exc.http_status_code
+        except RegistryHTTPError as exc:
+            message, status = self._redact(exc.message), exc.status
             if exc.error_code in _NOT_FOUND or status == 404:
                 raise SchemaNotFoundError(f"{what}: {message}") from exc
             if status == 409 or exc.error_code == 409:
@@ -132,16 +126,10 @@ class Registry:
                     )
                 ) from exc
             raise SchemaError(f"{what}: {message} (HTTP {status})") from exc
-        except (OSError, ConnectionError, TimeoutError) as exc:
+        except OSError as exc:  # no answer: refused, cut, timed out, or TLS (ssl.SSLError is an OSError)
             raise RegistryUnavailableError(
                 self._redact(f"{what}: registry at {self.url} unreachable: {exc}")
             ) from exc
-        except Exception as exc:  # the client raises its HTTP library's own errors for transport failures
-            if type(exc).__module__.split(".")[0] in _TRANSPORT_MODULES:
-                raise RegistryUnavailableError(
-                    self._redact(f"{what}: registry at {self.url} unreachable: {exc}")
-                ) from exc
-            raise
 
     def register(
         self, schema: Mapping[str, Any], *, compatibility: str | None = "BACKWARD"
@@ -152,23 +140,19 @@ class Registry:
         if compatibility:
             self._ensure_compatibility(subject, compatibility)
         text = avro.canonical_json(schema)
-        rs = self._call(
-            f"registering {subject}",
-            lambda: self._client.register_schema_full_response(subject, _avro(text)),
-        )
-        looked = self._call(
-            f"looking up {subject}", lambda: self._client.lookup_schema(subject, _avro(text))
-        )
+        path = f"subjects/{_path(subject)}"
+        rs = self._call(f"registering {subject}", lambda: self._rest.post(f"{path}/versions", _avro(text)))
+        looked = self._call(f"looking up {subject}", lambda: self._rest.post(path, _avro(text)))
         with self._lock:
             self._latest.pop(subject, None)
-        return self._registered(subject, _int(rs.schema_id or looked.schema_id), _int(looked.version), text)
+        return self._registered(subject, _int(rs, "id", looked), _int(looked, "version"), text)
 
     def _level(self, subject: str) -> str | None:
         """The subject's own compatibility level, or None when it has none (the registry default applies)."""
         try:
             level = self._call(
-                f"reading compatibility of {subject}", lambda: self._client.get_compatibility(subject)
-            )
+                f"reading compatibility of {subject}", lambda: self._rest.get(f"config/{_path(subject)}")
+            )["compatibilityLevel"]
         except SchemaNotFoundError:
             return None
         return str(level) if level else None
@@ -179,7 +163,7 @@ class Registry:
         if self._level(subject) is None:
             self._call(
                 f"setting compatibility of {subject}",
-                lambda: self._client.set_compatibility(subject_name=subject, level=level),
+                lambda: self._rest.put(f"config/{_path(subject)}", {"compatibility": level.upper()}),
             )
 
     def check(self, schema: Mapping[str, Any]) -> bool:
@@ -189,14 +173,17 @@ class Registry:
         text = avro.canonical_json(schema)
         try:
             level = self._level(subject) or str(
-                self._call("reading the default compatibility", self._client.get_compatibility)
+                self._call("reading the default compatibility", lambda: self._rest.get("config"))[
+                    "compatibilityLevel"
+                ]
             )
             versions: list[int | str] = ["latest"]
             if level.endswith("_TRANSITIVE"):
                 versions = list(self.versions(subject))
 
             def compatible(version: int | str) -> bool:
-                return bool(self._client.test_compatibility(subject, _avro(text), version=version))
+                path = f"compatibility/subjects/{_path(subject)}/versions/{version}"
+                return bool(self._rest.post(path, _avro(text))["is_compatible"])
 
             return all(
                 self._call(f"checking {subject} against version {v}", partial(compatible, v))
@@ -212,8 +199,9 @@ class Registry:
             hit = self._latest.get(subject)
         if hit and now - hit[0] < self._latest_ttl:
             return hit[1]
-        rs = self._call(f"looking up task type {subject}", lambda: self._client.get_latest_version(subject))
-        reg = self._registered(subject, _int(rs.schema_id), _int(rs.version), rs.schema.schema_str or "")
+        path = f"subjects/{_path(subject)}/versions/latest"
+        rs = self._call(f"looking up task type {subject}", lambda: self._rest.get(path))
+        reg = self._registered(subject, _int(rs, "id"), _int(rs, "version"), _text(rs))
         with self._lock:
             self._latest[subject] = (now, reg)
         return reg
@@ -222,10 +210,9 @@ class Registry:
         """The registered version identical to this schema; SchemaNotFoundError if it was never registered."""
         subject = avro.full_name(schema)
         text = avro.canonical_json(schema)
-        rs = self._call(
-            f"looking up {subject}", lambda: self._client.lookup_schema(subject, _avro(text))
-        )
-        return self._registered(subject, _int(rs.schema_id), _int(rs.version), text)
+        path = f"subjects/{_path(subject)}"
+        rs = self._call(f"looking up {subject}", lambda: self._rest.post(path, _avro(text)))
+        return self._registered(subject, _int(rs, "id"), _int(rs, "version"), text)
 
     def cached(self, schema_id: int) -> avro.ParsedSchema | None:
         """The parsed schema of an id if this client already has it, without asking the registry."""
@@ -238,8 +225,9 @@ class Registry:
             hit = self._by_id.get(schema_id)
         if hit is not None:
             return hit
-        s = self._call(f"fetching schema id {schema_id}", lambda: self._client.get_schema(schema_id))
-        parsed = avro.parse(s.schema_str or "", source=f"schema id {schema_id}")
+        path = f"schemas/ids/{int(schema_id)}"
+        s = self._call(f"fetching schema id {schema_id}", lambda: self._rest.get(path))
+        parsed = avro.parse(_text(s), source=f"schema id {schema_id}")
         with self._lock:
             self._by_id[schema_id] = parsed
         return parsed
@@ -248,7 +236,8 @@ class Registry:
         """Delete a subject and all its versions for good (soft delete, then permanent)."""
 
         def delete(permanent: bool) -> list[int]:
-            return list(self._client.delete_subject(subject, permanent=permanent))
+            query = "?permanent=true" if permanent else ""
+            return list(self._rest.delete(f"subjects/{_path(subject)}{query}"))
 
         for permanent in (False, True):
             try:
@@ -261,11 +250,12 @@ class Registry:
 
     def subjects(self) -> list[str]:
         """Every subject in the registry."""
-        return list(self._call("listing subjects", self._client.get_subjects))
+        return list(self._call("listing subjects", lambda: self._rest.get("subjects")))
 
     def versions(self, subject: str) -> list[int]:
         """The version numbers of a subject."""
-        return list(self._call(f"listing versions of {subject}", lambda: self._client.get_versions(subject)))
+        path = f"subjects/{_path(subject)}/versions"
+        return list(self._call(f"listing versions of {subject}", lambda: self._rest.get(path)))
 
     def _registered(self, subject: str, schema_id: int, version: int, text: str) -> RegisteredSchema:
         parsed = avro.parse(text, source=f"{subject} v{version}")
@@ -396,14 +386,26 @@ class PendingRegistry:
             self._thread.join(10)
 
 
-def _avro(text: str) -> Schema:
-    from confluent_kafka.schema_registry import Schema
+def _path(name: str) -> str:
+    """A subject as one segment of a URL path."""
+    return quote(name, safe="")
 
-    return Schema(text, "AVRO")
+
+def _avro(text: str) -> dict[str, str]:
+    """The body that carries an Avro schema."""
+    return {"schema": text, "schemaType": "AVRO"}
 
 
-def _int(value: int | None) -> int:
-    # The client types ids and versions as optional; a registry answer without them is malformed.
-    if value is None:
-        raise SchemaError("the registry answered without a schema id or version")
-    return value
+def _text(answer: Any) -> str:
+    """The schema text of a registry answer."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("schema"), str):
+        raise SchemaError("the registry answered without a schema")
+    return str(answer["schema"])
+
+
+def _int(answer: Any, key: str, fallback: Any = None) -> int:
+    """An id or version of a registry answer (or of `fallback` when the answer lacks it)."""
+    for source in (answer, fallback):
+        if isinstance(source, dict) and isinstance(source.get(key), int):
+            return int(source[key])
+    raise SchemaError(f"the registry answered without a schema {key}")

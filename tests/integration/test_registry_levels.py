@@ -8,6 +8,7 @@ import pytest
 
 from taskq._core.settings import Settings
 from taskq.schemas import IncompatibleSchemaError, Registry
+from taskq.schemas.rest import RestClient
 
 
 def order(ns: str, *fields: dict[str, Any]) -> dict[str, Any]:
@@ -20,12 +21,13 @@ def test_an_operators_transitive_level_is_kept_and_enforced_against_every_versio
     v1 = order(ns, {"name": "a", "type": "string"})
     v2 = order(ns)  # drops a: reads v1's data
     v3 = order(ns, {"name": "a", "type": "int", "default": 0})  # reads v2's data, not v1's (a is a string there)
+    operator = RestClient(settings.schema_registry_url, {})  # the registry's REST API, as an operator uses it
     with Registry(settings.schema_registry_url) as registry:
         registry.register(v1)
         registry.register(v2)
-        registry._client.set_compatibility(subject_name=subject, level="BACKWARD_TRANSITIVE")  # the operator
+        operator.put(f"config/{subject}", {"compatibility": "BACKWARD_TRANSITIVE"})
         assert registry.check(v3) is False
         with pytest.raises(IncompatibleSchemaError):
             registry.register(v3)
-        assert registry._client.get_compatibility(subject) == "BACKWARD_TRANSITIVE"
+        assert operator.get(f"config/{subject}")["compatibilityLevel"] == "BACKWARD_TRANSITIVE"
         assert registry.versions(subject) == [1, 2]

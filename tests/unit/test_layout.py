@@ -104,7 +104,6 @@ DRIVER_MODULES = {
         "taskq/_core/kafka.py",
         "taskq/_core/kafka_admin.py",
         "taskq/_core/kafka_clients.py",
-        "taskq/schemas/registry.py",
         "taskq/tools/bench/ceiling.py",
         "taskq/tools/bench/runners.py",
     },
@@ -145,11 +144,16 @@ def test_the_records_and_the_broker_protocol_load_no_driver() -> None:
     assert not {m for m in loaded if m.split(".")[0] in ("confluent_kafka", "psycopg")}, sorted(loaded)
 
 
-def test_a_worker_loads_the_registry_client_only_when_it_makes_one() -> None:
-    # Importing confluent-kafka's registry client (HTTP and OAuth libraries) takes a few hundred ms: a worker
-    # makes it on a thread of its own while it joins its group, not while its modules are imported.
-    loaded = loaded_after("import taskq.cli, taskq.consumer.worker")
-    assert not {m for m in loaded if m.startswith("confluent_kafka.schema_registry")}, sorted(loaded)
-    assert "confluent_kafka.schema_registry" in loaded_after(
-        "from taskq.schemas.registry import Registry; Registry('http://127.0.0.1:1')"
+def test_the_registry_client_is_the_standard_librarys_http() -> None:
+    # confluent-kafka's registry client brought HTTP and OAuth libraries that took a few hundred ms to
+    # import on every producer's and worker's start; the REST calls are made with urllib instead.
+    probe = (
+        "import json, sys, taskq.cli, taskq.consumer.worker\n"
+        "from taskq.schemas.registry import Registry; Registry('http://127.0.0.1:1')\n"
+        "print(json.dumps(sorted(sys.modules)))"
     )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    loaded = set(json.loads(out.stdout.splitlines()[-1]))
+    assert "taskq.schemas.rest" in loaded and "urllib.request" in loaded
+    assert not {m for m in loaded if m.split(".")[0] in ("httpx", "httpcore", "authlib", "requests")}, sorted(loaded)
+    assert not {m for m in loaded if m.startswith("confluent_kafka.schema_registry")}, sorted(loaded)
