@@ -126,9 +126,9 @@ def max_worker_deaths(max_attempts: int) -> int:
     return max(max_attempts, 2)
 
 
-def _workflow_of(task: _Task) -> str | None:
-    """The task's workflow header (`<workflow id>:<node>`), if it is a step of a workflow."""
-    for name, value in task.record.headers:
+def _workflow_of(record: Record) -> str | None:
+    """The record's workflow header (`<workflow id>:<node>`), if its task is a step of a workflow."""
+    for name, value in record.headers:
         if name == WORKFLOW_HEADER:
             return value.decode(errors="replace")
     return None
@@ -238,6 +238,7 @@ class _Task:
     recorded: bool = False  # the completion was recorded inside the handler's transaction
     span: Any = None  # the attempt's span, when tracing
     ctx: TaskContext | None = None  # the running attempt's context (ctx.cancelled is set on it)
+    workflow: str | None = None  # its workflow header, if it is a step of a workflow (read once)
 
 
 @dataclass(slots=True)
@@ -799,7 +800,10 @@ class Worker:
                 self._dead_letter_raw(record, str(exc), "taskq.LimitKeyFailed", 0)
                 return
         generation = self._generation.get(record.tp, 0)
-        task = _Task(record, envelope, spec, payload, generation, tier or envelope.priority, gate=gate)
+        task = _Task(
+            record, envelope, spec, payload, generation, tier or envelope.priority, gate=gate,
+            workflow=_workflow_of(record),
+        )
         self._arrived.append(task)
 
     def _claim_arrived(self) -> None:
@@ -822,19 +826,26 @@ class Worker:
         held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
         held.update(t.tier for t in self._on_hold if full)
         # Over the byte bound every partition waits: what is buffered runs first, then fetching resumes.
-        heavy = self._over_bytes()
-        for tp in self._assigned:
-            tier = self.topics.priority_of(tp[0])
-            if tier is None:
-                continue
-            depth = self._scheduler.depth(tier) + (incoming or {}).get(tier, 0)
+        heavy = self._over_bytes() or self._stop.is_set()
+        # Decided per tier, then applied to its partitions: the rule reads every tier's depth, and a worker
+        # holds tens of partitions.
+        depths: dict[Priority, int] = {}
+        halt: dict[Priority, bool] = {}
+        for tier in PRIORITIES:
+            depth = depths[tier] = self._scheduler.depth(tier) + (incoming or {}).get(tier, 0)
             over = full and held[tier] + depth >= self._scheduler.reserve(tier)
             paused = tier in self._pauses.tiers  # by an operator: nothing more is fetched
-            if self._scheduler.saturated(tier, incoming) or over or heavy or paused or self._stop.is_set():
+            halt[tier] = heavy or over or paused or self._scheduler.saturated(tier, incoming)
+        for tp in self._assigned:
+            of = self.topics.priority_of(tp[0])
+            if of is None:
+                continue
+            depth = depths[of]
+            if halt[of]:
                 if tp not in self._paused:
                     to_pause.append(tp)
-                    self._resume_at[tier] = depth // 2
-            elif tp in self._fresh or (tp in self._paused and depth <= self._resume_at[tier]):
+                    self._resume_at[of] = depth // 2
+            elif tp in self._fresh or (tp in self._paused and depth <= self._resume_at[of]):
                 # Hysteresis: a paused tier resumes once half of what it held has run, early enough for
                 # the refetch to arrive before it runs dry. Pausing drops the partition's prefetched
                 # records, so resuming at the first free place made every poll a pause and a refetch.
@@ -940,7 +951,7 @@ class Worker:
                     task.attempts,
                     "failed",
                     error="cancelled before it started",
-                    workflow=_workflow_of(task),
+                    workflow=task.workflow,
                 ),
                 lambda task=task: self._done(task),  # type: ignore[misc]
             )
@@ -1011,7 +1022,7 @@ class Worker:
                     self._hold_key(task)
                 break
             # A workflow's step commits alone: the transaction recording its end also moves the workflow on.
-            if not (task.spec.transactional and task.spec.group_commit) or _workflow_of(task) is not None:
+            if not (task.spec.transactional and task.spec.group_commit) or task.workflow is not None:
                 if used >= free:  # only the open group had room: the task waits, first in line
                     self._scheduler.push_front(task.tier, task)
                     break
@@ -1071,7 +1082,7 @@ class Worker:
             if job and job[0].suspect:
                 self._quarantine = job[0]
                 self._start(job[0])
-            elif job and job[0].spec.transactional and job[0].spec.group_commit and not _workflow_of(job[0]):
+            elif job and job[0].spec.transactional and job[0].spec.group_commit and not job[0].workflow:
                 self._start_group(job)
             elif job:
                 self._start(job[0])
@@ -1191,7 +1202,7 @@ class Worker:
             log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
 
     def _handle_claim(self, task: _Task, claim: Claim) -> None:
-        workflow = _workflow_of(task)
+        workflow = task.workflow
         if workflow is not None and claim.outcome in ("completed", "dead", "cancelled"):
             # A workflow's step skipped here still ends its node (once: a node ended already stays so),
             # before its offset moves on.
@@ -1238,7 +1249,7 @@ class Worker:
         call = None
         if task.spec.transactional:
             spec, store, limit = task.spec, self.store, self.config.result_max_bytes
-            workflow = _workflow_of(task)
+            workflow = task.workflow
 
             def call() -> Any:
                 returned: list[Any] = [None]
@@ -1278,7 +1289,7 @@ class Worker:
 
     def _context(self, task: _Task) -> TaskContext:
         env = task.envelope
-        workflow = _workflow_of(task)
+        workflow = task.workflow
         return TaskContext(
             task_id=env.task_id,
             task_type=env.task_type,
@@ -1431,7 +1442,7 @@ class Worker:
                         task.attempts,
                         "completed",
                         result=outcome.result,
-                        workflow=_workflow_of(task),
+                        workflow=task.workflow,
                     ),
                     lambda: self._completed(task),
                 )
@@ -1481,7 +1492,7 @@ class Worker:
             self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
             self._completer.record(
                 Finished(
-                    env.idempotency_key, task.attempts, "failed", error=message, workflow=_workflow_of(task)
+                    env.idempotency_key, task.attempts, "failed", error=message, workflow=task.workflow
                 ),
                 lambda: self._lift_quarantine(task),
             )
@@ -1498,7 +1509,7 @@ class Worker:
         )
         self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
         self._completer.record(
-            Finished(env.idempotency_key, task.attempts, "failed", error=message, workflow=_workflow_of(task))
+            Finished(env.idempotency_key, task.attempts, "failed", error=message, workflow=task.workflow)
         )
         # Delivery guarantee: the offset is done only when the broker acknowledged the retry record.
         # One too large to send again cannot be retried: a bounded DLQ record takes its place.
@@ -1547,7 +1558,7 @@ class Worker:
                     "dead",
                     error=reason,
                     dlq=None if at is None else (at.partition, at.offset),
-                    workflow=_workflow_of(task),
+                    workflow=task.workflow,
                 ),
                 lambda: self._done(task),
             ),
@@ -1774,7 +1785,7 @@ class Worker:
                             t.attempts,
                             "failed",
                             error="worker shut down",
-                            workflow=_workflow_of(t),
+                            workflow=t.workflow,
                         )
                         for t in abandoned
                     ]
