@@ -41,6 +41,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import pwd
@@ -864,6 +865,9 @@ class Kafka(Service):
         # The SCRAM user's name and password, one for the cluster: written when the user exists in the
         # cluster, or, for a new cluster, before its nodes' storage is formatted with it.
         self.credentials = self.shared("sasl-user.json")
+        # The Kafka version whose features the cluster's metadata has: written at format, and after the
+        # upgrade of a storage an older Kafka formatted (share groups need share.version 1: 4.1 lacks it).
+        self.features = self.shared("features-of")
         self.sasl = False  # whether this start opens the SASL_SSL listener (openssl found)
 
     def shared(self, what: str) -> Path:
@@ -906,8 +910,13 @@ class Kafka(Service):
 
     def _ensure_libs(self) -> None:
         stamp = self.libs / ".complete"
-        if stamp.exists():
-            return
+        # Fetched for this pom: a pom that changed (a jar added) fetches again, even for the same version.
+        wanted = f"{self.version} {hashlib.sha256(self.pom.read_bytes()).hexdigest()[:16]}"
+        try:
+            if stamp.read_text().strip() == wanted:
+                return
+        except OSError:
+            pass
         mvn = need_tool(
             "mvn", "install Maven 3.6+ (Debian: `apt-get install maven`); it fetches the Kafka jars", self.cfg
         )
@@ -926,7 +935,7 @@ class Kafka(Service):
                 f"kafka: `mvn dependency:copy-dependencies` failed (exit {r.returncode}) for {self.pom}:\n"
                 f"{_last_lines(r.stdout + r.stderr)}"
             )
-        (tmp / ".complete").write_text(f"{self.version}\n")
+        (tmp / ".complete").write_text(f"{wanted}\n")
         shutil.rmtree(self.libs, ignore_errors=True)
         tmp.replace(self.libs)
 
@@ -1038,6 +1047,8 @@ class Kafka(Service):
         r = self.tool("kafka.tools.StorageTool", *args)
         if r.returncode != 0 or not (self.data / "meta.properties").exists():
             raise StackError(f"{self.name}: storage format failed:\n{r.stdout}\n{r.stderr}")
+        if not others or not any((o / "meta.properties").exists() for o in others):
+            self.features.write_text(f"{self.version}\n")  # a new cluster: formatted with this one's features
 
     def tool(self, main_class: str, *args: str) -> subprocess.CompletedProcess[str]:
         """Run one of Kafka's command-line tools (a JVM) to completion."""
@@ -1049,6 +1060,7 @@ class Kafka(Service):
         )
 
     def after_ready(self) -> None:
+        self.upgrade_features()
         # A storage formatted before the SASL_SSL listener existed has no SCRAM user: add it once. The nodes'
         # after_ready run one after another, and the first to add the user records it for the others.
         if self.recorded_sasl_port() is None or self.sasl_user() is not None:
@@ -1068,6 +1080,30 @@ class Kafka(Service):
                 f"{_last_lines(r.stdout + r.stderr)}"
             )
         self.save_sasl_user(password)
+
+    def upgrade_features(self) -> None:
+        """Once, for a storage an older Kafka formatted: finalize this version's features (metadata.version,
+        share.version...) as `kafka-features.sh upgrade --release-version` does; the first node records it."""
+        try:
+            if self.features.read_text().strip() == self.version:
+                return
+        except OSError:
+            pass  # formatted before the record existed: by an older Kafka
+        release = ".".join(self.version.split(".")[:2])
+        if not self.java:
+            self.java, _ = find_java(17, "TASKQ_STACK_JAVA", self.cfg.java, self.cfg, prefer_path=True)
+        log(f"{self.name}: upgrading the cluster's features to Kafka {release} (storage of an older Kafka)")
+        r = self.tool(
+            "org.apache.kafka.tools.FeatureCommand",
+            "--bootstrap-server", f"127.0.0.1:{self.recorded_port()}",
+            "upgrade", "--release-version", release,
+        )
+        if r.returncode != 0:
+            raise StackError(
+                f"{self.name}: upgrading the features to {release} failed (exit {r.returncode}):\n"
+                f"{_last_lines(r.stdout + r.stderr)}"
+            )
+        self.features.write_text(f"{self.version}\n")
 
     def launch(self) -> None:
         self.logs_dir.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,7 @@ def _from_containers() -> dict[str, str]:  # pragma: no cover - needs a Docker e
     from testcontainers.postgres import PostgresContainer
 
     pg = PostgresContainer("postgres:15", dbname="taskq").start()
-    kafka = KafkaContainer("apache/kafka:4.1.1").with_kraft().start()
+    kafka = KafkaContainer("apache/kafka:4.3.1").with_kraft().start()
     registry = DockerContainer("apicurio/apicurio-registry:3.3.3").with_exposed_ports(8080).start()
     wait_for_logs(registry, "Listening on", timeout=120)
     port = registry.get_exposed_port(8080)

@@ -220,3 +220,52 @@ def console_process(env: dict[str, str], log: Path, *args: str, probe: str) -> I
         proc.terminate()
         proc.wait(30)
         proc.close()
+
+
+def share_group_reads(bootstrap: str, *, records: int, release_first: bool = False) -> list[int]:
+    """Write `records` records to a new topic and read them in a new share group (KIP-932), accepting
+    each: the delivery count of each read, in the order read. With `release_first` the first read of each
+    record is released instead, so the broker delivers it again."""
+    from confluent_kafka import AcknowledgeType, Producer, ShareConsumer
+    from confluent_kafka.admin import (
+        AdminClient,
+        AlterConfigOpType,
+        ConfigEntry,
+        ConfigResource,
+        NewTopic,
+    )
+
+    topic = group = f"share-probe-{random.getrandbits(40):010x}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
+    # A share group starts at the end of its topics unless told otherwise: the records are written first.
+    earliest = ConfigEntry("share.auto.offset.reset", "earliest", incremental_operation=AlterConfigOpType.SET)
+    config = ConfigResource(ConfigResource.Type.GROUP, group, incremental_configs=[earliest])
+    admin.incremental_alter_configs([config])[config].result(30)
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for i in range(records):
+        producer.produce(topic, str(i).encode())
+    assert producer.flush(30) == 0
+    consumer = ShareConsumer(
+        {"bootstrap.servers": bootstrap, "group.id": group, "share.acknowledgement.mode": "explicit"}
+    )
+    counts: list[int] = []
+    accepted = 0
+    try:
+        consumer.subscribe([topic])
+        deadline = time.monotonic() + 60
+        while accepted < records and time.monotonic() < deadline:
+            for message in consumer.poll(1.0):
+                assert message.error() is None, message.error()
+                count = message.delivery_count()
+                counts.append(count)
+                if release_first and count == 1:
+                    consumer.acknowledge(message, AcknowledgeType.RELEASE)
+                else:
+                    consumer.acknowledge(message, AcknowledgeType.ACCEPT)
+                    accepted += 1
+            consumer.commit_sync(30)
+    finally:
+        consumer.close()
+        admin.delete_topics([topic])
+    return counts

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.acceptance.helpers import share_group_reads
 from tests.conftest import REPO
 
 STACK = REPO / "compose" / "stack"
@@ -95,3 +97,43 @@ def test_kafka_storage_formats_with_a_cluster_id_that_starts_with_a_dash(tmp_pat
     finally:
         del sys.modules[spec.name]
     assert "cluster.id=-mhQvkcHTcyJgyEyZ_YP8A" in meta.splitlines()
+
+
+def test_a_storage_an_older_kafka_formatted_is_upgraded_to_share_groups_at_start(tmp_path: Path) -> None:
+    # A stack whose storage Kafka 4.1 formatted has no share.version: the broker refused share groups
+    # ("ShareGroupHeartbeat ... API version not supported") until its features were upgraded.
+    env = {**os.environ, "TASKQ_STACK_DIR": str(tmp_path / "state")}
+    for name in ("KAFKA_PORT", "KAFKA_CONTROLLER_PORT", "KAFKA_SASL_PORT", "REGISTRY_PORT",
+                 "REGISTRY_MANAGEMENT_PORT", "POSTGRES_PORT"):
+        env[f"TASKQ_STACK_{name}"] = str(_free_port())
+    spec = importlib.util.spec_from_file_location("_stack_features", REPO / "compose" / "_stack.py")
+    assert spec is not None and spec.loader is not None
+    stack = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = stack
+    try:
+        spec.loader.exec_module(stack)
+        kafka = stack.Stack(stack.StackConfig.from_env(env), 1).kafkas[0]
+        kafka.prepare()  # formats the storage as this Kafka does, then again as 4.1 did
+        cluster_id = kafka.shared("cluster.id").read_text().strip()
+        shutil.rmtree(kafka.data)
+        kafka.features.unlink()
+        old = kafka.tool(
+            "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(kafka.props),
+            "--release-version", "4.1-IV1",
+        )
+        assert old.returncode == 0, old.stderr
+    finally:
+        del sys.modules[spec.name]
+    run = lambda *args: subprocess.run(  # noqa: E731
+        [str(STACK), *args], env=env, capture_output=True, text=True, timeout=180
+    )
+    started = run("start", "kafka")
+    try:
+        assert started.returncode == 0, started.stderr
+        assert "upgrading the cluster's features" in started.stderr
+        bootstrap = f"127.0.0.1:{env['TASKQ_STACK_KAFKA_PORT']}"
+        assert share_group_reads(bootstrap, records=3) == [1, 1, 1]
+        again = run("start", "kafka")  # once: the next start finds the features recorded
+        assert again.returncode == 0 and "upgrading" not in again.stderr, again.stderr
+    finally:
+        run("stop", "kafka")
