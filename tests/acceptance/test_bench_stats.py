@@ -89,9 +89,10 @@ def test_bench_worker_runs_every_task_and_removes_its_namespace(
     assert data["enqueue_to_completion_ms"]["p50"] > 0
     assert _percentiles(data["enqueue_to_start_ms"])
     # Each task's claim inserted its key's row and its completion updated it, in batches: at least two rows
-    # a task (the database is shared with other tests, so more may be counted), far fewer transactions.
-    assert data["pg_rows_written_per_task"] >= 2
-    assert 0 < data["pg_transactions_per_task"] < 1
+    # a task, in some transactions (the database is shared with other tests, so more of both may be counted).
+    assert data["pg_rows_written_per_task"] >= 2 and data["pg_transactions_per_task"] > 0
+    # Each task's record stays on disk: its row and its index entries, in the run's own schema.
+    assert data["pg_table_bytes_per_task"] > 50
     # Statements are counted where the server has pg_stat_statements, and said to be unknown where not.
     with Database(settings.database_url).connection() as conn:
         installed = conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'pg_stat_statements'").fetchone()

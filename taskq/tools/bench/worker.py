@@ -69,7 +69,7 @@ def bench_worker(
         spec = _WorkerSpec.of(run, handler, concurrency)
         workers = _Workers(spec, processes=processes, profile=profile, spawn=profile is None)
         wal_start = _wal_position(run.settings)
-        counters_start = _pg_counters(run.settings)
+        counters_start, table_start = _pg_counters(run.settings), _table_bytes(run.settings)
         with workers:
             workers.wait(
                 lambda: len(workers.completed) >= tasks, timeout, f"not every one of {tasks} tasks ran"
@@ -77,6 +77,7 @@ def bench_worker(
             wal_bytes = _wal_bytes_since(run.settings, wal_start)
         time.sleep(_STATS_DELAY)  # the workers' backends have exited or are idle: their counts are reported
         counters = _pg_counters(run.settings).since(counters_start)
+        table_bytes = _table_bytes(run.settings) - table_start
         completed, started = workers.completed, workers.started
         effects = None
         if handler == "transactional":
@@ -136,6 +137,9 @@ def bench_worker(
         "pg_statements_per_task": (
             sum(counters.statements.values()) / done if counters.statements is not None else None
         ),
+        # What the run's tables grew by on disk (heap, indexes, TOAST), per task: what its record (and with
+        # --handler transactional, its effect's row) holds until purged.
+        "pg_table_bytes_per_task": table_bytes / done,
         "pg_statements": (
             {q: n / done for q, n in sorted(counters.statements.items(), key=lambda kv: -kv[1]) if n}
             if counters.statements is not None
@@ -162,6 +166,17 @@ class _PgCounters:
         return _PgCounters(
             self.transactions - start.transactions, self.rows_written - start.rows_written, statements
         )
+
+
+def _table_bytes(settings: Settings) -> int:
+    """Bytes on disk of the tables of the settings' schema, their indexes and TOAST included."""
+    with Database(settings.database_url, schema=settings.database_schema).connection() as conn:
+        row = conn.execute(
+            "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) AS n FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r'",
+            (settings.database_schema,),
+        ).fetchone()
+    return int(row["n"]) if row else 0
 
 
 def _pg_counters(settings: Settings) -> _PgCounters:
