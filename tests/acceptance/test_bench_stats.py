@@ -88,12 +88,27 @@ def test_bench_worker_runs_every_task_and_removes_its_namespace(
     assert data["worker_cpu_ms_per_task"] > 0 and data["wal_bytes_per_task"] > 0
     assert data["enqueue_to_completion_ms"]["p50"] > 0
     assert _percentiles(data["enqueue_to_start_ms"])
+    # Each task's claim inserted its key's row and its completion updated it, in batches: at least two rows
+    # a task, in some transactions (the database is shared with other tests, so more of both may be counted).
+    assert data["pg_rows_written_per_task"] >= 2 and data["pg_transactions_per_task"] > 0
+    # Each task's record stays on disk: its row and its index entries, in the run's own schema.
+    assert data["pg_table_bytes_per_task"] > 50
+    # Statements are counted where the server has pg_stat_statements, and said to be unknown where not.
+    with Database(settings.database_url).connection() as conn:
+        installed = conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'pg_stat_statements'").fetchone()
+    if installed:
+        assert data["pg_statements_per_task"] > 0
+        assert any(q.startswith("WITH done AS") for q in data["pg_statements"])  # the completions
+    else:
+        assert data["pg_statements_per_task"] is None and data["pg_statements"] is None
     _assert_namespace_gone(settings, data["namespace"])
 
 
 def test_bench_worker_transactional_writes_one_row_per_task(env_of: Callable[..., dict[str, str]]) -> None:
     data = _bench(env_of(), "worker", "-n", "100", "--handler", "transactional")
     assert data["completed"] == 100 and data["effects"] == 100
+    # Its effect's row besides the claim's insert and the completion's update.
+    assert data["pg_rows_written_per_task"] >= 3
 
 
 def test_bench_worker_processes_share_the_tasks(

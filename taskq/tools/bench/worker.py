@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from taskq._core.db import Database
@@ -24,6 +26,10 @@ from taskq.tools.bench.run import (
     _wal_position,
 )
 from taskq.tools.bench.runners import _Workers, _WorkerSpec
+
+#: Seconds a Postgres backend may keep the statistics of its last transactions before it reports them (the
+#: server's PGSTAT_MIN_INTERVAL), and some margin: the counters are read this long after the workers stopped.
+_STATS_DELAY = 1.5
 
 #: The most tasks the worker's loop claims in one round trip: a worker on a backlog is at full pace once it
 #: has started this many (its first claims split them, e.g. 85 + 415, as the tiers' first fetches arrive).
@@ -63,11 +69,15 @@ def bench_worker(
         spec = _WorkerSpec.of(run, handler, concurrency)
         workers = _Workers(spec, processes=processes, profile=profile, spawn=profile is None)
         wal_start = _wal_position(run.settings)
+        counters_start, table_start = _pg_counters(run.settings), _table_bytes(run.settings)
         with workers:
             workers.wait(
                 lambda: len(workers.completed) >= tasks, timeout, f"not every one of {tasks} tasks ran"
             )
             wal_bytes = _wal_bytes_since(run.settings, wal_start)
+        time.sleep(_STATS_DELAY)  # the workers' backends have exited or are idle: their counts are reported
+        counters = _pg_counters(run.settings).since(counters_start)
+        table_bytes = _table_bytes(run.settings) - table_start
         completed, started = workers.completed, workers.started
         effects = None
         if handler == "transactional":
@@ -119,7 +129,81 @@ def bench_worker(
         "effects": effects,
         # Postgres WAL from launch to the last completion, per task: the whole server's (every client's).
         "wal_bytes_per_task": wal_bytes / done,
+        # The database's counters from launch to the workers' exit, per task: every client's, so read them
+        # on a database nothing else uses. Transactions committed or rolled back, rows inserted, updated or
+        # deleted, and statements (each BEGIN, COMMIT and SAVEPOINT too) if pg_stat_statements is installed.
+        "pg_transactions_per_task": counters.transactions / done,
+        "pg_rows_written_per_task": counters.rows_written / done,
+        "pg_statements_per_task": (
+            sum(counters.statements.values()) / done if counters.statements is not None else None
+        ),
+        # What the run's tables grew by on disk (heap, indexes, TOAST), per task: what its record (and with
+        # --handler transactional, its effect's row) holds until purged.
+        "pg_table_bytes_per_task": table_bytes / done,
+        "pg_statements": (
+            {q: n / done for q, n in sorted(counters.statements.items(), key=lambda kv: -kv[1]) if n}
+            if counters.statements is not None
+            else None
+        ),
     }
+
+
+@dataclass(frozen=True)
+class _PgCounters:
+    """What the Postgres database has counted: transactions, rows written, and calls by statement (None
+    without pg_stat_statements)."""
+
+    transactions: int
+    rows_written: int
+    statements: dict[str, int] | None
+
+    def since(self, start: _PgCounters) -> _PgCounters:
+        """The counts from `start` to these."""
+        statements = None
+        if self.statements is not None and start.statements is not None:
+            before = start.statements
+            statements = {q: n - before.get(q, 0) for q, n in self.statements.items()}
+        return _PgCounters(
+            self.transactions - start.transactions, self.rows_written - start.rows_written, statements
+        )
+
+
+def _table_bytes(settings: Settings) -> int:
+    """Bytes on disk of the tables of the settings' schema, their indexes and TOAST included."""
+    with Database(settings.database_url, schema=settings.database_schema).connection() as conn:
+        row = conn.execute(
+            "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) AS n FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r'",
+            (settings.database_schema,),
+        ).fetchone()
+    return int(row["n"]) if row else 0
+
+
+def _pg_counters(settings: Settings) -> _PgCounters:
+    """The current database's counters now (pg_stat_database, and pg_stat_statements if installed)."""
+    with Database(settings.database_url, schema=settings.database_schema).connection() as conn:
+        row = conn.execute(
+            "SELECT xact_commit + xact_rollback AS transactions,"
+            " tup_inserted + tup_updated + tup_deleted AS rows_written"
+            " FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+        ext = conn.execute(
+            "SELECT n.nspname FROM pg_extension e JOIN pg_namespace n ON n.oid = e.extnamespace"
+            " WHERE e.extname = 'pg_stat_statements'"
+        ).fetchone()
+        statements: dict[str, int] | None = None
+        if ext is not None:
+            rows = conn.execute(
+                f'SELECT query, calls FROM "{ext["nspname"]}".pg_stat_statements'
+                " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            ).fetchall()
+            statements = {}
+            for r in rows:  # one entry per statement, named by its first words (a query per user and plan)
+                name = re.sub(r"\s+", " ", str(r["query"])).strip()[:80]
+                statements[name] = statements.get(name, 0) + int(r["calls"])
+    return _PgCounters(
+        int(row["transactions"]) if row else 0, int(row["rows_written"]) if row else 0, statements
+    )
 
 
 def _enqueue_group(run: _Run, count: int) -> tuple[dict[str, float], float]:
