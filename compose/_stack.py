@@ -690,7 +690,9 @@ class Postgres(Service):
                 (self.data / "postmaster.pid").unlink()
         self.spawn(
             [self.bin("postgres"), "-D", str(self.data), "-p", str(self.port),
-             "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories="],
+             "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
+             # Statement counts for `taskq bench` (statements per task), as production servers have them.
+             "-c", "shared_preload_libraries=pg_stat_statements"],
             env=self._env(), ids=self._ids(),
         )
 
@@ -710,6 +712,9 @@ class Postgres(Service):
             if not self.psql(f"SELECT 1 FROM pg_database WHERE datname = '{db}'"):
                 log(f"postgres: creating database {db}")
                 self.psql(f'CREATE DATABASE "{db}"')
+        # Loaded at start (a server started before it was added to the start options is not, until restarted).
+        if "pg_stat_statements" in self.psql("SHOW shared_preload_libraries"):
+            self.psql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements", db="taskq")
 
     def stop(self) -> None:
         pid = self.ours_alive()

@@ -190,6 +190,8 @@ def _pg_counters(settings: Settings) -> _PgCounters:
         ext = conn.execute(
             "SELECT n.nspname FROM pg_extension e JOIN pg_namespace n ON n.oid = e.extnamespace"
             " WHERE e.extname = 'pg_stat_statements'"
+            # Created but not loaded (a server started without it) counts nothing: reading it would fail.
+            " AND current_setting('shared_preload_libraries') LIKE '%%pg_stat_statements%%'"
         ).fetchone()
         statements: dict[str, int] | None = None
         if ext is not None:
