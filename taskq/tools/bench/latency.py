@@ -71,7 +71,6 @@ _AUTOVACUUM = (
     "autovacuum_vacuum_insert_scale_factor",
     "autovacuum_analyze_threshold",
     "autovacuum_analyze_scale_factor",
-    "autovacuum_vacuum_cost_limit",
 )
 
 
