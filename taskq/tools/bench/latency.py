@@ -211,9 +211,9 @@ def bench_latency(
     from this one, and time each task's way, overall and per `window` s. `bare`: the framework-free loop of
     `bench ceiling` in place of the workers, the floor of these figures on the same machine.
 
-    `seed_history`: the run's idempotency table first holds that many finished keys of its namespace, 8 days
-    of them (`seed_history`), the 7-day purge runs half-way through the schedule, and the report gives the
-    table's and its indexes' sizes and counters before and after, with samples of its dead tuples.
+    `seed_history`: the run's idempotency table first holds that many finished keys of its namespace over
+    8 days, the 7-day purge runs half-way through the schedule, and the report gives the table's and its
+    indexes' sizes and counters before and after, with samples of its dead tuples.
     `default_autovacuum`: the table's autovacuum settings are the server's, not migration 0013's."""
     if not rate > 0:
         raise ConfigurationError(f"rate must be > 0, got {rate}")
