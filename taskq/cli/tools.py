@@ -218,23 +218,69 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         partitions=args.partitions,
         timeout=args.timeout,
         bare=args.bare,
+        seed_history=args.seed_history,
+        window=args.window,
+        default_autovacuum=args.default_autovacuum,
     )
+    print_result(args, data, _latency_text(data))
+    return 0
 
+
+def _latency_text(data: dict[str, Any]) -> str:
     def ms(d: dict[str, float]) -> str:
         return f"p50 {d['p50']:.1f}, p90 {d['p90']:.1f}, p99 {d['p99']:.1f}, max {d['max']:.1f} ms"
 
-    print_result(
-        args,
-        data,
+    def p99(w: dict[str, Any]) -> str:
+        value = w["enqueue_to_start_ms"]["p99"]
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [
         ("framework-free loop (--bare): " if data["bare"] else "")
         + f"{data['completed']} of {data['tasks']} tasks at {data['achieved_rate_per_s']:.0f}/s "
         f"(asked {data['rate']:g}/s; {data['late_sends']} sends late, at most "
         f"{data['max_behind_schedule_ms']:.1f} ms; "
-        f"worker CPU {data['worker_cpu_ms_per_task']:.2f} ms/task):\n"
-        f"  enqueue to start       {ms(data['enqueue_to_start_ms'])}\n"
+        f"worker CPU {data['worker_cpu_ms_per_task']:.2f} ms/task):",
+        f"  enqueue to start       {ms(data['enqueue_to_start_ms'])}",
         f"  enqueue to completion  {ms(data['enqueue_to_completion_ms'])}",
-    )
-    return 0
+        "  window (s)   enqueued  completed/s  enqueue to start p99 (ms)",
+    ]
+    lines += [
+        f"  {w['from_s']:>5.0f}-{w['to_s']:<5.0f} {w['enqueued']:>9} {w['completed_per_s']:>12.0f}  {p99(w)}"
+        for w in data["windows"]
+    ]
+    ratio = data["last_to_first"]
+    if len(data["windows"]) > 1 and None not in ratio.values():
+        lines.append(
+            f"  last window / first: completed/s x{ratio['completed_per_s']:.3f}, "
+            f"enqueue to start p99 x{ratio['enqueue_to_start_p99']:.3f}"
+        )
+    if data["seed_history"]:
+        purge = data["purge"]
+        lines.append(
+            f"  seeded {data['seed_history']} finished keys in {data['seed_s']:.0f} s; the 7-day purge at "
+            f"{purge['started_s']:.0f} s deleted {purge['rows']} in {purge['seconds']:.1f} s"
+            + (f" ({purge['error']})" if purge["error"] else "")
+        )
+    before, after = data["table_before"], data["table_after"]
+
+    def mb(n: int) -> str:
+        return f"{n / 2**20:.1f} MB"
+
+    autovacuum = "server defaults" if data["default_autovacuum"] else "migration 0013"
+    lines += [
+        f"  taskq_tasks ({autovacuum})  before -> after",
+        f"    table                 {mb(before['table_bytes'])} -> {mb(after['table_bytes'])}",
+        *(
+            f"    {name:<21} {mb(size)} -> {mb(after['index_bytes'].get(name, 0))}"
+            for name, size in before["index_bytes"].items()
+        ),
+        f"    live tuples           {before['n_live_tup']} -> {after['n_live_tup']}",
+        f"    dead tuples           {before['n_dead_tup']} -> {after['n_dead_tup']} "
+        f"(at most {data['max_dead_tuples']} in the samples)",
+        f"    autovacuums           {before['autovacuum_count']} -> {after['autovacuum_count']}, "
+        f"autoanalyzes {before['autoanalyze_count']} -> {after['autoanalyze_count']}",
+    ]
+    return "\n".join(lines)
 
 
 
@@ -331,6 +377,22 @@ def add_bench(sub: Commands) -> None:
         action="store_true",
         help="run the framework-free loop of `bench ceiling` (consume, claim, complete, commit) instead of "
         "workers: the floor of these latencies on this machine",
+    )
+    sp.add_argument(
+        "--seed-history",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first fill the run's idempotency table with N finished keys over 8 days; the 7-day purge runs "
+        "half-way through (a table kept 7 days, just before its daily purge)",
+    )
+    sp.add_argument(
+        "--window", type=float, default=120.0, help="seconds per window of the report (default 120)"
+    )
+    sp.add_argument(
+        "--default-autovacuum",
+        action="store_true",
+        help="the server's autovacuum settings on the run's table instead of migration 0013's (to compare)",
     )
 
 

@@ -164,6 +164,42 @@ def test_bench_latency_runs_every_scheduled_task(
     _assert_namespace_gone(settings, data["namespace"])
 
 
+@pytest.mark.parametrize("default_autovacuum", [False, True])
+def test_bench_latency_on_a_seeded_history_reports_its_windows_and_the_tables_growth(
+    settings: Settings, env_of: Callable[..., dict[str, str]], default_autovacuum: bool
+) -> None:
+    # 20,000 finished keys over 8 days, one every 34.56 s, then 100 tasks/s for 4 s in windows of 2 s.
+    args = ["--rate", "100", "--duration", "4", "--window", "2", "--seed-history", "20000"]
+    data = _bench(env_of(), "latency", *args, *(["--default-autovacuum"] if default_autovacuum else []))
+    assert data["seeded"] == 20_000 and data["tasks"] == 400 and data["completed"] == 400
+    assert [(w["from_s"], w["to_s"], w["enqueued"]) for w in data["windows"]] == [(0, 2, 200), (2, 4, 200)]
+    for w in data["windows"]:
+        assert w["completed"] > 0 and w["completed_per_s"] == w["completed"] / 2
+        assert _percentiles(w["enqueue_to_start_ms"])
+    assert data["last_to_first"]["completed_per_s"] > 0 and data["last_to_first"]["enqueue_to_start_p99"] > 0
+    # The purge half-way deleted the oldest day: 2,500 keys, and those that aged past 7 days while the run
+    # started (one every 34.56 s).
+    purged = data["purge"]["rows"]
+    assert data["purge"]["error"] is None and 2_500 <= purged <= 2_510, data["purge"]
+    before, after = data["table_before"], data["table_after"]
+    # Seeded, then vacuumed and analyzed: every row live, none dead; the run's tables are counted apart.
+    assert before["n_live_tup"] == 20_000 and before["n_dead_tup"] == 0 and before["vacuum_count"] == 1
+    assert before["n_tup_ins"] == 20_000 and before["n_tup_upd"] == before["n_tup_del"] == 0
+    # Each task inserted its key (the claim) and updated it (the completion); the purge deleted.
+    assert after["n_tup_ins"] == 20_400 and after["n_tup_upd"] >= 400 and after["n_tup_del"] == purged
+    assert after["n_dead_tup"] > 0 and data["max_dead_tuples"] >= after["n_dead_tup"]
+    assert {s["at_s"] for s in data["samples"]} and all("n_dead_tup" in s for s in data["samples"])
+    for stats in (before, after):
+        assert set(stats["index_bytes"]) == {"taskq_tasks_pkey", "taskq_tasks_created_at"}
+        assert stats["table_bytes"] > 0 and stats["indexes_bytes"] == sum(stats["index_bytes"].values())
+    assert after["table_bytes"] >= before["table_bytes"]
+    # Migration 0013's autovacuum settings, or the server's.
+    autovacuum = {o for o in before["options"] if o.startswith("autovacuum_")}
+    assert (autovacuum == set()) is default_autovacuum and "fillfactor=50" in before["options"]
+    assert data["default_autovacuum"] is default_autovacuum
+    _assert_namespace_gone(settings, data["namespace"])
+
+
 def test_stats_serves_tier_and_dlq_depths_until_sigterm(
     settings: Settings, env_of: Callable[..., dict[str, str]], task_schema: Callable[..., dict[str, Any]]
 ) -> None:

@@ -602,7 +602,11 @@ def test_migrating_a_table_of_a_million_records_to_hot_completions_keeps_every_r
                                           ELSE now() - interval '1 hour' + i * interval '1 ms' END AS at) t
                 """
             )
-        assert db.migrate(namespace="shop") == ["0010_hot_completions", "0011_status_and_cancellation", "0012_workflows"]
+        assert db.migrate(namespace="shop")[:3] == [
+            "0010_hot_completions",
+            "0011_status_and_cancellation",
+            "0012_workflows",
+        ]
         with db.connection() as conn:
             (n,) = conn.execute("SELECT count(*) AS n FROM taskq_tasks").fetchone().values()
             indexes = {
@@ -618,7 +622,7 @@ def test_migrating_a_table_of_a_million_records_to_hot_completions_keeps_every_r
         assert n == 1_000_000
         assert set(indexes) == {"taskq_tasks_pkey", "taskq_tasks_created_at"}
         assert indexes["taskq_tasks_pkey"].endswith("(idempotency_key, namespace)")
-        assert options == ["fillfactor=50"]
+        assert options[0] == "fillfactor=50"
 
         store = Store(db)
         # The records claim as they did: completed and dead (its own task) are answered, failed, a new task of
@@ -654,6 +658,43 @@ def test_migrating_a_table_of_a_million_records_to_hot_completions_keeps_every_r
         assert purged == 9_000 - 100 - 100 - 1 - 1
         assert store.get("shop", "k5") is not None and store.get("shop", "k6") is None
         assert store.get("shop", "k10001") is not None and store.get("other", "k20") is not None
+    finally:
+        db.close()
+        db.drop_schema()
+
+
+def test_migrating_a_populated_table_sets_autovacuum_by_counts_of_rows_and_keeps_every_record(
+    base_settings: Settings,
+) -> None:
+    # A database as 0012 left it, holding 50,000 finished records.
+    db = _migrated_up_to(base_settings, 12)
+    try:
+        with db.connection() as conn:
+            conn.execute(
+                "INSERT INTO taskq_tasks (namespace, idempotency_key, task_id, task_type, state, attempts) "
+                "SELECT 'shop', 'k' || i, 't' || i, 'shop.Order', 'completed', 1 "
+                "FROM generate_series(1, 50000) AS i"
+            )
+        assert db.migrate(namespace="shop") == ["0013_tasks_autovacuum"]
+        with db.connection() as conn:
+            (options,) = conn.execute(
+                "SELECT reloptions FROM pg_class WHERE oid = 'taskq_tasks'::regclass"
+            ).fetchone().values()
+            query = "SELECT count(*) FROM taskq_tasks WHERE state = 'completed'"
+            (n,) = conn.execute(query).fetchone().values()
+        assert n == 50_000
+        # Vacuumed after 10,000 + 1% of the rows are dead or new, analyzed after 10,000 + 2% changed; the
+        # fillfactor of migration 0010 stays.
+        assert sorted(options) == [
+            "autovacuum_analyze_scale_factor=0.02",
+            "autovacuum_analyze_threshold=10000",
+            "autovacuum_vacuum_insert_scale_factor=0.01",
+            "autovacuum_vacuum_insert_threshold=10000",
+            "autovacuum_vacuum_scale_factor=0.01",
+            "autovacuum_vacuum_threshold=10000",
+            "fillfactor=50",
+        ]
+        assert db.migrate(namespace="shop") == []
     finally:
         db.close()
         db.drop_schema()
