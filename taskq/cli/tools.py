@@ -329,9 +329,10 @@ def add_bench(sub: Commands) -> None:
     sp.add_argument("--processes", type=int, default=1, help="worker processes in the group (spawned)")
     sp.add_argument(
         "--handler",
-        choices=("noop", "transactional"),
+        choices=("noop", "plain", "transactional"),
         default="noop",
-        help="noop: do nothing; transactional: write one row in the completion's transaction",
+        help="noop: do nothing; plain: write one row in an autocommitted INSERT of its own (at least once); "
+        "transactional: write one row in the completion's transaction (exactly once)",
     )
     sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
     sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every completion")

@@ -111,6 +111,17 @@ def test_bench_worker_transactional_writes_one_row_per_task(env_of: Callable[...
     assert data["pg_rows_written_per_task"] >= 3
 
 
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_bench_worker_plain_writes_its_own_row_per_task(
+    env_of: Callable[..., dict[str, str]], processes: str
+) -> None:
+    # The effect outside the completion's transaction, as most queues' users write it: one commit of its own
+    # a task, besides the claims' and completions' batches.
+    data = _bench(env_of(), "worker", "-n", "100", "--handler", "plain", "--processes", processes)
+    assert data["completed"] == 100 and data["effects"] == 100 and data["handler"] == "plain"
+    assert data["pg_transactions_per_task"] >= 1
+
+
 def test_bench_worker_processes_share_the_tasks(
     settings: Settings, env_of: Callable[..., dict[str, str]]
 ) -> None:

@@ -22,8 +22,8 @@ from taskq.schemas import Registry
 
 log = logging.getLogger("taskq.bench")
 
-BenchHandler = Literal["noop", "transactional"]
-BENCH_HANDLERS: tuple[BenchHandler, ...] = ("noop", "transactional")
+BenchHandler = Literal["noop", "plain", "transactional"]
+BENCH_HANDLERS: tuple[BenchHandler, ...] = ("noop", "plain", "transactional")
 
 _EFFECTS_TABLE = "bench_effects"
 #: The ceiling's consuming passes, each in a group of its own (`<namespace>.ceiling-<pass>`).
@@ -120,7 +120,8 @@ def scratch_namespace(
 
 @contextmanager
 def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "noop") -> Iterator[_Run]:
-    """A scratch namespace with one task type, registered for the run; its effects table if transactional."""
+    """A scratch namespace with one task type, registered for the run; its effects table for a handler that
+    writes one (plain, transactional)."""
     with scratch_namespace(
         settings, "bench", partitions=partitions, groups=[f"ceiling-{p}" for p in _CEILING_PASSES]
     ) as s:
@@ -133,7 +134,7 @@ def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "
         }
         run = _Run(s, f"{avro_ns}.Noop", schema, partitions)
         try:
-            if handler == "transactional":
+            if handler != "noop":
                 db = Database(s.database_url, schema=s.database_schema)
                 with db.connection() as conn:
                     conn.execute(f"CREATE TABLE {_EFFECTS_TABLE} (key text PRIMARY KEY, i int NOT NULL)")

@@ -36,7 +36,11 @@ _LEASE_SECONDS = WorkerConfig.default_lease
 _REPORT_EVERY = 0.1
 
 
-def _handlers(task_type: str, schema: dict[str, Any], handler: BenchHandler) -> Handlers:
+def _handlers(
+    task_type: str, schema: dict[str, Any], handler: BenchHandler, database: Database, opened: list[Any]
+) -> Handlers:
+    """The bench's one task type with `handler`'s body; connections the handler opens are added to `opened`
+    (the caller closes them)."""
     handlers = Handlers()
     if handler == "transactional":
 
@@ -44,6 +48,22 @@ def _handlers(task_type: str, schema: dict[str, Any], handler: BenchHandler) -> 
         def write_one_row(payload: dict[str, Any], ctx: TaskContext) -> None:
             ctx.db.execute(
                 f"INSERT INTO {_EFFECTS_TABLE} (key, i) VALUES (%s, %s)", (ctx.idempotency_key, payload["i"])
+            )
+
+    elif handler == "plain":
+        # The effect as most queues' users write it: its own autocommitted INSERT on a connection kept per
+        # thread, outside the completion's transaction (at least once, not exactly once).
+        local = threading.local()
+
+        @handlers.task(task_type, schema=schema)
+        def write_own_row(payload: dict[str, Any], ctx: TaskContext) -> None:
+            conn = getattr(local, "conn", None)
+            if conn is None or conn.closed:
+                conn = local.conn = database.connect(autocommit=True)
+                opened.append(conn)
+            conn.execute(
+                f"INSERT INTO {_EFFECTS_TABLE} (key, i) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING",
+                (ctx.idempotency_key, payload["i"]),
             )
 
     else:
@@ -142,9 +162,12 @@ def _run_worker(
     recorder = _Recorder()
     failure: list[BaseException] = []
     cpu0 = time.process_time()
+    settings = Settings(**spec.settings)
+    database = Database(settings.database_url, schema=settings.database_schema)
+    opened: list[Any] = []  # the plain handler's connections
     worker = Worker(
-        _handlers(spec.task_type, spec.schema, spec.handler),
-        Settings(**spec.settings),
+        _handlers(spec.task_type, spec.schema, spec.handler, database, opened),
+        settings,
         WorkerConfig(concurrency=spec.concurrency, forwarder=False, metrics_port=None),
         hooks=[recorder],
     )
@@ -167,6 +190,8 @@ def _run_worker(
     cpu_s = time.process_time() - cpu0  # before shutdown: leaving the group is not part of the burn-down
     worker.stop()
     thread.join(60)
+    for conn in opened:
+        conn.close()
     if profiler is not None and profile is not None:
         profiler.dump_stats(profile)
     last = recorder.report(runner)

@@ -80,7 +80,7 @@ def bench_worker(
         table_bytes = _table_bytes(run.settings) - table_start
         completed, started = workers.completed, workers.started
         effects = None
-        if handler == "transactional":
+        if handler != "noop":
             db = Database(run.settings.database_url, schema=run.settings.database_schema)
             with db.connection() as conn:
                 row = conn.execute(f"SELECT count(*) AS n FROM {_EFFECTS_TABLE}").fetchone()
