@@ -127,6 +127,12 @@ def _errors(what: str) -> Iterator[None]:
         yield
     except KafkaException as exc:
         raise unavailable(what, exc) from exc
+    except SystemError as exc:
+        # A client call that raises its error (a fenced producer's flush) and then serves a callback in
+        # the same call (a log line) surfaces as SystemError, the client's error as its cause.
+        if isinstance(exc.__cause__, KafkaException):
+            raise unavailable(what, exc.__cause__) from exc
+        raise
 
 
 #: Errors meaning no broker answered in time: the message says where it asked and how long it waited.

@@ -136,6 +136,8 @@ class Forwarder:
                     release()
                 except TaskqError as exc:  # a fenced or given-up producer: its transaction ends elsewhere
                     log.warning("forwarder closing: %s", exc)
+                except Exception:  # whatever a client raises here, forwarding must start over
+                    log.exception("forwarder closing")
 
     def _fence_predecessors(self) -> None:
         """End the transactions a killed predecessor left open: at once, not after transaction.timeout.ms.

@@ -275,10 +275,14 @@ def test_workers_ride_out_a_broker_outage_past_their_session_timeout_and_each_ke
     _finish_run(app, keys, "every key after the broker restart")
 
 
-def _assert_released_once(app: App, task_ids: set[str], *, timeout: float) -> None:
-    """Wait until the tiers hold as many released tasks as `task_ids`, then: each of them, once."""
+def _assert_released_once(
+    app: App, task_ids: set[str], *, timeout: float, alive: Callable[[], bool] = lambda: True
+) -> None:
+    """Wait until the tiers hold as many released tasks as `task_ids`, then: each of them, once.
+    `alive`: whether the forwarder still runs (the wait fails at once when it stopped)."""
 
     def released() -> Counter[str] | None:
+        assert alive(), f"the forwarder stopped\n{app.logs()}"
         try:
             counts = _released(app)
         except Exception:
@@ -383,7 +387,7 @@ def test_a_forwarding_transaction_the_broker_never_answers_is_given_up_and_each_
         assert kind == "transaction_failed", (kind, data)
         private_stack.run("start", "kafka")
 
-        _assert_released_once(app, {r.task_id for r in receipts}, timeout=120)
+        _assert_released_once(app, {r.task_id for r in receipts}, timeout=120, alive=thread.is_alive)
     finally:
         forwarder.stop()
         thread.join(60)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 from datetime import timedelta
 from typing import Any
@@ -83,3 +85,74 @@ def test_a_forwarder_ends_the_transaction_its_dead_predecessor_left_open_when_it
     finally:
         forwarder.close()
     assert broker.records(topics.tier("normal")) == []
+
+
+class _ClientsFailingOnce:
+    """The fake broker's clients, with the first poll failing as if the broker were away and the first
+    producer's flush raising what no client error is (as a fenced producer's flush did, a log callback
+    running with the client's error pending)."""
+
+    def __init__(self, real: InMemoryBroker) -> None:
+        self.real = real
+        self.polled = self.flushed = False
+
+    def source(self, **kw: Any) -> Any:
+        source = self.real.source(**kw)
+        poll = source.poll
+
+        def failing_poll(max_records: int, timeout: float) -> Any:
+            if not self.polled:
+                self.polled = True
+                raise KafkaUnavailableError("polling: broker away")
+            return poll(max_records, timeout)
+
+        source.poll = failing_poll  # type: ignore[method-assign]
+        return source
+
+    def sink(self, **kw: Any) -> Any:
+        sink = self.real.sink(**kw)
+        flush = sink.flush
+
+        def failing_flush(timeout: float | None = None) -> int:
+            if not self.flushed:
+                self.flushed = True
+                raise SystemError("<class 'logging.LogRecord'> returned a result with an exception set")
+            return flush(timeout)
+
+        sink.flush = failing_flush  # type: ignore[method-assign]
+        return sink
+
+    def admin(self) -> Any:
+        return self.real.admin()
+
+
+def test_a_forwarder_whose_client_raises_an_unexpected_error_while_closing_starts_over_and_forwards() -> None:
+    settings = Settings(namespace="unit")
+    clock = Clock()
+    real = InMemoryBroker(clock=clock.time)
+    real.admin().create_topics(topic_specs(settings, partitions=2))
+    registry = InMemoryRegistry()
+    registry.register(JOB)
+    producer = TaskProducer(settings, registry=registry, broker=real)
+    ids = [producer.enqueue("unit.Job", {"n": n}, delay=timedelta(seconds=1)).task_id for n in range(5)]
+    producer.flush()
+    clock.advance(2)
+    broker = _ClientsFailingOnce(real)
+    forwarder = Forwarder(settings, instance_id="f", broker=broker, clock=clock.time)
+    thread = threading.Thread(target=forwarder.run, daemon=True)
+    thread.start()
+    topics = Topics(settings.namespace, settings.delay_tiers)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and thread.is_alive():
+            records = [r for t in topics.priority_topics for r in real.records(t)]
+            if len(records) >= len(ids):
+                break
+            time.sleep(0.05)
+        assert broker.flushed, "the forwarder never started over"
+        assert thread.is_alive(), "the forwarder's thread died closing its clients"
+        records = [r for t in topics.priority_topics for r in real.records(t)]
+        assert Counter(Envelope.from_headers(r.headers).task_id for r in records) == Counter(ids)
+    finally:
+        forwarder.stop()
+        thread.join(10)
