@@ -176,37 +176,22 @@ class Store:
         Keys leased by a worker whose heartbeat is older than `stale_after` seconds, or that was marked
         dead, are taken over.
         """
-        rows = self.database.all(
-            "claim",
-            namespace=namespace,
-            stale_after=stale_after,
-            keys=[r.idempotency_key for r in requests],
-            task_ids=[r.task_id for r in requests],
-            task_types=[r.task_type for r in requests],
-            leases=[r.lease_seconds for r in requests],
-            owner=owner,
-        )
-        by_key = {row["idempotency_key"]: row for row in rows}
-        out: list[Claim] = []
-        for r in requests:
-            row = by_key.get(r.idempotency_key)
-            if row is None:  # a new key: claimed, its first attempt
-                out.append(Claim(r.idempotency_key, "claimed", 1))
-                continue
-            outcome = row["outcome"]
-            if outcome not in ("claimed", "completed", "dead", "cancelled"):
-                outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
-            out.append(
-                Claim(
-                    r.idempotency_key,
-                    outcome,
-                    int(row["attempts"] or 0),
-                    float(row["lease_left"] or 0.0),
-                    int(row["interruptions"] or 0),
-                    int(row["takeovers"] or 0),
-                )
-            )
-        return out
+        rows = self.database.all("claim", **_claim_params(namespace, owner, requests, stale_after))
+        return _claims(requests, rows)
+
+    def send_claim(
+        self,
+        namespace: str,
+        owner: str,
+        requests: Sequence[ClaimRequest],
+        *,
+        stale_after: float,
+        tx: Transaction,
+    ) -> Callable[[], list[Claim]]:
+        """`claim`, sent in `tx`, whose connection is in pipeline mode; once the pipeline has synced, the
+        returned call gives the claims."""
+        cursor = tx.send("claim", **_claim_params(namespace, owner, requests, stale_after))
+        return lambda: _claims(requests, cursor.fetchall())
 
     def complete(
         self, namespace: str, owner: str, done: Sequence[Finished], *, tx: Transaction | None = None
@@ -232,18 +217,16 @@ class Store:
     ) -> dict[str, str]:
         """Record failed or dead attempts held by `owner`'s lease, in `tx` if given; returns the keys
         recorded with the state each now has (a failed attempt of a task asked to stop is cancelled)."""
-        rows = (tx or self.database).all(
-            "fail",
-            namespace=namespace,
-            keys=[f.idempotency_key for f in failed],
-            attempts=[f.attempts for f in failed],
-            states=[f.state for f in failed],
-            errors=[f.error[:4000] for f in failed],
-            dlq_partitions=[None if f.dlq is None else f.dlq[0] for f in failed],
-            dlq_offsets=[None if f.dlq is None else f.dlq[1] for f in failed],
-            owner=owner,
-        )
+        rows = (tx or self.database).all("fail", **_fail_params(namespace, owner, failed))
         return {r["idempotency_key"]: r["state"] for r in rows}
+
+    def send_fail(
+        self, namespace: str, owner: str, failed: Sequence[Finished], *, tx: Transaction
+    ) -> Callable[[], set[str]]:
+        """`fail`, sent in `tx`, whose connection is in pipeline mode; once the pipeline has synced, the
+        returned call gives the keys recorded."""
+        cursor = tx.send("fail", **_fail_params(namespace, owner, failed))
+        return lambda: {r["idempotency_key"] for r in cursor.fetchall()}
 
     def cancel(self, namespace: str, idempotency_key: str, task_id: str = "") -> tuple[str, int, bool]:
         """Cancel a key (see the query): (its state before, or "unknown" if it had no record; its attempts;
@@ -564,6 +547,58 @@ class Store:
     def periodic_list(self, namespace: str) -> list[Row]:
         """Every periodic task of a namespace a scheduler has seen: name, schedule, catch_up, last_slot."""
         return self.database.all("periodic_list", namespace=namespace)
+
+
+def _claim_params(
+    namespace: str, owner: str, requests: Sequence[ClaimRequest], stale_after: float
+) -> dict[str, object]:
+    return {
+        "namespace": namespace,
+        "stale_after": stale_after,
+        "keys": [r.idempotency_key for r in requests],
+        "task_ids": [r.task_id for r in requests],
+        "task_types": [r.task_type for r in requests],
+        "leases": [r.lease_seconds for r in requests],
+        "owner": owner,
+    }
+
+
+def _claims(requests: Sequence[ClaimRequest], rows: Sequence[Row]) -> list[Claim]:
+    """The answers to `requests`, in order, from the rows of `claim` (the keys that were not new)."""
+    by_key = {row["idempotency_key"]: row for row in rows}
+    out: list[Claim] = []
+    for r in requests:
+        row = by_key.get(r.idempotency_key)
+        if row is None:  # a new key: claimed, its first attempt
+            out.append(Claim(r.idempotency_key, "claimed", 1))
+            continue
+        outcome = row["outcome"]
+        if outcome not in ("claimed", "completed", "dead", "cancelled"):
+            outcome = "running"  # leased by a live worker (or this one, for a redelivered copy)
+        out.append(
+            Claim(
+                r.idempotency_key,
+                outcome,
+                int(row["attempts"] or 0),
+                float(row["lease_left"] or 0.0),
+                int(row["interruptions"] or 0),
+                int(row["takeovers"] or 0),
+            )
+        )
+    return out
+
+
+def _fail_params(namespace: str, owner: str, failed: Sequence[Finished]) -> dict[str, object]:
+    return {
+        "namespace": namespace,
+        "keys": [f.idempotency_key for f in failed],
+        "attempts": [f.attempts for f in failed],
+        "states": [f.state for f in failed],
+        "errors": [f.error[:4000] for f in failed],
+        "dlq_partitions": [None if f.dlq is None else f.dlq[0] for f in failed],
+        "dlq_offsets": [None if f.dlq is None else f.dlq[1] for f in failed],
+        "owner": owner,
+    }
 
 
 def _complete_params(namespace: str, owner: str, done: Sequence[Finished]) -> dict[str, object]:

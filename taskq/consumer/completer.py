@@ -1,10 +1,14 @@
-"""The completer: makes attempts' outcomes durable, then tells the worker their offsets may be released.
+"""The completer: makes attempts' outcomes durable, then tells the worker their offsets may be released;
+and claims the keys of newly fetched tasks.
 
 Completions and failures are recorded in Postgres in one round trip per batch; retry and DLQ records are
 acknowledged by the broker. A task's offset is released only after that (invariant 1): `record` and
 `publish` take the callback that releases it. With a `recorder` store the round trips run on a thread of
-their own, so the worker's loop goes on fetching and dispatching while Postgres commits; the callbacks
-still run on the loop's thread, in `serve`.
+their own, so the worker's loop goes on fetching and dispatching while Postgres works; the callbacks
+still run on the loop's thread, in `serve` and `settle`.
+
+Claims go the same way: a batch of claims takes the outcomes queued so far with it, and both are sent in
+one pipeline (one round trip, one commit) while the loop dispatches what was claimed before.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable
 from taskq._core.broker import Record, RecordSink
 from taskq._core.errors import RecordTooLargeError, StoreUnavailableError
 from taskq.consumer.routing import Outgoing
-from taskq.consumer.store import Finished, TaskStore
+from taskq.consumer.store import Claim, ClaimRequest, Finished, TaskStore
 
 log = logging.getLogger("taskq.worker")
 
@@ -26,6 +30,12 @@ log = logging.getLogger("taskq.worker")
 SERVE_IDLE = 0.1
 #: Called once the outcome is durable.
 Durable = Callable[[], None]
+#: Called with a batch's claims, in request order, or with why Postgres could not be asked.
+Claimed = Callable[[list[Claim] | StoreUnavailableError], None]
+#: Outcomes to record with their callbacks.
+_Outcomes = list[tuple[Finished, Durable | None]]
+#: Claim batches with their callbacks.
+_Claims = list[tuple[list[ClaimRequest], Claimed]]
 
 
 class Completer:
@@ -42,14 +52,13 @@ class Completer:
         self._store = store
         self._sink = sink
         self._clock = clock
-        self._batch: list[tuple[Finished, Durable | None]] = []
+        self._batch: _Outcomes = []
         self._since = 0.0  # when the oldest queued outcome was queued
         self._recorder = recorder
         self._writing = 0  # outcomes handed to the recorder thread and not yet settled
-        self._to_write: queue.SimpleQueue[list[tuple[Finished, Durable | None]] | None] = queue.SimpleQueue()
-        self._written: queue.SimpleQueue[tuple[list[tuple[Finished, Durable | None]], object]] = (
-            queue.SimpleQueue()
-        )
+        self._claiming = 0  # claim requests handed to the recorder thread and not yet settled
+        self._to_write: queue.SimpleQueue[tuple[_Outcomes, _Claims] | None] = queue.SimpleQueue()
+        self._written: queue.SimpleQueue[tuple[_Outcomes, _Claims, object]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._serve_at = 0.0  # when the producer is served next with nothing awaiting acknowledgement
 
@@ -91,6 +100,20 @@ class Completer:
             log.warning("%s; dead-lettering a bounded record instead", exc)
             self.publish(too_large(), on_acked, on_record=on_record)
 
+    def claim(self, requests: list[ClaimRequest], on_claimed: Claimed) -> None:
+        """Claim keys in the next round trip, with the outcomes queued so far; `on_claimed` runs on the
+        loop's thread once Postgres answered (in `serve` or `settle`), or at once without a recorder."""
+        if self._recorder is None:
+            try:
+                claims = self._store.claim(requests)
+            except StoreUnavailableError as exc:
+                on_claimed(exc)
+                return
+            on_claimed(claims)
+            return
+        batch, self._batch = self._batch, []
+        self._send(batch, [(requests, on_claimed)])
+
     def flush(self, linger: float = 0.0) -> None:
         """Write the queued outcomes in one round trip; with Postgres away they wait for the next call.
 
@@ -103,26 +126,30 @@ class Completer:
             return
         batch, self._batch = self._batch, []
         if self._recorder is not None:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._record_loop, name="taskq-recorder", daemon=True)
-                self._thread.start()
-            self._writing += len(batch)
-            self._to_write.put(batch)
+            self._send(batch, [])
             return
         try:
             lost = self._store.finish([f for f, _ in batch])
         except StoreUnavailableError as exc:
-            self._settle(batch, exc)
+            self._settle(batch, [], exc)
             return
-        self._settle(batch, lost)
+        self._settle(batch, [], (lost, []))
+
+    def _send(self, batch: _Outcomes, claims: _Claims) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._record_loop, name="taskq-recorder", daemon=True)
+            self._thread.start()
+        self._writing += len(batch)
+        self._claiming += sum(len(requests) for requests, _ in claims)
+        self._to_write.put((batch, claims))
 
     def _record_loop(self) -> None:
         assert self._recorder is not None
         stopping = False
-        while not stopping and (batch := self._to_write.get()) is not None:
-            # Batches queued while the last was written go in one round trip: when writing falls behind
+        while not stopping and (work := self._to_write.get()) is not None:
+            # What was queued while the last pass ran goes in one round trip: when writing falls behind
             # (a workflow's steps cost a few statements a batch), batches grow instead of the queue.
-            batches = [batch]
+            passes = [work]
             while True:
                 try:
                     more = self._to_write.get_nowait()
@@ -131,25 +158,41 @@ class Completer:
                 if more is None:
                     stopping = True
                     break
-                batches.append(more)
+                passes.append(more)
+            finished = [f for batch, _ in passes for f, _ in batch]
+            requests = [r for _, claims in passes for rs, _ in claims for r in rs]
             result: object
             try:
-                result = self._recorder.finish([f for b in batches for f, _ in b])
+                if requests:
+                    result = self._recorder.finish_and_claim(finished, requests)
+                else:
+                    result = (self._recorder.finish(finished), [])
             except Exception as exc:  # settled on the loop's thread: unavailable is retried, a bug raised
                 result = exc
-            for b in batches:
-                self._written.put((b, result))
+            at = 0
+            for batch, claims in passes:
+                # Each pass settles with its own claims: the answers are in the order of the passes.
+                asked = sum(len(rs) for rs, _ in claims)
+                if isinstance(result, tuple):
+                    self._written.put((batch, claims, (result[0], result[1][at : at + asked])))
+                else:
+                    self._written.put((batch, claims, result))
+                at += asked
 
-    def _settle(self, batch: list[tuple[Finished, Durable | None]], result: object) -> None:
-        """On the loop's thread: run a written batch's callbacks, or queue it again if Postgres was away."""
+    def _settle(self, batch: _Outcomes, claims: _Claims, result: object) -> None:
+        """On the loop's thread: run a written pass's callbacks, or queue its outcomes again (and hand its
+        claims back unanswered) if Postgres was away."""
         if isinstance(result, StoreUnavailableError):
-            log.warning("store unavailable, will record %d outcome(s) again: %s", len(batch), result)
-            self._batch = batch + self._batch
+            if batch:
+                log.warning("store unavailable, will record %d outcome(s) again: %s", len(batch), result)
+                self._batch = batch + self._batch
+            for _, on_claimed in claims:
+                on_claimed(result)
             return
         if isinstance(result, BaseException):
             raise result
-        assert isinstance(result, set)
-        lost: set[str] = result
+        assert isinstance(result, tuple)
+        lost: set[str] = result[0]
         for finished, on_recorded in batch:
             if finished.idempotency_key in lost:
                 log.warning(
@@ -157,6 +200,13 @@ class Completer:
                 )
             if on_recorded is not None:
                 on_recorded()
+        if claims:
+            # The pass's claims are its batches' in order: each batch takes its own.
+            answered: list[Claim] = result[1]
+            at = 0
+            for requests, on_claimed in claims:
+                on_claimed(answered[at : at + len(requests)])
+                at += len(requests)
 
     def serve(self, timeout: float = 0.0) -> None:
         """Run the callbacks of what was recorded and acknowledged since the last call."""
@@ -168,22 +218,40 @@ class Completer:
             self._sink.poll(timeout)
             self._serve_at = now + SERVE_IDLE
 
+    def settle(self, timeout: float = 0.0) -> None:
+        """Run the callbacks of what Postgres answered since the last call; with `timeout`, wait that long
+        for the first answer if none is there yet (and something is in flight)."""
+        self._settle_written(timeout)
+
     def _settle_written(self, timeout: float) -> None:
         block = timeout
-        while self._writing:
+        while self._writing or self._claiming:
             try:
-                batch, result = self._written.get(timeout=block) if block > 0 else self._written.get_nowait()
+                batch, claims, result = (
+                    self._written.get(timeout=block) if block > 0 else self._written.get_nowait()
+                )
             except queue.Empty:
                 return
             self._writing -= len(batch)
-            self._settle(batch, result)
+            self._claiming -= sum(len(requests) for requests, _ in claims)
+            self._settle(batch, claims, result)
             block = 0.0
+
+    def claiming(self) -> int:
+        """Claim requests sent and not yet answered."""
+        return self._claiming
+
+    def wait_claimed(self, timeout: float) -> None:
+        """Wait up to `timeout` for every claim in flight to be answered, running their callbacks."""
+        deadline = time.monotonic() + timeout
+        while self._claiming and time.monotonic() < deadline:
+            self._settle_written(deadline - time.monotonic())
 
     def wait_recorded(self, timeout: float) -> None:
         """Write what is queued and wait up to `timeout` for what the recorder thread is writing."""
         self.flush()
         deadline = time.monotonic() + timeout
-        while self._writing and time.monotonic() < deadline:
+        while (self._writing or self._claiming) and time.monotonic() < deadline:
             self._settle_written(deadline - time.monotonic())
 
     def wait_acked(self, timeout: float) -> int:
@@ -191,8 +259,8 @@ class Completer:
         return self._sink.flush(timeout)
 
     def pending(self) -> int:
-        """Outcomes not yet recorded plus records not yet acknowledged."""
-        return len(self._batch) + self._writing + len(self._sink)
+        """Outcomes not yet recorded, records not yet acknowledged, and claims not yet answered."""
+        return len(self._batch) + self._writing + len(self._sink) + self._claiming
 
     def close(self) -> None:
         """Stop the recorder thread (after `wait_recorded`)."""

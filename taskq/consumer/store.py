@@ -87,6 +87,9 @@ class TaskStore(Protocol):
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
     def finish(self, finished: Sequence[Finished]) -> set[str]: ...
+    def finish_and_claim(
+        self, finished: Sequence[Finished], requests: Sequence[ClaimRequest]
+    ) -> tuple[set[str], list[Claim]]: ...
     def release(self, claims: Sequence[tuple[str, int]]) -> set[str]: ...
     def renew(self, leases: Sequence[tuple[str, int, float]]) -> set[str]: ...
     def mark_started(self, runs: Sequence[tuple[str, int]]) -> set[str]: ...
@@ -144,17 +147,7 @@ class IdempotencyStore:
             if unique
             else []
         )
-        by_key = {c.idempotency_key: c for c in claims}
-        out: list[Claim] = []
-        answered: set[str] = set()
-        for r in requests:
-            claim = by_key[r.idempotency_key]
-            if r.idempotency_key in answered:
-                out.append(Claim(r.idempotency_key, "duplicate", claim.attempts))
-                continue
-            answered.add(r.idempotency_key)
-            out.append(claim)
-        return out
+        return _in_request_order(requests, claims)
 
     def finish(self, finished: Sequence[Finished]) -> set[str]:
         """Record completions and failures; returns the keys whose lease was lost (nothing recorded)."""
@@ -168,6 +161,38 @@ class IdempotencyStore:
         if failed:
             lost |= {f.idempotency_key for f in failed} - self._store.fail(self.namespace, self.owner, failed)
         return lost
+
+    def finish_and_claim(
+        self, finished: Sequence[Finished], requests: Sequence[ClaimRequest]
+    ) -> tuple[set[str], list[Claim]]:
+        """`finish(finished)`, then `claim(requests)`: (the keys whose lease was lost, the claims).
+
+        One round trip and one transaction (a pipeline), where the worker's loop had a claim and a
+        completion statement, each with its own commit. A key finished here and claimed again (a
+        redelivered copy) is answered as finished. Steps of workflows end on a connection of their own
+        (`_finish_steps`), before the pipeline.
+        """
+        unique = list({r.idempotency_key: r for r in requests[::-1]}.values())  # each key once
+        if any(f.workflow is not None for f in finished):
+            return self._finish_steps(finished), self.claim(requests) if requests else []
+        done = [f for f in finished if f.state == "completed"]
+        failed = [f for f in finished if f.state != "completed"]
+        with self.database.pipeline() as tx:
+            completed = self._store.send_complete(self.namespace, self.owner, done, tx=tx) if done else None
+            recorded = self._store.send_fail(self.namespace, self.owner, failed, tx=tx) if failed else None
+            claimed = (
+                self._store.send_claim(
+                    self.namespace, self.owner, unique, stale_after=self.stale_after, tx=tx
+                )
+                if unique
+                else None
+            )
+        lost: set[str] = set()
+        if completed is not None:
+            lost |= {f.idempotency_key for f in done} - completed()
+        if recorded is not None:
+            lost |= {f.idempotency_key for f in failed} - recorded()
+        return lost, _in_request_order(requests, claimed() if claimed is not None else [])
 
     def _finish_steps(self, finished: Sequence[Finished]) -> set[str]:
         """`finish` for a batch holding steps of workflows: the outcomes and what they move on, in one
@@ -521,3 +546,18 @@ def _answer(conn: Connection, pipeline: psycopg.Pipeline) -> bool:
     except psycopg.Error:
         return False
     return conn.info.transaction_status != TransactionStatus.INERROR
+
+
+def _in_request_order(requests: Sequence[ClaimRequest], claims: Sequence[Claim]) -> list[Claim]:
+    """The claims of a batch's unique keys, answered per request: a key's second request is 'duplicate'."""
+    by_key = {c.idempotency_key: c for c in claims}
+    out: list[Claim] = []
+    answered: set[str] = set()
+    for r in requests:
+        claim = by_key[r.idempotency_key]
+        if r.idempotency_key in answered:
+            out.append(Claim(r.idempotency_key, "duplicate", claim.attempts))
+            continue
+        answered.add(r.idempotency_key)
+        out.append(claim)
+    return out

@@ -332,6 +332,8 @@ class Worker:
         self._step_ends: list[tuple[_Task, str, str]] = []  # workflow steps the claims skipped
         self._suspect_waits = False  # a suspect is next: nothing starts until the running tasks end
         self._members_running = 0  # members of group commits started and not reported yet
+        # Tasks per tier whose claims are on their way: buffered as far as flow control is concerned.
+        self._claiming: Counter[Priority] = Counter()
         self.heartbeat = metrics.Heartbeat()
         self._clock = clock
         self.broker: Broker = broker or KafkaBroker(self.settings)
@@ -346,13 +348,14 @@ class Worker:
                 namespace=self.settings.namespace,
                 stale_after=self.config.stale_after,
             )
-            # Outcomes are recorded on a connection and a thread of their own, so the loop goes on
-            # fetching, claiming and dispatching while Postgres commits them; the heartbeat too.
+            # Outcomes and claims are sent on a connection and a thread of their own, so the loop goes on
+            # fetching and dispatching while Postgres works on them; the heartbeat too.
             recorder, beats = (
                 IdempotencyStore(
                     Database(self.settings.database_url, schema=self.settings.database_schema),
                     owner=self.worker_id,
                     namespace=self.settings.namespace,
+                    stale_after=self.config.stale_after,
                 )
                 for _ in range(2)
             )
@@ -590,6 +593,7 @@ class Worker:
         self.heartbeat.beat()
         assert self._source is not None
         waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
+        waiting += self._completer.claiming()
         busy = bool(self._running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
         now = self._clock()
@@ -620,6 +624,7 @@ class Worker:
         self._read_pauses()
         self._flow_control()
         self._release_held()
+        self._completer.settle()  # what earlier claims answered goes into the buffers first
         if self._settled():
             self._dispatch()
         self._collect(block=0.0)
@@ -630,8 +635,12 @@ class Worker:
             self._commit(asynchronous=True)
         self._observe()
         if busy and not records and not waited:
-            # Nothing new from Kafka: sleep until a running task reports (wakes at once), not a fixed tick.
-            self._collect(block=0.005 if self.executor.free_slots() else 0.05)
+            if self._completer.claiming() and self._starved():
+                # Free slots wait for what is being claimed: wake the moment Postgres answers.
+                self._completer.settle(0.005)
+            else:
+                # Nothing new from Kafka: sleep until a running task reports (wakes at once), not a tick.
+                self._collect(block=0.005 if self.executor.free_slots() else 0.05)
 
     def _take(self, room: int, taken: Sequence[Record] = ()) -> list[Record]:
         """Up to `room` records that Kafka has fetched already, without waiting.
@@ -643,7 +652,7 @@ class Worker:
         comes from the tiers still short of their reserve (invariant 4).
         """
         assert self._source is not None
-        incoming: Counter[Priority] = Counter()
+        incoming = self._claiming.copy()
         for record in taken:
             tier = self.topics.priority_of(record.topic)
             if tier is not None:
@@ -713,7 +722,7 @@ class Worker:
         recent = self._clock() - 1.0
         return any(
             self._fed[tier] > recent
-            and self._scheduler.depth(tier) < self._scheduler.reserve(tier) // 2
+            and self._scheduler.depth(tier) + self._claiming[tier] < self._scheduler.reserve(tier) // 2
             and tier in self._fetching
             for tier in PRIORITIES
         )
@@ -818,6 +827,8 @@ class Worker:
         `incoming`: records per tier taken from Kafka this tick and not yet buffered, counted as buffered.
         """
         assert self._source is not None
+        if incoming is None:
+            incoming = self._claiming
         to_pause, to_resume = [], []
         # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
@@ -1101,28 +1112,43 @@ class Worker:
         return timeout * 1.5 + 5 if timeout else self.config.default_lease
 
     def _claim(self, batch: list[_Task]) -> None:
-        """Claim the batch's keys in one round trip: buffer the claimed tasks, skip or hold the others."""
-        try:
-            claims = self.store.claim(
-                [
-                    ClaimRequest(
-                        t.envelope.idempotency_key,
-                        t.envelope.task_id,
-                        t.envelope.task_type,
-                        # Claimed as it arrives, the key is leased for its wait in the buffer as well.
-                        self._run_lease(t) + self.config.claim_wait,
-                    )
-                    for t in batch
-                ]
+        """Claim the batch's keys in one round trip, sent with the outcomes queued so far, while the loop
+        goes on; `_claimed` buffers the claimed tasks and skips or holds the others."""
+        requests = [
+            ClaimRequest(
+                t.envelope.idempotency_key,
+                t.envelope.task_id,
+                t.envelope.task_type,
+                # Claimed as it arrives, the key is leased for its wait in the buffer as well.
+                self._run_lease(t) + self.config.claim_wait,
             )
-        except StoreUnavailableError as exc:
-            log.warning("store unavailable, holding %d task(s): %s", len(batch), exc)
+            for t in batch
+        ]
+        for task in batch:
+            self._claiming[task.tier] += 1
+        self._completer.claim(requests, functools.partial(self._claimed, batch))
+
+    def _claimed(self, batch: list[_Task], claims: list[Claim] | StoreUnavailableError) -> None:
+        """A batch's claims came back (on the loop's thread)."""
+        for task in batch:
+            self._claiming[task.tier] -= 1
+        if isinstance(claims, StoreUnavailableError):
+            log.warning("store unavailable, holding %d task(s): %s", len(batch), claims)
             self._held.extend(_Held(t, self._clock() + 1.0) for t in batch)
             return
         now = self._clock()
+        gone: list[_Task] = []
         for task, claim in zip(batch, claims, strict=True):
             task.claimed_at = now
+            if self._generation.get(task.record.tp, 0) != task.generation:
+                # Its partition was revoked while the claim was on its way (a revoke waits for claims in
+                # flight, but only so long): its new owner runs it. A key claimed here is given back.
+                if claim.outcome == "claimed":
+                    task.attempts = claim.attempts
+                    gone.append(task)
+                continue
             self._handle_claim(task, claim)
+        self._release(gone)
         if self._step_ends:
             self._end_steps()
 
@@ -1695,6 +1721,9 @@ class Worker:
         # undecoded and running tasks, their pending offsets and their pause state (invariant 8).
         revoked = set(tps)
         self._revoking = revoked
+        # Claims on their way land in the buffers first, so the claimed keys of revoked partitions are
+        # given back with the rest (one answered later is given back by `_claimed`).
+        self._completer.wait_claimed(5.0)
         dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
         dropped += [t for t in self._on_hold if t.record.tp in revoked]
         self._on_hold = [t for t in self._on_hold if t.record.tp not in revoked]
@@ -1752,6 +1781,7 @@ class Worker:
         """Stop fetching, let in-flight tasks finish up to the timeout, record, commit, leave the group."""
         assert self._source is not None
         self._source.pause(list(self._assigned))
+        self._completer.wait_claimed(5.0)
         # Claimed ahead and never started: whoever reads these partitions next claims them at once.
         self._release(self._scheduler.remove_if(lambda t: True) + self._on_hold)
         self._on_hold = []

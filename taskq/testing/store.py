@@ -313,6 +313,12 @@ class InMemoryStore:
                 del self.slots[key]
             return len(full), len(ended)
 
+    def finish_and_claim(
+        self, finished: Sequence[Finished], requests: Sequence[ClaimRequest]
+    ) -> tuple[set[str], list[Claim]]:
+        """`finish(finished)`, then `claim(requests)`: IdempotencyStore does both in one round trip."""
+        return self.finish(finished), self.claim(requests)
+
     def _holds(self, key: str, attempts: int) -> _Row | None:
         row = self.rows.get(key)
         ok = row is not None and row.state == "running" and row.lease_owner == self.owner

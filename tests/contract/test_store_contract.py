@@ -215,6 +215,35 @@ def worker(owner: str, pid: int = 1_000_001, host: str = "host-1", later: float 
     return WorkerRecord(owner, "ns", "ns.workers", host, pid, 4, datetime.now(UTC) + timedelta(seconds=later))
 
 
+def test_finishing_and_claiming_together_records_the_outcomes_first_and_answers_each_claim(
+    stores: tuple[Any, Any],
+) -> None:
+    a, b = stores
+    a.claim([req("done"), req("failed"), req("copy"), req("other")])
+    lost, answers = a.finish_and_claim(
+        [
+            Finished("done", 1, "completed", result=7),
+            Finished("failed", 1, "failed", error="boom"),
+            Finished("copy", 1, "completed"),
+            Finished("other", 2, "completed"),  # not its current attempt: nothing recorded
+        ],
+        # A redelivered copy of a key finished in the same call is answered as finished, not as leased.
+        [req("new"), req("copy"), req("failed"), req("new")],
+    )
+    assert lost == {"other"}
+    assert [(c.idempotency_key, c.outcome, c.attempts) for c in answers] == [
+        ("new", "claimed", 1),
+        ("copy", "completed", 1),
+        ("failed", "claimed", 2),
+        ("new", "duplicate", 1),
+    ]
+    assert a.get("done")["result"] == 7
+    # Either half may be empty.
+    assert b.finish_and_claim([], [req("other")])[1][0].outcome == "running"
+    assert a.finish_and_claim([Finished("new", 1, "completed")], []) == (set(), [])
+    assert a.counts() == {"completed": 3, "running": 2}
+
+
 def test_a_key_leased_by_a_worker_whose_heartbeat_is_stale_is_taken_over_as_the_same_attempt(
     stores: tuple[Any, Any],
 ) -> None:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -28,6 +28,7 @@ from taskq.consumer.events import (
     TaskCompleted,
 )
 from taskq.consumer.routing import DLQ_OFFSET, DLQ_REASON, DLQ_TOPIC
+from taskq.consumer.store import ClaimRequest, IdempotencyStore, WorkerRecord
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.producer.producer import TaskProducer, TaskSpec
 from taskq.schemas import Registry, avro
@@ -512,3 +513,51 @@ def test_partitions_paused_before_a_rebalance_flow_again_when_they_come_back(
         release.set()
         events.count(TaskCompleted, n, timeout=120)
     assert sorted(done) == sorted(f"b{i}" for i in range(n))
+
+
+def test_keys_of_a_worker_silent_for_the_configured_stale_after_are_taken_over(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    ns = settings.namespace
+    schema = task_schema("Charge", ID_FIELDS)
+    _register(settings, schema)
+    db = Database(settings.database_url, schema=settings.database_schema)
+    db.migrate(namespace=ns)
+    ghost = IdempotencyStore(db, owner="ghost", namespace=ns)
+    record = WorkerRecord("ghost", ns, settings.worker_group, "another-host", 1, 4, datetime.now(UTC))
+    ghost.enter(record, bool)
+    ghost.claim([ClaimRequest("charge:g", "earlier", f"{ns}.Charge", 3600.0)])
+    ghost.close()
+    stop = threading.Event()
+
+    def silent_for_five_seconds() -> None:
+        # Its last heartbeat stays 5 s old: stale past the worker's stale_after (3 s), fresh within the
+        # default (10 s), and its lease runs an hour: only the configured stale_after frees the key.
+        with db.connection() as conn:
+            while not stop.is_set():
+                conn.execute(
+                    "UPDATE taskq_workers SET heartbeat_at = now() - interval '5 seconds'"
+                    " WHERE worker_id = 'ghost'"
+                )
+                stop.wait(0.2)
+
+    aging = threading.Thread(target=silent_for_five_seconds, daemon=True)
+    aging.start()
+    runs: list[str] = []
+    h = Handlers()
+
+    @h.task(f"{ns}.Charge", schema=schema)
+    def charge(payload: dict[str, Any], ctx: Any) -> None:
+        runs.append(ctx.task_id)
+
+    try:
+        with TaskProducer(settings) as producer:
+            producer.enqueue(f"{ns}.Charge", {"id": "g"}, idempotency_key="charge:g")
+        with running(h, settings, stale_after=3.0, heartbeat_interval=1.0) as (_, events):
+            events.wait(lambda: events.of(TaskCompleted), timeout=60, what="the ghost's key taken over")
+    finally:
+        stop.set()
+        aging.join(5)
+    assert len(runs) == 1
+    rows = _query(settings, "SELECT state, takeovers FROM taskq_tasks WHERE idempotency_key = %s", "charge:g")
+    assert rows == [{"state": "completed", "takeovers": 1}]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from taskq._core.errors import StoreUnavailableError
 from taskq.consumer.completer import Completer
-from taskq.consumer.store import ClaimRequest, Finished
+from taskq.consumer.store import Claim, ClaimRequest, Finished
 from taskq.testing import InMemoryBroker, InMemoryStore
 
 
@@ -44,4 +44,56 @@ def test_outcomes_are_written_on_the_recorder_thread_and_settled_on_the_callers(
     assert store.threads == {"taskq-recorder"}
     assert completer.pending() == 0
     assert [store.get(k)["state"] for k in ("a", "b")] == ["completed", "completed"]
+    completer.close()
+
+
+class GatedStore(InMemoryStore):
+    """Holds its first round trip until `gate` is set, so what is queued meanwhile goes in one more."""
+
+    def __init__(self) -> None:
+        super().__init__(owner="w")
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.trips: list[tuple[int, int]] = []  # (outcomes, claim requests) per round trip
+
+    def finish_and_claim(
+        self, finished: Sequence[Finished], requests: Sequence[ClaimRequest]
+    ) -> tuple[set[str], list[Claim]]:
+        self.entered.set()
+        self.gate.wait(10)
+        self.trips.append((len(finished), len(requests)))
+        return super().finish_and_claim(finished, requests)
+
+
+def test_claims_go_with_the_queued_outcomes_and_each_batch_gets_its_own_answers() -> None:
+    store = GatedStore()
+    store.claim([ClaimRequest("done", "done", "t", 60.0)])
+    completer = Completer(store, InMemoryBroker().sink(), recorder=store)
+    answers: dict[str, list[tuple[str, str]]] = {}
+
+    def answered(name: str) -> Callable[[list[Claim] | StoreUnavailableError], None]:
+        def on_claimed(claims: list[Claim] | StoreUnavailableError) -> None:
+            assert not isinstance(claims, StoreUnavailableError)
+            answers[name] = [(c.idempotency_key, c.outcome) for c in claims]
+
+        return on_claimed
+
+    recorded: list[str] = []
+    completer.record(Finished("done", 1, "completed"), lambda: recorded.append("done"))
+    completer.claim([ClaimRequest("a", "a", "t", 60.0)], answered("first"))
+    assert store.entered.wait(10)
+    # Asked while the first round trip is held: both go in the next one, each answered for its own keys.
+    completer.claim(
+        [ClaimRequest("b", "b", "t", 60.0), ClaimRequest("done", "again", "t", 60.0)], answered("2nd")
+    )
+    completer.claim([ClaimRequest("c", "c", "t", 60.0), ClaimRequest("b", "b", "t", 60.0)], answered("third"))
+    assert completer.claiming() == 5
+    store.gate.set()
+    completer.wait_claimed(10)
+    assert completer.claiming() == 0 and recorded == ["done"]
+    assert store.trips == [(1, 1), (0, 4)]
+    assert answers == {
+        "first": [("a", "claimed")],
+        "2nd": [("b", "claimed"), ("done", "completed")],
+        "third": [("c", "claimed"), ("b", "duplicate")],
+    }
     completer.close()
