@@ -65,6 +65,7 @@ __all__ = [
     "base_config",
     "consumer_config",
     "producer_config",
+    "share_consumer_config",
 ]
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on demand (no import cycle)
@@ -229,6 +230,52 @@ def consumer_config(settings: Settings, *, group: str) -> dict[str, Any]:
     else:
         conf |= {"group.protocol": "classic", "partition.assignment.strategy": "range"}
     return conf
+
+
+#: Consumer properties librdkafka's share consumer refuses at creation (2.16: "`x` is not applicable for
+#: share consumer"), dropped when a TASKQ_KAFKA_* setting meant for the group consumers carries them. A share
+#: group keeps their counterparts on the broker, as group configs (`Admin.configure_share_group`):
+#: auto.offset.reset -> share.auto.offset.reset, isolation.level -> share.isolation.level, and
+#: session.timeout.ms, heartbeat.interval.ms -> share.session.timeout.ms, share.heartbeat.interval.ms. The
+#: broker assigns (group.protocol, group.remote.assignor, partition.assignment.strategy have no meaning);
+#: acknowledgements replace offsets (enable.auto.commit); and the per-partition fetch queue they tune is not
+#: the share consumer's (queued.*, fetch.queue.backoff.ms, fetch.error.backoff.ms, enable.partition.eof).
+#: group.instance.id and allow.auto.create.topics are not supported yet.
+SHARE_REFUSED = frozenset(
+    {
+        "enable.auto.commit",
+        "auto.offset.reset",
+        "isolation.level",
+        "group.protocol",
+        "group.remote.assignor",
+        "partition.assignment.strategy",
+        "session.timeout.ms",
+        "heartbeat.interval.ms",
+        "queued.max.messages.kbytes",
+        "queued.min.messages",
+        "fetch.queue.backoff.ms",
+        "fetch.error.backoff.ms",
+        "enable.partition.eof",
+        "group.instance.id",
+        "allow.auto.create.topics",
+    }
+)
+
+
+def share_consumer_config(settings: Settings, *, group: str, max_poll_records: int) -> dict[str, Any]:
+    """librdkafka settings of a share consumer in `group`: explicit acknowledgements, and
+    `max_poll_records` a poll (the broker rounds it up to whole record batches)."""
+    # max.poll.interval.ms: a consumer still holding records of its last poll cannot poll (explicit mode),
+    # and one that has not polled this long leaves the group. 300 s outlasts the longest record lock a
+    # broker allows (group.share.max.record.lock.duration.ms, 60 s by default).
+    conf = base_config(settings, {"max.poll.interval.ms": 300000})
+    return {k: v for k, v in conf.items() if k not in SHARE_REFUSED} | {
+        "group.id": group,
+        # Delivery guarantee: a record is acknowledged by taskq only once its outcome is durable; nothing is
+        # accepted on the client's own initiative (the implicit mode accepts a poll's records on the next).
+        "share.acknowledgement.mode": "explicit",
+        "max.poll.records": max_poll_records,
+    }
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _MOVED)
