@@ -739,9 +739,17 @@ class ShareSource:
             self._waiting.clear()
             self.commit()
         finally:
+            # Every consumer is closed, whatever the others raise (refused credentials raise from each);
+            # the first error is the one reported.
+            first: BaseException | None = None
             for member in self._members:
-                with _errors("closing the share consumer"):
-                    member.consumer.close()
+                try:
+                    with _errors("closing the share consumer"):
+                        member.consumer.close()
+                except Exception as exc:
+                    first = first or exc
+            if first is not None:
+                raise first
 
 
 class KafkaBroker:
