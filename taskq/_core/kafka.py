@@ -24,12 +24,14 @@ _MOVED = {
     "TRANSACTION_TIMEOUT": "taskq._core.broker",
     "BatchCallback": "taskq._core.broker",
     "Broker": "taskq._core.broker",
+    "Acknowledged": "taskq._core.broker",
     "Committed": "taskq._core.broker",
     "DeliveryCallback": "taskq._core.broker",
     "OutRecord": "taskq._core.broker",
     "Record": "taskq._core.broker",
     "RecordSink": "taskq._core.broker",
     "RecordSource": "taskq._core.broker",
+    "ShareRecordSource": "taskq._core.broker",
     "TopicAdmin": "taskq._core.broker",
     "TopicSpec": "taskq._core.broker",
     "Headers": "taskq._core.envelope",
@@ -37,14 +39,17 @@ _MOVED = {
     "TRANSACTION_ABORT_MS": "taskq._core.kafka_clients",
     "KafkaBroker": "taskq._core.kafka_clients",
     "Sink": "taskq._core.kafka_clients",
+    "ShareSource": "taskq._core.share",
     "Source": "taskq._core.kafka_clients",
 }
 
 __all__ = [
     "LIBRDKAFKA_LOG",
+    "SHARE_REFUSED",
     "TP",
     "TRANSACTION_ABORT_MS",
     "TRANSACTION_TIMEOUT",
+    "Acknowledged",
     "Admin",
     "BatchCallback",
     "Broker",
@@ -57,6 +62,8 @@ __all__ = [
     "RecordSink",
     "RecordSource",
     "RepeatFilter",
+    "ShareRecordSource",
+    "ShareSource",
     "Sink",
     "Source",
     "TopicAdmin",
@@ -72,6 +79,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from taskq._core.broker import (
         TP,
         TRANSACTION_TIMEOUT,
+        Acknowledged,
         BatchCallback,
         Broker,
         Committed,
@@ -80,12 +88,14 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
         Record,
         RecordSink,
         RecordSource,
+        ShareRecordSource,
         TopicAdmin,
         TopicSpec,
     )
     from taskq._core.envelope import Headers
     from taskq._core.kafka_admin import Admin
     from taskq._core.kafka_clients import TRANSACTION_ABORT_MS, KafkaBroker, Sink, Source
+    from taskq._core.share import ShareSource
 
 
 #: librdkafka's own log lines go through Python logging under this name (the CLI quiets it; a worker

@@ -1,5 +1,5 @@
-"""The librdkafka clients: `Sink` (a producer), `Source` (a consumer), `ShareSource` (a share group's
-member) and `KafkaBroker`, which makes them and the admin from one Settings. Their errors become the
+"""The librdkafka clients: `Sink` (a producer), `Source` (a consumer) and `KafkaBroker`, which makes them,
+a share group's member (`taskq._core.share`) and the admin from one Settings. Their errors become the
 project's here, with the client's as __cause__."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import logging
 import operator
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -16,13 +15,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from confluent_kafka import (
     OFFSET_INVALID,
-    AcknowledgeType,
     Consumer,
     KafkaError,
     KafkaException,
     Message,
     Producer,
-    ShareConsumer,
     TopicPartition,
 )
 
@@ -39,11 +36,12 @@ from taskq._core.broker import (
 )
 from taskq._core.envelope import Headers
 from taskq._core.errors import ConfigurationError, KafkaUnavailableError, RecordTooLargeError
-from taskq._core.kafka import consumer_config, producer_config, share_consumer_config
+from taskq._core.kafka import consumer_config, producer_config
 from taskq._core.settings import Settings, redact
 
 if TYPE_CHECKING:
     from taskq._core.kafka_admin import Admin
+    from taskq._core.share import ShareSource
 
 log = logging.getLogger("taskq.kafka")
 
@@ -73,7 +71,7 @@ _TRANSACTION_GRACE = 5.0
 TRANSACTION_ABORT_MS = 35_000
 
 
-def _record(msg: Message, delivery_count: int | None = None) -> Record:
+def record_of(msg: Message, delivery_count: int | None = None) -> Record:
     headers, error = _headers(msg)
     return Record(
         topic=msg.topic() or "",
@@ -127,7 +125,7 @@ def new_client(factory: Callable[[dict[str, Any]], C], conf: dict[str, Any]) -> 
 
 
 @contextmanager
-def _errors(what: str) -> Iterator[None]:
+def client_errors(what: str) -> Iterator[None]:
     """Turn the client's errors into the project's, keeping the original as __cause__."""
     try:
         yield
@@ -190,7 +188,7 @@ class Sink:
 
             def cb(err: KafkaError | None, msg: Message) -> None:
                 if err is None:
-                    on_delivery(None, _record(msg))
+                    on_delivery(None, record_of(msg))
                 else:
                     on_delivery(self._failure(err), None)
 
@@ -228,7 +226,7 @@ class Sink:
 
             def report(i: int, err: KafkaError | None, msg: Message) -> None:
                 if err is None:
-                    on_delivery(i, None, _record(msg))
+                    on_delivery(i, None, record_of(msg))
                 else:
                     on_delivery(i, self._failure(err), None)
 
@@ -255,7 +253,7 @@ class Sink:
         self, on_failure: Callable[[str, Record], None], err: KafkaError | None, msg: Message
     ) -> None:
         if err is not None:
-            on_failure(self._failure(err), _record(msg))
+            on_failure(self._failure(err), record_of(msg))
 
     def _refused(
         self, topic: str, value: bytes | None, key: bytes | None, headers: Headers, exc: KafkaException
@@ -285,7 +283,7 @@ class Sink:
             # In slices: an exception raised by a callback (refused credentials, see _on_error) surfaces
             # only when the call returns, and one flush call returns only once the queue is empty.
             left = deadline - time.monotonic() if deadline is not None else 0.5
-            with _errors("flushing"):  # a fenced transactional producer raises its fatal error here
+            with client_errors("flushing"):  # a fenced transactional producer raises its fatal error here
                 queued = int(self._p.flush(max(0.0, min(0.5, left))))
             if not queued or (deadline is not None and time.monotonic() >= deadline):
                 return queued
@@ -317,7 +315,7 @@ class Sink:
     def begin(self) -> None:
         """Begin a transaction."""
         self._usable("beginning a transaction")
-        with _errors("beginning a transaction"):
+        with client_errors("beginning a transaction"):
             self._p.begin_transaction()
 
     def commit_offsets_in_transaction(
@@ -422,12 +420,12 @@ class Source:
             if self._on_revoke:
                 self._on_revoke([(p.topic, p.partition) for p in parts])
 
-        with _errors("subscribing"):
+        with client_errors("subscribing"):
             self._c.subscribe(list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
 
     def assign(self, tps: Iterable[tuple[str, int, int]]) -> None:
         """Read partitions directly (no group membership) from the given offsets."""
-        with _errors("assigning partitions"):
+        with client_errors("assigning partitions"):
             self._c.assign([TopicPartition(t, p, o) for t, p, o in tps])
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
@@ -440,7 +438,7 @@ class Source:
         for m in msgs:
             err = m.error()
             if err is None:
-                out.append(_record(m))
+                out.append(record_of(m))
             elif err.code() == KafkaError._PARTITION_EOF:
                 continue
             elif err.fatal():
@@ -458,14 +456,14 @@ class Source:
         """Stop fetching these partitions (the group keeps them)."""
         parts = [TopicPartition(t, p) for t, p in tps]
         if parts:
-            with _errors("pausing partitions"):
+            with client_errors("pausing partitions"):
                 self._c.pause(parts)
 
     def resume(self, tps: Iterable[TP]) -> None:
         """Fetch these partitions again, from where this consumer left them."""
         parts = [TopicPartition(t, p) for t, p in tps]
         if parts:
-            with _errors("resuming partitions"):
+            with client_errors("resuming partitions"):
                 self._c.resume(parts)
                 # With every partition paused librdkafka's fetcher sleeps for about a second, and a resume
                 # does not wake it: a seek to the position does (the records come in milliseconds).
@@ -475,7 +473,7 @@ class Source:
 
     def seek(self, tp: TP, offset: int) -> None:
         """Fetch a partition from this offset next."""
-        with _errors(f"seeking {tp[0]}[{tp[1]}] to {offset}"):
+        with client_errors(f"seeking {tp[0]}[{tp[1]}] to {offset}"):
             self._c.seek(TopicPartition(tp[0], tp[1], offset))
 
     def commit(self, offsets: Mapping[TP, int], *, asynchronous: bool = False) -> None:
@@ -497,14 +495,14 @@ class Source:
 
     def committed(self, tps: Iterable[TP], timeout: float = 10.0) -> dict[TP, int]:
         """The group's committed offsets (-1 where none)."""
-        with _errors("reading committed offsets"):
+        with client_errors("reading committed offsets"):
             parts = self._c.committed([TopicPartition(t, p) for t, p in tps], timeout=timeout)
         return {(p.topic, p.partition): (p.offset if p.offset != OFFSET_INVALID else -1) for p in parts}
 
     def lag(self) -> dict[TP, int]:
         """Per assigned partition: the log end offset last seen in fetches minus this member's position."""
         out: dict[TP, int] = {}
-        with _errors("measuring lag"):
+        with client_errors("measuring lag"):
             parts = self._c.assignment()
             for p in self._c.position(parts) if parts else []:
                 _, high = self._c.get_watermark_offsets(p, cached=True)
@@ -514,7 +512,7 @@ class Source:
 
     def high_watermarks(self, tps: Iterable[TP]) -> dict[TP, int]:
         """The end offset of each of `tps` as last seen by this consumer, without a request (-1: unknown)."""
-        with _errors("reading watermarks"):
+        with client_errors("reading watermarks"):
             return {
                 tp: max(-1, self._c.get_watermark_offsets(TopicPartition(tp[0], tp[1]), cached=True)[1])
                 for tp in tps
@@ -522,13 +520,13 @@ class Source:
 
     def position(self, tp: TP) -> int:
         """The offset this consumer reads next in `tp` (past transaction markers), or -1 if unknown."""
-        with _errors("reading the position"):
+        with client_errors("reading the position"):
             (p,) = self._c.position([TopicPartition(tp[0], tp[1])])
         return int(p.offset) if p.offset >= 0 else -1
 
     def group_metadata(self) -> object:
         """This member's group metadata, which a transaction's offsets carry (fences zombie members)."""
-        with _errors("reading the group metadata"):
+        with client_errors("reading the group metadata"):
             return self._c.consumer_group_metadata()
 
     def assignment(self) -> list[TP]:
@@ -541,215 +539,8 @@ class Source:
 
     def close(self) -> None:
         """Leave the group and release the client."""
-        with _errors("closing the consumer"):
+        with client_errors("closing the consumer"):
             self._c.close()
-
-
-#: How long one consumer of a ShareSource waits for records before the next free one has its turn.
-_SHARE_SLICE = 0.05
-
-
-class _Member:
-    """One ShareConsumer of a ShareSource, and how much of its last poll it still holds."""
-
-    __slots__ = ("consumer", "held", "unsent")
-
-    def __init__(self, consumer: ShareConsumer) -> None:
-        self.consumer = consumer
-        self.held = 0  # records of its last poll not acknowledged yet: it may poll again at 0
-        self.unsent = False  # it has acknowledgements not yet sent to the broker
-
-
-class ShareSource:
-    """A member of a share group (KIP-932) made of several ShareConsumers, so that records held by a slow
-    task keep only their own consumer from fetching.
-
-    In explicit acknowledgement mode a ShareConsumer must acknowledge every record of a poll before it may
-    poll again; so each record remembers the consumer that acquired it, and only consumers holding nothing
-    poll. The client rounds `max_poll_records` up to whole record batches (a producer's batch is acquired
-    whole), so a poll can bring more than was asked: the rest stays here, acquired, and is handed out first.
-
-    Not thread-safe (neither is a ShareConsumer): one thread polls and acknowledges.
-    """
-
-    def __init__(
-        self,
-        settings: Settings,
-        *,
-        group: str,
-        topics: Sequence[str],
-        consumers: int = 2,
-        max_poll_records: int = 1,
-        on_commit: Acknowledged | None = None,
-        **overrides: Any,
-    ) -> None:
-        """`consumers` ShareConsumers in `group`, each subscribed to `topics` and acquiring about
-        `max_poll_records` records a poll (librdkafka reads it once, at creation); `on_commit` hears of
-        every acknowledgement commit from poll, commit and close."""
-        if consumers < 1 or max_poll_records < 1:
-            raise ConfigurationError(
-                f"a share source needs consumers >= 1 and max_poll_records >= 1, "
-                f"got {consumers} and {max_poll_records}"
-            )
-        conf = share_consumer_config(settings, group=group, max_poll_records=max_poll_records) | overrides
-        self._on_commit = on_commit
-        self._timeout = settings.kafka_timeout
-        self._members: list[_Member] = []
-        self._owner: dict[tuple[str, int, int], _Member] = {}  # handed out, not acknowledged -> its consumer
-        self._waiting: deque[tuple[Record, _Member]] = deque()  # acquired, not handed out yet, oldest first
-        self._turn = 0
-        self._closed = False
-        try:
-            for _ in range(consumers):
-                member = _Member(new_client(ShareConsumer, dict(conf)))
-                self._members.append(member)
-                with _errors("subscribing to the share group"):
-                    member.consumer.set_acknowledgement_commit_callback(self._committed)
-                    member.consumer.subscribe(list(topics))
-        except BaseException:
-            for member in self._members:
-                member.consumer.close()
-            raise
-
-    def _committed(self, offsets: dict[TopicPartition, set[int]], exc: KafkaException | None) -> None:
-        done = {(tp.topic, tp.partition): set(acked) for tp, acked in offsets.items()}
-        error = None
-        if exc is not None:
-            err = exc.args[0] if exc.args else exc
-            error = f"{err.str()} ({err.name()})" if isinstance(err, KafkaError) else str(err)
-        if self._on_commit is not None:
-            self._on_commit(done, error)
-        elif error is not None:
-            log.warning("the share group refused acknowledgements of %s: %s", sorted(done), error)
-
-    def poll(self, max_records: int, timeout: float) -> list[Record]:
-        """Up to max_records records, those acquired earlier first; waits up to `timeout` when none come.
-        Sends the acknowledgements made since the last call first. With every consumer holding records it
-        waits out `timeout` and returns none: nothing can be fetched until some are acknowledged."""
-        self._send_acknowledgements()
-        out = self._hand_out(max_records)
-        deadline = time.monotonic() + timeout
-        while len(out) < max_records and not self._waiting:
-            free = [m for m in self._members if not m.held]
-            left = deadline - time.monotonic()
-            if not free:
-                if not out and left > 0:
-                    time.sleep(left)
-                break
-            # Every free consumer takes what it has (no more than is asked), then, if none had any, one
-            # waits for a slice: they take turns, as any of them may be the one the broker hands records to.
-            for member in free:
-                if len(self._waiting) >= max_records - len(out):
-                    break
-                self._fetch(member, 0.0)
-            if not self._waiting and left > 0:
-                self._turn += 1
-                self._fetch(free[self._turn % len(free)], min(left, _SHARE_SLICE))
-            out += self._hand_out(max_records - len(out))
-            if out or time.monotonic() >= deadline:
-                break
-        return out
-
-    def _hand_out(self, n: int) -> list[Record]:
-        out = []
-        for _ in range(min(n, len(self._waiting))):
-            record, member = self._waiting.popleft()
-            self._owner[(record.topic, record.partition, record.offset)] = member
-            out.append(record)
-        return out
-
-    def _fetch(self, member: _Member, timeout: float) -> None:
-        try:
-            msgs = member.consumer.poll(timeout)
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            if isinstance(err, KafkaError) and err.code() == KafkaError._MAX_POLL_EXCEEDED:
-                # It held records past max.poll.interval.ms and left the group; its acknowledgements
-                # still count (seen on Kafka 4.3), and this poll rejoins it.
-                log.warning("a share consumer rejoins its group: %s", err.str())
-                return
-            raise unavailable("polling the share group", exc) from exc
-        for msg in msgs:
-            err = msg.error()
-            if err is not None:
-                # librdkafka acknowledged it itself (RELEASE on a decompression failure, REJECT on a corrupt
-                # batch): it is not held.
-                where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
-                log.warning("share consumer error at %s: %s", where, err)
-                continue
-            member.held += 1
-            self._waiting.append((_record(msg, msg.delivery_count()), member))
-
-    def accept(self, record: Record) -> None:
-        """Done with: the group never hands it out again."""
-        self._acknowledge(record, AcknowledgeType.ACCEPT)
-
-    def release(self, record: Record) -> None:
-        """Not done: the group hands it out again at once, counting one more delivery."""
-        self._acknowledge(record, AcknowledgeType.RELEASE)
-
-    def reject(self, record: Record) -> None:
-        """Never to be done: the group archives it."""
-        self._acknowledge(record, AcknowledgeType.REJECT)
-
-    def _acknowledge(self, record: Record, kind: AcknowledgeType) -> None:
-        key = (record.topic, record.partition, record.offset)
-        member = self._owner.get(key)
-        if member is None:
-            raise ValueError(f"{record.topic}[{record.partition}]@{record.offset} is not held by this source")
-        with _errors(f"acknowledging {record.topic}[{record.partition}]@{record.offset}"):
-            member.consumer.acknowledge_offset(record.topic, record.partition, record.offset, kind)
-        del self._owner[key]
-        member.held -= 1
-        member.unsent = True
-
-    def _send_acknowledgements(self) -> None:
-        # In batches: one request per consumer for everything acknowledged since the last poll.
-        for member in self._members:
-            if member.unsent:
-                with _errors("committing acknowledgements"):
-                    member.consumer.commit_async()
-                member.unsent = False
-
-    def in_flight(self) -> int:
-        """Records handed out and not acknowledged yet."""
-        return len(self._owner)
-
-    def commit(self) -> None:
-        """Send the acknowledgements made so far and wait for the broker's answer (to `on_commit`)."""
-        for member in self._members:
-            if member.unsent:
-                with _errors("committing acknowledgements"):
-                    member.consumer.commit_sync(self._timeout)
-                member.unsent = False
-
-    def close(self) -> None:
-        """Release every record still held, so other members get them at once, commit, and leave."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            held = [(*key, member) for key, member in self._owner.items()]
-            held += [(r.topic, r.partition, r.offset, member) for r, member in self._waiting]
-            for topic, partition, offset, member in held:
-                with _errors("releasing records"):
-                    member.consumer.acknowledge_offset(topic, partition, offset, AcknowledgeType.RELEASE)
-                member.unsent = True
-            self._owner.clear()
-            self._waiting.clear()
-            self.commit()
-        finally:
-            # Every consumer is closed, whatever the others raise (refused credentials raise from each);
-            # the first error is the one reported.
-            first: BaseException | None = None
-            for member in self._members:
-                try:
-                    with _errors("closing the share consumer"):
-                        member.consumer.close()
-                except Exception as exc:
-                    first = first or exc
-            if first is not None:
-                raise first
 
 
 class KafkaBroker:
@@ -790,6 +581,8 @@ class KafkaBroker:
     ) -> ShareSource:
         """A member of share group `group` on `topics`, made of `consumers` ShareConsumers (see
         ShareSource); the group reads from its topics' start once `Admin.configure_share_group` ran."""
+        from taskq._core.share import ShareSource  # here: that module builds on this one's helpers
+
         return ShareSource(
             self.settings,
             group=group,

@@ -18,8 +18,9 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from taskq._core.broker import TP, Record, TopicSpec
 from taskq._core.errors import KafkaAuthenticationError
 from taskq._core.kafka_admin import Admin
-from taskq._core.kafka_clients import KafkaBroker, ShareSource
+from taskq._core.kafka_clients import KafkaBroker
 from taskq._core.settings import Settings
+from taskq._core.share import ShareSource
 from tests.acceptance.helpers import share_group_reads, wait_until
 
 #: A member's first records take a share-group heartbeat to come (group.share.min.heartbeat.interval.ms is
@@ -49,7 +50,8 @@ class Share:
 
     def write(self, *values: bytes, batched: bool = False) -> None:
         """Write records; each in a batch of its own unless `batched` (the broker acquires whole batches)."""
-        sink = self.broker.sink() if batched else self.broker.sink(**{"linger.ms": 0, "batch.num.messages": 1})
+        one_each = {"linger.ms": 0, "batch.num.messages": 1}
+        sink = self.broker.sink() if batched else self.broker.sink(**one_each)
         for v in values:
             sink.send(self.topic, v, key=None, headers=[])
             if not batched:
