@@ -109,9 +109,10 @@ def take(
 
 def test_two_members_share_one_partition(share: Share) -> None:
     share.write(*(b"%d" % i for i in range(12)))
-    a, b = share.source(), share.source()
+    a = share.source()
     # a holds its first record: in a consumer group the partition would be a's alone, and b read nothing.
     (held,) = take(a, 1, max_records=1)
+    b = share.source()
     rest = take(b, 11, accept=True)
     assert held.offset not in {r.offset for r in rest}
     assert sorted(r.offset for r in [held, *rest]) == list(range(12))
@@ -170,11 +171,11 @@ def test_close_releases_held_records_to_another_member_at_once(share: Share) -> 
     # The longest lock the broker allows: a member waiting it out would wait a minute.
     share.admin.configure_share_group(share.group, lock_duration_ms=60_000)
     share.write(b"a", b"b", b"c")
-    first, second = share.source(max_poll_records=3), share.source()
+    first = share.source(max_poll_records=3)
     handed = take(first, 1, max_records=1)  # the others of its poll wait in `first`, acquired
     assert first.in_flight() == 1
     first.close()
-    again = take(second, 3, accept=True)
+    again = take(share.source(), 3, accept=True)
     assert sorted((r.value, r.delivery_count) for r in again) == [(b"a", 2), (b"b", 2), (b"c", 2)]
     assert handed[0].offset in {r.offset for r in again}
 
@@ -194,8 +195,9 @@ def test_an_expired_lock_hands_the_record_to_another_member_and_the_late_accept_
     lock_ms = _broker_config(share.settings.bootstrap_servers, "group.share.min.record.lock.duration.ms")
     share.admin.configure_share_group(share.group, lock_duration_ms=lock_ms)
     share.write(b"slow")
-    holder, other = share.source(), share.source()
+    holder = share.source()
     (held,) = take(holder, 1)
+    other = share.source()
     (again,) = take(other, 1, timeout=JOIN + lock_ms / 1000)
     assert (again.offset, held.delivery_count, again.delivery_count) == (held.offset, 1, 2)
     # Seen: the client takes the late acknowledgement, and the broker refuses it when it is committed
