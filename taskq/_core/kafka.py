@@ -24,12 +24,14 @@ _MOVED = {
     "TRANSACTION_TIMEOUT": "taskq._core.broker",
     "BatchCallback": "taskq._core.broker",
     "Broker": "taskq._core.broker",
+    "Acknowledged": "taskq._core.broker",
     "Committed": "taskq._core.broker",
     "DeliveryCallback": "taskq._core.broker",
     "OutRecord": "taskq._core.broker",
     "Record": "taskq._core.broker",
     "RecordSink": "taskq._core.broker",
     "RecordSource": "taskq._core.broker",
+    "ShareRecordSource": "taskq._core.broker",
     "TopicAdmin": "taskq._core.broker",
     "TopicSpec": "taskq._core.broker",
     "Headers": "taskq._core.envelope",
@@ -37,14 +39,17 @@ _MOVED = {
     "TRANSACTION_ABORT_MS": "taskq._core.kafka_clients",
     "KafkaBroker": "taskq._core.kafka_clients",
     "Sink": "taskq._core.kafka_clients",
+    "ShareSource": "taskq._core.share",
     "Source": "taskq._core.kafka_clients",
 }
 
 __all__ = [
     "LIBRDKAFKA_LOG",
+    "SHARE_REFUSED",
     "TP",
     "TRANSACTION_ABORT_MS",
     "TRANSACTION_TIMEOUT",
+    "Acknowledged",
     "Admin",
     "BatchCallback",
     "Broker",
@@ -57,6 +62,8 @@ __all__ = [
     "RecordSink",
     "RecordSource",
     "RepeatFilter",
+    "ShareRecordSource",
+    "ShareSource",
     "Sink",
     "Source",
     "TopicAdmin",
@@ -65,12 +72,14 @@ __all__ = [
     "base_config",
     "consumer_config",
     "producer_config",
+    "share_consumer_config",
 ]
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on demand (no import cycle)
     from taskq._core.broker import (
         TP,
         TRANSACTION_TIMEOUT,
+        Acknowledged,
         BatchCallback,
         Broker,
         Committed,
@@ -79,12 +88,14 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
         Record,
         RecordSink,
         RecordSource,
+        ShareRecordSource,
         TopicAdmin,
         TopicSpec,
     )
     from taskq._core.envelope import Headers
     from taskq._core.kafka_admin import Admin
     from taskq._core.kafka_clients import TRANSACTION_ABORT_MS, KafkaBroker, Sink, Source
+    from taskq._core.share import ShareSource
 
 
 #: librdkafka's own log lines go through Python logging under this name (the CLI quiets it; a worker
@@ -229,6 +240,52 @@ def consumer_config(settings: Settings, *, group: str) -> dict[str, Any]:
     else:
         conf |= {"group.protocol": "classic", "partition.assignment.strategy": "range"}
     return conf
+
+
+#: Consumer properties librdkafka's share consumer refuses at creation (2.16: "`x` is not applicable for
+#: share consumer"), dropped when a TASKQ_KAFKA_* setting meant for the group consumers carries them. A share
+#: group keeps their counterparts on the broker, as group configs (`Admin.configure_share_group`):
+#: auto.offset.reset -> share.auto.offset.reset, isolation.level -> share.isolation.level, and
+#: session.timeout.ms, heartbeat.interval.ms -> share.session.timeout.ms, share.heartbeat.interval.ms. The
+#: broker assigns (group.protocol, group.remote.assignor, partition.assignment.strategy have no meaning);
+#: acknowledgements replace offsets (enable.auto.commit); and the per-partition fetch queue they tune is not
+#: the share consumer's (queued.*, fetch.queue.backoff.ms, fetch.error.backoff.ms, enable.partition.eof).
+#: group.instance.id and allow.auto.create.topics are not supported yet.
+SHARE_REFUSED = frozenset(
+    {
+        "enable.auto.commit",
+        "auto.offset.reset",
+        "isolation.level",
+        "group.protocol",
+        "group.remote.assignor",
+        "partition.assignment.strategy",
+        "session.timeout.ms",
+        "heartbeat.interval.ms",
+        "queued.max.messages.kbytes",
+        "queued.min.messages",
+        "fetch.queue.backoff.ms",
+        "fetch.error.backoff.ms",
+        "enable.partition.eof",
+        "group.instance.id",
+        "allow.auto.create.topics",
+    }
+)
+
+
+def share_consumer_config(settings: Settings, *, group: str, max_poll_records: int) -> dict[str, Any]:
+    """librdkafka settings of a share consumer in `group`: explicit acknowledgements, and
+    `max_poll_records` a poll (the broker rounds it up to whole record batches)."""
+    # max.poll.interval.ms: a consumer still holding records of its last poll cannot poll (explicit mode),
+    # and one that has not polled this long leaves the group. 300 s outlasts the longest record lock a
+    # broker allows (group.share.max.record.lock.duration.ms, 60 s by default).
+    conf = base_config(settings, {"max.poll.interval.ms": 300000})
+    return {k: v for k, v in conf.items() if k not in SHARE_REFUSED} | {
+        "group.id": group,
+        # Delivery guarantee: a record is acknowledged by taskq only once its outcome is durable; nothing is
+        # accepted on the client's own initiative (the implicit mode accepts a poll's records on the next).
+        "share.acknowledgement.mode": "explicit",
+        "max.poll.records": max_poll_records,
+    }
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _MOVED)

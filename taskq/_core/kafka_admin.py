@@ -7,7 +7,14 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+    OffsetSpec,
+)
 
 from taskq._core.broker import TP, TopicSpec
 from taskq._core.errors import KafkaUnavailableError
@@ -129,6 +136,28 @@ class Admin:
                 err = exc.args[0]
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.GROUP_ID_NOT_FOUND):
                     raise self._wrap(f"deleting group {group}", exc) from exc
+
+    def configure_share_group(self, group: str, *, lock_duration_ms: int | None = None) -> None:
+        """Set a share group's configs (KIP-932) that taskq relies on; the group need not exist yet.
+        `lock_duration_ms`: how long a member holds a record before the group hands it out again (the
+        broker's group.share.record.lock.duration.ms when None; within its min and max)."""
+        configs = {
+            # A share group otherwise starts at the end of its topics: tasks enqueued before the first
+            # worker started would never run.
+            "share.auto.offset.reset": "earliest",
+            # Delivery guarantee: the forwarder writes in transactions, and a record of an aborted one must
+            # never run (a share group reads uncommitted records unless told).
+            "share.isolation.level": "read_committed",
+        }
+        if lock_duration_ms is not None:
+            configs["share.record.lock.duration.ms"] = str(lock_duration_ms)
+        entries = [ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in configs.items()]
+        resource = ConfigResource(ConfigResource.Type.GROUP, group, incremental_configs=entries)
+
+        def alter(left: float) -> None:
+            self._a.incremental_alter_configs([resource], request_timeout=left)[resource].result()
+
+        self._answered(f"configuring share group {group}", alter)
 
     def partitions(self, topics: Sequence[str]) -> dict[str, int]:
         """Partition counts of existing topics (missing topics are left out)."""

@@ -1,5 +1,6 @@
-"""The librdkafka clients: `Sink` (a producer), `Source` (a consumer) and `KafkaBroker`, which makes them
-and the admin from one Settings. Their errors become the project's here, with the client's as __cause__."""
+"""The librdkafka clients: `Sink` (a producer), `Source` (a consumer) and `KafkaBroker`, which makes them,
+a share group's member (`taskq._core.share`) and the admin from one Settings. Their errors become the
+project's here, with the client's as __cause__."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from confluent_kafka import (
 from taskq._core.broker import (
     TP,
     TRANSACTION_TIMEOUT,
+    Acknowledged,
     BatchCallback,
     Committed,
     DeliveryCallback,
@@ -39,6 +41,7 @@ from taskq._core.settings import Settings, redact
 
 if TYPE_CHECKING:
     from taskq._core.kafka_admin import Admin
+    from taskq._core.share import ShareSource
 
 log = logging.getLogger("taskq.kafka")
 
@@ -68,7 +71,7 @@ _TRANSACTION_GRACE = 5.0
 TRANSACTION_ABORT_MS = 35_000
 
 
-def _record(msg: Message) -> Record:
+def record_of(msg: Message, delivery_count: int | None = None) -> Record:
     headers, error = _headers(msg)
     return Record(
         topic=msg.topic() or "",
@@ -79,6 +82,7 @@ def _record(msg: Message) -> Record:
         headers=headers,
         timestamp_ms=msg.timestamp()[1],
         header_error=error,
+        delivery_count=delivery_count,
     )
 
 
@@ -121,7 +125,7 @@ def new_client(factory: Callable[[dict[str, Any]], C], conf: dict[str, Any]) -> 
 
 
 @contextmanager
-def _errors(what: str) -> Iterator[None]:
+def client_errors(what: str) -> Iterator[None]:
     """Turn the client's errors into the project's, keeping the original as __cause__."""
     try:
         yield
@@ -190,7 +194,7 @@ class Sink:
 
             def cb(err: KafkaError | None, msg: Message) -> None:
                 if err is None:
-                    on_delivery(None, _record(msg))
+                    on_delivery(None, record_of(msg))
                 else:
                     on_delivery(self._failure(err), None)
 
@@ -228,7 +232,7 @@ class Sink:
 
             def report(i: int, err: KafkaError | None, msg: Message) -> None:
                 if err is None:
-                    on_delivery(i, None, _record(msg))
+                    on_delivery(i, None, record_of(msg))
                 else:
                     on_delivery(i, self._failure(err), None)
 
@@ -255,7 +259,7 @@ class Sink:
         self, on_failure: Callable[[str, Record], None], err: KafkaError | None, msg: Message
     ) -> None:
         if err is not None:
-            on_failure(self._failure(err), _record(msg))
+            on_failure(self._failure(err), record_of(msg))
 
     def _refused(
         self, topic: str, value: bytes | None, key: bytes | None, headers: Headers, exc: KafkaException
@@ -285,7 +289,7 @@ class Sink:
             # In slices: an exception raised by a callback (refused credentials, see _on_error) surfaces
             # only when the call returns, and one flush call returns only once the queue is empty.
             left = deadline - time.monotonic() if deadline is not None else 0.5
-            with _errors("flushing"):  # a fenced transactional producer raises its fatal error here
+            with client_errors("flushing"):  # a fenced transactional producer raises its fatal error here
                 queued = int(self._p.flush(max(0.0, min(0.5, left))))
             if not queued or (deadline is not None and time.monotonic() >= deadline):
                 return queued
@@ -317,7 +321,7 @@ class Sink:
     def begin(self) -> None:
         """Begin a transaction."""
         self._usable("beginning a transaction")
-        with _errors("beginning a transaction"):
+        with client_errors("beginning a transaction"):
             self._p.begin_transaction()
 
     def commit_offsets_in_transaction(
@@ -422,12 +426,12 @@ class Source:
             if self._on_revoke:
                 self._on_revoke([(p.topic, p.partition) for p in parts])
 
-        with _errors("subscribing"):
+        with client_errors("subscribing"):
             self._c.subscribe(list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
 
     def assign(self, tps: Iterable[tuple[str, int, int]]) -> None:
         """Read partitions directly (no group membership) from the given offsets."""
-        with _errors("assigning partitions"):
+        with client_errors("assigning partitions"):
             self._c.assign([TopicPartition(t, p, o) for t, p, o in tps])
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
@@ -440,7 +444,7 @@ class Source:
         for m in msgs:
             err = m.error()
             if err is None:
-                out.append(_record(m))
+                out.append(record_of(m))
             elif err.code() == KafkaError._PARTITION_EOF:
                 continue
             elif err.fatal():
@@ -458,14 +462,14 @@ class Source:
         """Stop fetching these partitions (the group keeps them)."""
         parts = [TopicPartition(t, p) for t, p in tps]
         if parts:
-            with _errors("pausing partitions"):
+            with client_errors("pausing partitions"):
                 self._c.pause(parts)
 
     def resume(self, tps: Iterable[TP]) -> None:
         """Fetch these partitions again, from where this consumer left them."""
         parts = [TopicPartition(t, p) for t, p in tps]
         if parts:
-            with _errors("resuming partitions"):
+            with client_errors("resuming partitions"):
                 self._c.resume(parts)
                 # With every partition paused librdkafka's fetcher sleeps for about a second, and a resume
                 # does not wake it: a seek to the position does (the records come in milliseconds).
@@ -475,7 +479,7 @@ class Source:
 
     def seek(self, tp: TP, offset: int) -> None:
         """Fetch a partition from this offset next."""
-        with _errors(f"seeking {tp[0]}[{tp[1]}] to {offset}"):
+        with client_errors(f"seeking {tp[0]}[{tp[1]}] to {offset}"):
             self._c.seek(TopicPartition(tp[0], tp[1], offset))
 
     def commit(self, offsets: Mapping[TP, int], *, asynchronous: bool = False) -> None:
@@ -497,14 +501,14 @@ class Source:
 
     def committed(self, tps: Iterable[TP], timeout: float = 10.0) -> dict[TP, int]:
         """The group's committed offsets (-1 where none)."""
-        with _errors("reading committed offsets"):
+        with client_errors("reading committed offsets"):
             parts = self._c.committed([TopicPartition(t, p) for t, p in tps], timeout=timeout)
         return {(p.topic, p.partition): (p.offset if p.offset != OFFSET_INVALID else -1) for p in parts}
 
     def lag(self) -> dict[TP, int]:
         """Per assigned partition: the log end offset last seen in fetches minus this member's position."""
         out: dict[TP, int] = {}
-        with _errors("measuring lag"):
+        with client_errors("measuring lag"):
             parts = self._c.assignment()
             for p in self._c.position(parts) if parts else []:
                 _, high = self._c.get_watermark_offsets(p, cached=True)
@@ -514,7 +518,7 @@ class Source:
 
     def high_watermarks(self, tps: Iterable[TP]) -> dict[TP, int]:
         """The end offset of each of `tps` as last seen by this consumer, without a request (-1: unknown)."""
-        with _errors("reading watermarks"):
+        with client_errors("reading watermarks"):
             return {
                 tp: max(-1, self._c.get_watermark_offsets(TopicPartition(tp[0], tp[1]), cached=True)[1])
                 for tp in tps
@@ -522,13 +526,13 @@ class Source:
 
     def position(self, tp: TP) -> int:
         """The offset this consumer reads next in `tp` (past transaction markers), or -1 if unknown."""
-        with _errors("reading the position"):
+        with client_errors("reading the position"):
             (p,) = self._c.position([TopicPartition(tp[0], tp[1])])
         return int(p.offset) if p.offset >= 0 else -1
 
     def group_metadata(self) -> object:
         """This member's group metadata, which a transaction's offsets carry (fences zombie members)."""
-        with _errors("reading the group metadata"):
+        with client_errors("reading the group metadata"):
             return self._c.consumer_group_metadata()
 
     def assignment(self) -> list[TP]:
@@ -541,7 +545,7 @@ class Source:
 
     def close(self) -> None:
         """Leave the group and release the client."""
-        with _errors("closing the consumer"):
+        with client_errors("closing the consumer"):
             self._c.close()
 
 
@@ -569,6 +573,30 @@ class KafkaBroker:
             on_revoke=on_revoke,
             on_commit=on_commit,
             raise_when_stuck=raise_when_stuck,
+        )
+
+    def share_source(
+        self,
+        *,
+        group: str,
+        topics: Sequence[str],
+        consumers: int = 2,
+        max_poll_records: int = 1,
+        on_commit: Acknowledged | None = None,
+        **overrides: Any,
+    ) -> ShareSource:
+        """A member of share group `group` on `topics`, made of `consumers` ShareConsumers (see
+        ShareSource); the group reads from its topics' start once `Admin.configure_share_group` ran."""
+        from taskq._core.share import ShareSource  # here: that module builds on this one's helpers
+
+        return ShareSource(
+            self.settings,
+            group=group,
+            topics=topics,
+            consumers=consumers,
+            max_poll_records=max_poll_records,
+            on_commit=on_commit,
+            **overrides,
         )
 
     def sink(self, *, transactional_id: str | None = None, **overrides: Any) -> Sink:

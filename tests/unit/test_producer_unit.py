@@ -17,7 +17,13 @@ from confluent_kafka import KafkaError
 from taskq import PayloadValidationError, Settings, derive_idempotency_key
 from taskq._core.envelope import Envelope, EnvelopeError, Topics
 from taskq._core.errors import KafkaAuthenticationError
-from taskq._core.kafka import LIBRDKAFKA_LOG, base_config, consumer_config, producer_config
+from taskq._core.kafka import (
+    LIBRDKAFKA_LOG,
+    base_config,
+    consumer_config,
+    producer_config,
+    share_consumer_config,
+)
 from taskq.schemas import DecodeError, avro
 
 REPO = Path(__file__).resolve().parents[2]
@@ -293,6 +299,27 @@ def test_kafka_variables_override_the_tuning_defaults_of_every_client(protocol: 
     assert (consumer["fetch.wait.max.ms"], consumer["queued.max.messages.kbytes"]) == ("50", "4096")
     assert (consumer["group.id"], consumer["isolation.level"]) == ("g", "read_committed")
     assert consumer["enable.auto.commit"] is False and consumer["enable.auto.offset.store"] is False
+
+
+def test_a_share_consumer_takes_the_settings_meant_for_every_consumer() -> None:
+    # TASKQ_KAFKA_* tuning of the group consumers (session timeout, fetch queue) is refused by librdkafka's
+    # share consumer; it is left out of the share consumer's settings, and the security settings stay.
+    from confluent_kafka import ShareConsumer
+
+    env = {
+        "TASKQ_KAFKA_SECURITY_PROTOCOL": "PLAINTEXT",
+        "TASKQ_KAFKA_SESSION_TIMEOUT_MS": "20000",
+        "TASKQ_KAFKA_QUEUED_MAX_MESSAGES_KBYTES": "4096",
+        "TASKQ_KAFKA_ENABLE_PARTITION_EOF": "true",
+    }
+    conf = share_consumer_config(Settings.from_env(env), group="g", max_poll_records=4)
+    assert conf["security.protocol"] == "PLAINTEXT"
+    assert (conf["share.acknowledgement.mode"], conf["max.poll.records"]) == ("explicit", 4)
+    for name in ("session.timeout.ms", "queued.max.messages.kbytes", "enable.partition.eof"):
+        assert name not in conf
+    ShareConsumer({**conf, "bootstrap.servers": "127.0.0.1:1"}).close()  # raises on a refused property
+    with pytest.raises(ValueError, match="not applicable for share consumer"):
+        ShareConsumer({**conf, "bootstrap.servers": "127.0.0.1:1", "isolation.level": "read_committed"})
 
 
 def test_settings_from_env_reports_a_bad_delay_tier():
