@@ -28,12 +28,17 @@ _SHARE_SLICE = 0.05
 class _Member:
     """One ShareConsumer of a ShareSource, and how much of its last poll it still holds."""
 
-    __slots__ = ("consumer", "held", "unsent")
+    __slots__ = ("consumer", "held", "pending", "unsent")
 
     def __init__(self, consumer: ShareConsumer) -> None:
         self.consumer = consumer
         self.held = 0  # records of its last poll not acknowledged yet: it may poll again at 0
         self.unsent = False  # it has acknowledgements not yet sent to the broker
+        # Its last poll returned nothing: the fetch that poll started may still acquire records, which wait
+        # in the client's queue, locked from the other members, until its next poll (seen with
+        # confluent-kafka 2.16.1: a consumer's poll(0) returned nothing, and its next one, seconds later,
+        # a record no other member had been handed meanwhile).
+        self.pending = False
 
 
 class ShareSource:
@@ -73,6 +78,8 @@ class ShareSource:
         self._members: list[_Member] = []
         self._owner: dict[tuple[str, int, int], _Member] = {}  # handed out, not acknowledged -> its consumer
         self._waiting: deque[tuple[Record, _Member]] = deque()  # acquired, not handed out yet, oldest first
+        self._waiting_since = 0.0  # when the oldest of them was acquired
+        self._drained_at = 0.0  # when pending consumers were last drained by `shed`
         self._turn = 0
         self._closed = False
         try:
@@ -102,7 +109,7 @@ class ShareSource:
         """Up to max_records records, those acquired earlier first; waits up to `timeout` when none come.
         Sends the acknowledgements made since the last call first. With every consumer holding records it
         waits out `timeout` and returns none: nothing can be fetched until some are acknowledged."""
-        self._send_acknowledgements()
+        self.send_acknowledgements()
         out = self._hand_out(max_records)
         deadline = time.monotonic() + timeout
         while len(out) < max_records and not self._waiting:
@@ -130,9 +137,22 @@ class ShareSource:
         out = []
         for _ in range(min(n, len(self._waiting))):
             record, member = self._waiting.popleft()
-            self._owner[(record.topic, record.partition, record.offset)] = member
+            key = (record.topic, record.partition, record.offset)
+            earlier = self._owner.get(key)
+            if earlier is not None:
+                # Handed out again while an earlier delivery is still held here: that one's lock expired,
+                # and the broker refuses any acknowledgement of it. Its consumer lets it go (or could never
+                # poll again); the new delivery is the one acknowledged from now on.
+                self._let_go(earlier, key)
+            self._owner[key] = member
             out.append(record)
         return out
+
+    def _let_go(self, member: _Member, key: tuple[str, int, int]) -> None:
+        with client_errors(f"releasing {key[0]}[{key[1]}]@{key[2]}"):
+            member.consumer.acknowledge_offset(*key, AcknowledgeType.RELEASE)
+        member.held -= 1
+        member.unsent = True
 
     def _fetch(self, member: _Member, timeout: float) -> None:
         try:
@@ -145,6 +165,7 @@ class ShareSource:
                 log.warning("a share consumer rejoins its group: %s", err.str())
                 return
             raise unavailable("polling the share group", exc) from exc
+        member.pending = not msgs
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -154,38 +175,61 @@ class ShareSource:
                 log.warning("share consumer error at %s: %s", where, err)
                 continue
             member.held += 1
+            if not self._waiting:
+                self._waiting_since = time.monotonic()
             self._waiting.append((record_of(msg, msg.delivery_count()), member))
 
-    def accept(self, record: Record) -> None:
-        """Done with: the group never hands it out again."""
-        self._acknowledge(record, AcknowledgeType.ACCEPT)
+    def accept(self, record: Record) -> bool:
+        """Done with: the group never hands it out again. False if not held here (acknowledged already)."""
+        return self._acknowledge(record, AcknowledgeType.ACCEPT)
 
-    def release(self, record: Record) -> None:
-        """Not done: the group hands it out again at once, counting one more delivery."""
-        self._acknowledge(record, AcknowledgeType.RELEASE)
+    def release(self, record: Record) -> bool:
+        """Not done: the group hands it out again at once, counting one more delivery. False if not held
+        here (acknowledged already)."""
+        return self._acknowledge(record, AcknowledgeType.RELEASE)
 
-    def reject(self, record: Record) -> None:
-        """Never to be done: the group archives it."""
-        self._acknowledge(record, AcknowledgeType.REJECT)
+    def reject(self, record: Record) -> bool:
+        """Never to be done: the group archives it. False if not held here (acknowledged already)."""
+        return self._acknowledge(record, AcknowledgeType.REJECT)
 
-    def _acknowledge(self, record: Record, kind: AcknowledgeType) -> None:
+    def _acknowledge(self, record: Record, kind: AcknowledgeType) -> bool:
         key = (record.topic, record.partition, record.offset)
         member = self._owner.get(key)
         if member is None:
-            raise ValueError(f"{record.topic}[{record.partition}]@{record.offset} is not held by this source")
+            return False  # acknowledged already, through another copy of it handed out later
         with client_errors(f"acknowledging {record.topic}[{record.partition}]@{record.offset}"):
             member.consumer.acknowledge_offset(record.topic, record.partition, record.offset, kind)
         del self._owner[key]
         member.held -= 1
         member.unsent = True
+        return True
 
-    def _send_acknowledgements(self) -> None:
+    def send_acknowledgements(self) -> None:
+        """Send the acknowledgements made since the last call, without waiting (one request a consumer)."""
         # In batches: one request per consumer for everything acknowledged since the last poll.
         for member in self._members:
             if member.unsent:
                 with client_errors("committing acknowledgements"):
                     member.consumer.commit_async()
                 member.unsent = False
+
+    def shed(self, older_than: float) -> int:
+        """Release the records acquired and not handed out once the oldest waited `older_than` seconds:
+        a member whose slots are all busy leaves them to the others (each counts one more delivery).
+        Returns how many were released."""
+        now = time.monotonic()
+        if now - self._drained_at >= older_than:
+            # What the last empty polls acquired meanwhile is taken out of the client's queue, to be let go.
+            self._drained_at = now
+            for member in self._members:
+                if member.pending and not member.held:
+                    self._fetch(member, 0.0)
+        if not self._waiting or now - self._waiting_since < older_than:
+            return 0
+        waiting, self._waiting = list(self._waiting), deque()
+        for record, member in waiting:
+            self._let_go(member, (record.topic, record.partition, record.offset))
+        return len(waiting)
 
     def in_flight(self) -> int:
         """Records handed out and not acknowledged yet."""

@@ -46,6 +46,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         forwarder=not args.no_forwarder,
         relay=not args.no_relay,
         stale_after=args.stale_after,
+        share_group=args.share_group,
     )
     if args.processes > 1:
         from taskq.consumer.supervisor import Supervisor
@@ -123,6 +124,13 @@ def add_worker(sub: Commands) -> None:
         metavar="SECONDS",
         help="a worker whose heartbeat (every 3 s) is older than this is presumed dead, and the keys it "
         "leased are taken over at once (default 10)",
+    )
+    sp.add_argument(
+        "--share-group",
+        action="store_true",
+        help="experimental: read the tiers through share groups (KIP-932, Kafka 4.2+), one per tier, so "
+        "any number of workers share any number of partitions and a slow task holds back no other; "
+        "ordered task types are refused",
     )
     sp.add_argument(
         "--no-forwarder", action="store_true", help="do not run the delay forwarder in this process"

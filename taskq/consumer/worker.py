@@ -77,8 +77,9 @@ from taskq.consumer.liveness import Liveness
 from taskq.consumer.offsets import OffsetTracker
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
 from taskq.consumer.retry import Reject, Retry
-from taskq.consumer.routing import bounded, dead_letter_record, default_worker_id, retry_record
+from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
+from taskq.consumer.shares import DELIVERY_LIMIT, TierShares
 from taskq.consumer.store import (
     Claim,
     ClaimRequest,
@@ -110,6 +111,8 @@ GROUP_WINDOW = 0.05
 POLL_CHUNK = 16
 #: Dispatch waits at most this long (seconds) for newly assigned partitions' first fetch.
 SETTLE = 0.5
+#: Share mode: records acquired beyond what can start are released after this long (seconds).
+SHED_AFTER = 1.0
 
 
 class GroupRolledBack(TaskqError):
@@ -191,6 +194,11 @@ class WorkerConfig:
     #: A handler's return value is stored as its result, as JSON of at most this many bytes; a larger or
     #: non-JSON one fails the attempt (to the DLQ: it would fail again), never stored cut short.
     result_max_bytes: int = RESULT_MAX_BYTES
+    #: Experimental: read the tiers through share groups (KIP-932, Kafka 4.2+), one per tier topic, instead
+    #: of partitions assigned in a consumer group (taskq/consumer/shares.py).
+    share_group: bool = False
+    #: In share mode: how long the group lets a member hold a record (ms; None: the broker's default).
+    share_lock_ms: int | None = None
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -388,7 +396,8 @@ class Worker:
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)
         self._limits = Limits(self.store, self.settings.namespace, clock=clock)
-        self._source: RecordSource | None = None
+        self._source: RecordSource | TierShares | None = None
+        self._shares: TierShares | None = None  # the source, in share mode
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
         self._relay: tuple[OutboxRelay, threading.Thread] | None = None
         self._periodic: tuple[PeriodicScheduler, threading.Thread, TaskProducer] | None = None
@@ -452,12 +461,15 @@ class Worker:
         # The group join next: its round trips to the broker go on, on librdkafka's threads, while Postgres
         # is checked here. Nothing is claimed before this returns (claims are the loop's), so the schema is
         # migrated and the host's dead predecessors are freed before the first claim, as before.
-        self._source = self.broker.source(
-            group=self.group,
-            on_assign=self._assigned_cb,
-            on_revoke=self._revoked_cb,
-            on_commit=self._committed_cb,
-        )
+        if self.config.share_group:
+            self._source = self._shares = self._share_source()
+        else:
+            self._source = self.broker.source(
+                group=self.group,
+                on_assign=self._assigned_cb,
+                on_revoke=self._revoked_cb,
+                on_commit=self._committed_cb,
+            )
         if self._pending_registry is not None:
             self._pending_registry.look_up_ahead([spec.task_type for spec in self.handlers])
         try:
@@ -488,6 +500,24 @@ class Worker:
         if self.config.periodic and self._database is not None and self.handlers.periodic_tasks:
             self._periodic = self._start_periodic(self._database)
         self._emit(WorkerStarted(self.worker_id, self.group))
+
+    def _share_source(self) -> TierShares:
+        """The tiers' share groups' member (share mode), once the handlers are known to work there."""
+        ordered = sorted(spec.task_type for spec in self.handlers if spec.ordered)
+        if ordered:
+            raise ConfigurationError(
+                "ordered task types need partition order, which share groups do not keep: "
+                f"{', '.join(ordered)} (run them on workers without --share-group)"
+            )
+        if not isinstance(self.broker, KafkaBroker):
+            raise ConfigurationError("share groups need a Kafka broker (the in-memory one has none)")
+        return TierShares(
+            self.broker,
+            consumers=max(2, self.config.concurrency),
+            max_poll_records=self.config.concurrency,
+            on_assign=self._assigned_cb,
+            lock_duration_ms=self.config.share_lock_ms,
+        )
 
     def _start_periodic(
         self, database: Database
@@ -596,6 +626,12 @@ class Worker:
         waiting += self._completer.claiming()
         busy = bool(self._running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
+        if self._shares is not None:
+            # Share mode takes only what can start now: a record buffered here is locked from the other
+            # members, and one acquired beyond that (a whole producer batch comes at once) is let go soon.
+            room = max(0, min(room, self.executor.free_slots() - waiting))
+            if not room:
+                self._shares.shed(SHED_AFTER)
         now = self._clock()
         records: list[Record] = []
         waited = False
@@ -635,7 +671,7 @@ class Worker:
             self._commit(asynchronous=True)
         self._observe()
         if busy and not records and not waited:
-            if self._completer.claiming() and self._starved():
+            if self._completer.claiming() and self._idle_slots():
                 # Free slots wait for what is being claimed: wake the moment Postgres answers.
                 self._completer.settle(0.005)
             else:
@@ -728,6 +764,10 @@ class Worker:
         )
 
     def _starved(self) -> bool:
+        """Slots are free and nothing buffered is waiting for one, nor being claimed for one."""
+        return not self._completer.claiming() and self._idle_slots()
+
+    def _idle_slots(self) -> bool:
         """Slots are free and nothing buffered is waiting for one."""
         return not (len(self._scheduler) or self._held or self._undecoded) and self.executor.free_slots() > 0
 
@@ -746,7 +786,11 @@ class Worker:
             # whose revocation it also served): its new owner reads it from the committed offset. Tracking
             # it here would leave a stale entry that swallows the partition's records if it comes back.
             return
-        if not tracked:
+        if self._shares is not None:
+            if record.delivery_count is not None and record.delivery_count >= DELIVERY_LIMIT:
+                self._deliver_again(record)
+                return
+        elif not tracked:
             try:
                 self._tracker.track(record.tp, record.offset)
             except ValueError:
@@ -1229,6 +1273,9 @@ class Worker:
             self.store.release([(t.envelope.idempotency_key, t.attempts) for t in tasks])
         except StoreUnavailableError as exc:
             log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
+        if self._shares is not None:
+            for task in tasks:
+                self._shares.release(task.record)  # another member gets it at once
 
     def _handle_claim(self, task: _Task, claim: Claim) -> None:
         workflow = task.workflow
@@ -1589,7 +1636,7 @@ class Worker:
                     dlq=None if at is None else (at.partition, at.offset),
                     workflow=task.workflow,
                 ),
-                lambda: self._done(task),
+                lambda: self._done(task, dead=True),
             ),
         )
 
@@ -1608,7 +1655,7 @@ class Worker:
         )
         generation = self._generation.get(record.tp, 0)
         self._completer.publish(
-            out, lambda: self._offset_done(record, generation), too_large=lambda: bounded(out)
+            out, lambda: self._offset_done(record, generation, dead=True), too_large=lambda: bounded(out)
         )
 
     def _completed(self, task: _Task) -> None:
@@ -1617,10 +1664,10 @@ class Worker:
         env = task.envelope
         self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
 
-    def _done(self, task: _Task) -> None:
+    def _done(self, task: _Task, *, dead: bool = False) -> None:
         self._free_key(task)
         self._lift_quarantine(task)
-        self._offset_done(task.record, task.generation)
+        self._offset_done(task.record, task.generation, dead=dead)
 
     def _lift_quarantine(self, task: _Task) -> None:
         """The suspect running alone has its outcome recorded: other tasks may start again. (Until then,
@@ -1636,9 +1683,29 @@ class Worker:
         if task.spec.ordered and self._key_holder.get(_key(task)) == id(task):
             del self._key_holder[_key(task)]
 
-    def _offset_done(self, record: Record, generation: int) -> None:
-        if self._generation.get(record.tp) == generation and record.tp in self._assigned:
+    def _offset_done(self, record: Record, generation: int, *, dead: bool = False) -> None:
+        """The record's outcome is durable (`dead`: in the DLQ): its offset may be committed, or in share
+        mode, the record is acknowledged."""
+        if self._shares is not None:
+            (self._shares.reject if dead else self._shares.accept)(record)
+        elif self._generation.get(record.tp) == generation and record.tp in self._assigned:
             self._tracker.done(record.tp, record.offset)
+
+    def _deliver_again(self, record: Record) -> None:
+        """Share mode: a record on its last delivery would be archived unrun if this one fails too (a
+        worker's death, a lock that expires): it is sent again as a new record, and accepted once that is
+        acknowledged. Its key stays one effect: the copy is claimed like any redelivery."""
+        assert self._shares is not None
+        shares = self._shares
+        log.warning(
+            "%s[%d]@%d handed out %d times: sent again as a new record",
+            record.topic,
+            record.partition,
+            record.offset,
+            record.delivery_count,
+        )
+        again = Outgoing(record.topic, record.key, record.value, list(record.headers))
+        self._completer.publish(again, lambda: shares.accept(record))
 
     def _commit(self, tps: set[TP] | None = None, *, asynchronous: bool = False) -> bool:
         """Commit what is committable (of `tps`, if given); False if the commit failed.
@@ -1647,6 +1714,15 @@ class Worker:
         `_committed_cb` from a later poll. Revoke and shutdown commit synchronously: they must know.
         """
         assert self._source is not None
+        if self._shares is not None:
+            # Acknowledgements instead of offsets: sent as they are made, waited for when stopping.
+            self._last_commit = self._clock()
+            try:
+                self._shares.commit({}, asynchronous=asynchronous)
+            except TaskqError as exc:
+                log.warning("sending acknowledgements failed, will retry: %s", exc)
+                return False
+            return True
         offsets = self._tracker.committable()
         if tps is not None:
             offsets = {tp: o for tp, o in offsets.items() if tp in tps}

@@ -344,3 +344,9 @@ def paced(payload: dict[str, Any], ctx: TaskContext) -> None:
             ).fetchone()
             if told is not None:
                 raise Retry(delay=payload["pause"], reason="429 Too Many Requests")
+
+
+#: What a worker in share mode runs: the app's handlers but the ordered one (share groups keep no order,
+#: and a share-mode worker refuses ordered task types).
+share_handlers = Handlers()
+share_handlers._specs = {spec.task_type: spec for spec in handlers if not spec.ordered}
