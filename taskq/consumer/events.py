@@ -162,6 +162,19 @@ class LoopSampled:
     concurrency: int
     buffered: dict[Priority, int]
     lag: dict[Priority, int] | None
+    #: Share mode: records the share groups handed to this worker and not acknowledged yet (None otherwise).
+    share_held: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ShareRedelivered:
+    """Share mode: a record handed out before was handed to this worker again (a lock that expired, a
+    release, a member that left); `sent_again` when it was on the group's last delivery and went back to
+    its tier as a new record."""
+
+    topic: str
+    delivery_count: int
+    sent_again: bool
 
 
 Event = (
@@ -179,6 +192,7 @@ Event = (
     | DeadLettered
     | OffsetsCommitted
     | LoopSampled
+    | ShareRedelivered
 )
 
 

@@ -20,6 +20,7 @@ from taskq.consumer.events import (
     DuplicateSkipped,
     Event,
     LoopSampled,
+    ShareRedelivered,
     TaskRetried,
     WorkerStarted,
     WorkerStopped,
@@ -127,6 +128,20 @@ class PrometheusHook:
             multiprocess_mode="livesum",
         )
 
+        self.share_held = Gauge(
+            "taskq_share_records_held",
+            "Share mode: records the tiers' share groups handed to the worker, not acknowledged yet",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.share_redelivered = Counter(
+            "taskq_share_redeliveries_total",
+            "Share mode: records handed to the worker again, by tier and by whether they were sent back to "
+            "their tier as new records (on the group's last delivery)",
+            ["topic", "sent_again"],
+            registry=r,
+        )
+
     def _of(self, task_type: str) -> _Bound:
         # Label children bound once per task type: labels() per event cost ~10 µs a task on the hot path.
         bound = self._bound.get(task_type)
@@ -167,6 +182,10 @@ class PrometheusHook:
                     self.buffered.labels(tier).set(n)
                 for tier, n in (sample.lag or {}).items():
                     self.lag.labels(tier).set(n)
+                if sample.share_held is not None:
+                    self.share_held.set(sample.share_held)
+            case ShareRedelivered(topic=topic, sent_again=sent_again):
+                self.share_redelivered.labels(topic, "true" if sent_again else "false").inc()
             case WorkerStarted():
                 self.workers.set(1)
             case WorkerStopped():

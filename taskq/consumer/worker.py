@@ -64,6 +64,7 @@ from taskq.consumer.events import (
     OffsetsCommitted,
     PartitionsAssigned,
     PartitionsRevoked,
+    ShareRedelivered,
     TaskCompleted,
     TaskRetried,
     WorkerStarted,
@@ -787,9 +788,12 @@ class Worker:
             # it here would leave a stale entry that swallows the partition's records if it comes back.
             return
         if self._shares is not None:
-            if record.delivery_count is not None and record.delivery_count >= DELIVERY_LIMIT:
-                self._deliver_again(record)
-                return
+            if record.delivery_count is not None and record.delivery_count > 1:
+                last = record.delivery_count >= DELIVERY_LIMIT
+                self._emit(ShareRedelivered(record.topic, record.delivery_count, last))
+                if last:
+                    self._deliver_again(record)
+                    return
         elif not tracked:
             try:
                 self._tracker.track(record.tp, record.offset)
@@ -1765,8 +1769,11 @@ class Worker:
                 if tier is not None:
                     lag[tier] += n
         buffered = {p: self._scheduler.depth(p) for p in PRIORITIES}
+        held = self._shares.in_flight() if self._shares is not None else None
         self._emit(
-            LoopSampled(len(self._running), self.executor.running(), self.config.concurrency, buffered, lag)
+            LoopSampled(
+                len(self._running), self.executor.running(), self.config.concurrency, buffered, lag, held
+            )
         )
 
     # ---------------------------------------------------------------------------------------- rebalances

@@ -3,6 +3,7 @@ so workers share partitions and a slow task holds back no other; every key still
 
 from __future__ import annotations
 
+import urllib.request
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,7 @@ from taskq._core.kafka import Admin, KafkaBroker
 from taskq.consumer.shares import DELIVERY_LIMIT, share_group
 from taskq.producer.producer import TaskProducer, TaskSpec
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, wait_until
+from tests.acceptance.helpers import WorkerProcess, private_ports, wait_until
 
 
 def _spawn(app: App, *args: str) -> WorkerProcess:
@@ -116,3 +117,33 @@ def test_a_task_on_its_last_delivery_is_sent_again_not_left_to_be_archived(app: 
     # The copy sent again is a record of its own on the tier (the one that ran); the original is accepted.
     assert sum(Admin(app.settings).end_offsets([topic]).values()) == 2
     assert "handed out 5 times: sent again as a new record" in app.logs()
+
+
+def _metric(port: int, name: str) -> float:
+    """The sum of a metric's series on a worker's /metrics (0 before it has any)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.partitions(1)
+def test_a_task_longer_than_its_lock_runs_once_while_its_record_is_handed_out_again(app: App) -> None:
+    # The group's lock is shorter than the task: the record goes to the other worker (or back) while it
+    # runs. Nothing renews the lock; the key's lease in Postgres holds the copies until it completes.
+    topic = app.producer.topics.tier("normal")
+    Admin(app.settings).configure_share_group(share_group(topic), lock_duration_ms=1000)
+    keys = ["long"]
+    _enqueue(app, keys, sleep=3.5)
+    port = private_ports(2)
+    for i in range(2):
+        _spawn(app, "--concurrency", "2", "--no-forwarder", "--no-relay", "--metrics-port", str(port + i))
+    wait_until(lambda: _done(app) == 1, timeout=60, what=f"the task\n{app.logs()}", every=0.5)
+    wait_until(
+        lambda: app.scalar("SELECT state FROM taskq_tasks WHERE idempotency_key = 'ledger:long'")
+        == "completed",
+        timeout=30,
+        what="its completion",
+    )
+    redelivered = sum(_metric(port + i, "taskq_share_redeliveries_total") for i in range(2))
+    assert redelivered >= 1, app.logs()
+    app.assert_once_each(keys)
