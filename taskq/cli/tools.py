@@ -94,6 +94,7 @@ def cmd_bench_worker(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         profile=args.profile,
         workflow=args.workflow,
+        share_group=args.share_group,
     )
     print_result(args, data, _worker_text(data))
     return 0
@@ -302,6 +303,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         partitions=args.partitions,
         drain_timeout=args.drain_timeout,
         keep=args.keep,
+        share_group=args.share_group,
         progress=progress_to(args, "chaos", "taskq.chaos"),
     )
     print_result(args, report.to_dict(), report.text())
@@ -327,6 +329,9 @@ def add_bench(sub: Commands) -> None:
     sp.add_argument("-n", "--count", type=int, default=5000)
     sp.add_argument("--concurrency", type=int, default=4)
     sp.add_argument("--processes", type=int, default=1, help="worker processes in the group (spawned)")
+    sp.add_argument(
+        "--share-group", action="store_true", help="the workers read share groups (experimental, Kafka 4.2+)"
+    )
     sp.add_argument(
         "--handler",
         choices=("noop", "plain", "transactional"),
@@ -407,6 +412,9 @@ def add_chaos(sub: Commands) -> None:
         "restarting Kafka and Postgres); check every effect happened once (exit 1 if not)",
     )
     sp.add_argument("--duration", type=float, default=60.0, help="seconds of enqueueing (default 60)")
+    sp.add_argument(
+        "--share-group", action="store_true", help="run the workers in share mode (experimental, Kafka 4.2+)"
+    )
     sp.add_argument("--workers", type=int, default=3, help="`taskq worker` processes (default 3)")
     sp.add_argument("--concurrency", type=int, default=4, help="slots of each worker (default 4)")
     sp.add_argument("--rate", type=float, default=20.0, help="tasks enqueued per second (default 20)")

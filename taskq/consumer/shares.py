@@ -17,6 +17,7 @@ key leased by a live worker and holds it until the key completes, then skips it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -148,12 +149,19 @@ class TierShares:
 
     def close(self) -> None:
         """Release what is held (other members get it at once), send the acknowledgements, leave."""
-        first: BaseException | None = None
-        for source in self._sources.values():
+        errors: list[BaseException] = []
+
+        def leave(source: ShareSource) -> None:
             try:
                 source.close()
             except Exception as exc:  # every tier's member leaves; the first error is reported
-                first = first or exc
+                errors.append(exc)
+
+        leaving = [threading.Thread(target=leave, args=(s,), daemon=True) for s in self._sources.values()]
+        for thread in leaving:
+            thread.start()
+        for thread in leaving:
+            thread.join()
         self._sources.clear()
-        if first is not None:
-            raise first
+        if errors:
+            raise errors[0]

@@ -285,7 +285,9 @@ class _Sender:
 class _Workers:
     """N `taskq worker` processes of the run's namespace, each appending its output to a log file."""
 
-    def __init__(self, env: dict[str, str], count: int, concurrency: int, log_dir: Path) -> None:
+    def __init__(
+        self, env: dict[str, str], count: int, concurrency: int, log_dir: Path, *, share_group: bool = False
+    ) -> None:
         self._env = env
         self._argv = [
             sys.executable,
@@ -295,6 +297,7 @@ class _Workers:
             HANDLERS,
             "--concurrency",
             str(concurrency),
+            *(["--share-group"] if share_group else []),
         ]
         self._log_dir = log_dir
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * count
@@ -613,8 +616,10 @@ def run_chaos(
     drain_timeout: float = 180.0,
     keep: bool = False,
     progress: Callable[[str], None] | None = None,
+    share_group: bool = False,
 ) -> ChaosReport:
-    """Run the chaos workload in a namespace of its own against the stack `settings` point at; check it."""
+    """Run the chaos workload in a namespace of its own against the stack `settings` point at; check it.
+    `share_group`: the workers read the tiers through share groups (`taskq worker --share-group`)."""
     if workers < 1:
         raise ConfigurationError(f"workers must be >= 1, got {workers}")
     if concurrency < 1:
@@ -644,7 +649,7 @@ def run_chaos(
             conn.execute(CREATE_LEDGER)
         env = {k: v for k, v in os.environ.items() if k != "TASKQ_WORKER_GROUP"}
         env |= {"TASKQ_NAMESPACE": s.namespace, "TASKQ_DATABASE_SCHEMA": s.database_schema}
-        pool = _Workers(env, workers, concurrency, log_dir)
+        pool = _Workers(env, workers, concurrency, log_dir, share_group=share_group)
         sender = _Sender(s)
         monkey = _Monkey(
             pool,

@@ -84,11 +84,14 @@ class _WorkerSpec:
     schema: dict[str, Any]
     handler: BenchHandler
     concurrency: int
+    share_group: bool = False
 
     @classmethod
-    def of(cls, run: _Run, handler: BenchHandler, concurrency: int) -> _WorkerSpec:
+    def of(
+        cls, run: _Run, handler: BenchHandler, concurrency: int, *, share_group: bool = False
+    ) -> _WorkerSpec:
         """The spec of a worker in `run`'s namespace."""
-        return cls(_picklable(run.settings), run.task_type, run.schema, handler, concurrency)
+        return cls(_picklable(run.settings), run.task_type, run.schema, handler, concurrency, share_group)
 
 
 def _picklable(settings: Settings) -> dict[str, Any]:
@@ -168,7 +171,9 @@ def _run_worker(
     worker = Worker(
         _handlers(spec.task_type, spec.schema, spec.handler, database, opened),
         settings,
-        WorkerConfig(concurrency=spec.concurrency, forwarder=False, metrics_port=None),
+        WorkerConfig(
+            concurrency=spec.concurrency, forwarder=False, metrics_port=None, share_group=spec.share_group
+        ),
         hooks=[recorder],
     )
     profiler = cProfile.Profile() if profile else None

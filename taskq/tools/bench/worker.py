@@ -47,6 +47,7 @@ def bench_worker(
     timeout: float = 600.0,
     profile: str | None = None,
     workflow: str | None = None,
+    share_group: bool = False,
 ) -> dict[str, Any]:
     """Enqueue `count` tasks over the four tiers, time `processes` Workers running them all, then clean up.
 
@@ -66,7 +67,7 @@ def bench_worker(
         tasks = len(enqueued)
         # In spawned processes, as `taskq worker` runs: launch figures include the interpreter's start and the
         # imports. --profile runs the worker in a thread of this process, whose start is then not measured.
-        spec = _WorkerSpec.of(run, handler, concurrency)
+        spec = _WorkerSpec.of(run, handler, concurrency, share_group=share_group)
         workers = _Workers(spec, processes=processes, profile=profile, spawn=profile is None)
         wal_start = _wal_position(run.settings)
         counters_start, table_start = _pg_counters(run.settings), _table_bytes(run.settings)
