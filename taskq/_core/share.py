@@ -120,12 +120,15 @@ class ShareSource:
                 if not out and left > 0:
                     time.sleep(left)
                 break
-            # Every free consumer takes what it has (no more than is asked), then, if none had any, one
-            # waits for a slice: they take turns, as any of them may be the one the broker hands records to.
+            # The consumers whose last poll came back empty may have records by now (their fetch went on):
+            # they are asked first, without waiting. Then, if none had any, one waits for a slice, in turn.
+            # Free consumers are not all polled at once: each empty poll starts a fetch whose records wait,
+            # acquired, in that consumer's queue until it is polled again.
             for member in free:
                 if len(self._waiting) >= max_records - len(out):
                     break
-                self._fetch(member, 0.0)
+                if member.pending:
+                    self._fetch(member, 0.0)
             if not self._waiting and left > 0:
                 self._turn += 1
                 self._fetch(free[self._turn % len(free)], min(left, _SHARE_SLICE))

@@ -28,9 +28,12 @@ from taskq._core.share import ShareSource
 log = logging.getLogger("taskq.worker")
 
 #: Deliveries after which a share group archives a record it is not acknowledged for (Kafka's
-#: group.share.delivery.count.limit, 5 unless the cluster sets it): a task on its last delivery is sent
-#: again as a new record (same key: it runs at most once) instead of being archived unrun and unrecorded.
+#: group.share.delivery.count.limit, 5 unless the cluster sets it), unrun and unrecorded.
 DELIVERY_LIMIT = 5
+#: A record handed out this many times is sent again as a new record (same key: it still takes effect
+#: once) and accepted: two deliveries before the limit, so that a worker dying while it sends the copy
+#: (its own run, or another task's) cannot let the group archive the task.
+SEND_AGAIN_AT = DELIVERY_LIMIT - 2
 #: Seconds one tier's share consumers wait for records before the next tier's are asked.
 _SLICE = 0.01
 

@@ -80,7 +80,7 @@ from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
 from taskq.consumer.retry import Reject, Retry
 from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
-from taskq.consumer.shares import DELIVERY_LIMIT, TierShares
+from taskq.consumer.shares import SEND_AGAIN_AT, TierShares
 from taskq.consumer.store import (
     Claim,
     ClaimRequest,
@@ -113,7 +113,7 @@ POLL_CHUNK = 16
 #: Dispatch waits at most this long (seconds) for newly assigned partitions' first fetch.
 SETTLE = 0.5
 #: Share mode: records acquired beyond what can start are released after this long (seconds).
-SHED_AFTER = 1.0
+SHED_AFTER = 5.0
 
 
 class GroupRolledBack(TaskqError):
@@ -789,7 +789,7 @@ class Worker:
             return
         if self._shares is not None:
             if record.delivery_count is not None and record.delivery_count > 1:
-                last = record.delivery_count >= DELIVERY_LIMIT
+                last = record.delivery_count >= SEND_AGAIN_AT
                 self._emit(ShareRedelivered(record.topic, record.delivery_count, last))
                 if last:
                     self._deliver_again(record)
@@ -1696,9 +1696,9 @@ class Worker:
             self._tracker.done(record.tp, record.offset)
 
     def _deliver_again(self, record: Record) -> None:
-        """Share mode: a record on its last delivery would be archived unrun if this one fails too (a
-        worker's death, a lock that expires): it is sent again as a new record, and accepted once that is
-        acknowledged. Its key stays one effect: the copy is claimed like any redelivery."""
+        """Share mode: a record handed out SEND_AGAIN_AT times is near the delivery after which the group
+        archives it unrun: it is sent again as a new record, and accepted once that is acknowledged. Its
+        key stays one effect: the copy is claimed like any redelivery."""
         assert self._shares is not None
         shares = self._shares
         log.warning(

@@ -10,7 +10,7 @@ import pytest
 
 from taskq._core.envelope import Priority
 from taskq._core.kafka import Admin, KafkaBroker
-from taskq.consumer.shares import DELIVERY_LIMIT, share_group
+from taskq.consumer.shares import SEND_AGAIN_AT, share_group
 from taskq.producer.producer import TaskProducer, TaskSpec
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import WorkerProcess, private_ports, wait_until
@@ -96,7 +96,7 @@ def test_a_worker_in_share_mode_refuses_ordered_task_types_with_one_line(app: Ap
 
 
 @pytest.mark.partitions(1)
-def test_a_task_on_its_last_delivery_is_sent_again_not_left_to_be_archived(app: App) -> None:
+def test_a_task_near_its_last_delivery_is_sent_again_not_left_to_be_archived(app: App) -> None:
     keys = ["last"]
     _enqueue(app, keys)
     topic = app.producer.topics.tier("normal")
@@ -104,8 +104,8 @@ def test_a_task_on_its_last_delivery_is_sent_again_not_left_to_be_archived(app: 
     Admin(app.settings).configure_share_group(group)
     member = KafkaBroker(app.settings).share_source(group=group, topics=[topic], consumers=1)
     try:
-        # Handed out and released until its next delivery is the group's last before it archives it.
-        for delivery in range(1, DELIVERY_LIMIT):
+        # Handed out and released until its next delivery is the one the worker sends it again at.
+        for delivery in range(1, SEND_AGAIN_AT):
             (record,) = wait_until(lambda: member.poll(1, 0.5), timeout=30, what=f"delivery {delivery}")
             assert record.delivery_count == delivery
             member.release(record)
@@ -116,7 +116,7 @@ def test_a_task_on_its_last_delivery_is_sent_again_not_left_to_be_archived(app: 
     app.assert_once_each(keys)
     # The copy sent again is a record of its own on the tier (the one that ran); the original is accepted.
     assert sum(Admin(app.settings).end_offsets([topic]).values()) == 2
-    assert "handed out 5 times: sent again as a new record" in app.logs()
+    assert f"handed out {SEND_AGAIN_AT} times: sent again as a new record" in app.logs()
 
 
 def _metric(port: int, name: str) -> float:
