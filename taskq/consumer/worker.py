@@ -43,9 +43,15 @@ from taskq._core.envelope import (
     Priority,
     Topics,
 )
-from taskq._core.errors import ConfigurationError, ResultError, StoreUnavailableError, TaskqError
+from taskq._core.errors import (
+    ConfigurationError,
+    KafkaAuthenticationError,
+    ResultError,
+    StoreUnavailableError,
+    TaskqError,
+)
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
-from taskq._core.service import run_in_thread
+from taskq._core.service import ServiceThread, run_in_thread
 from taskq._core.settings import Settings
 from taskq._core.store import RESULT_MAX_BYTES, encode_result
 from taskq._core.tracing import Tracer
@@ -118,6 +124,10 @@ SHED_AFTER = 5.0
 
 class GroupRolledBack(TaskqError):
     """The attempt's group commit was rolled back because of another attempt in it; it runs again."""
+
+
+class ServiceStoppedError(TaskqError):
+    """A service the worker runs beside its loop (the delay forwarder, say) stopped on its own."""
 
 
 def max_worker_deaths(max_attempts: int) -> int:
@@ -404,6 +414,7 @@ class Worker:
         self._periodic: tuple[PeriodicScheduler, threading.Thread, TaskProducer] | None = None
         self._server: WSGIServer | None = None
         self._last_commit = 0.0
+        self._services_checked_at = 0.0
         self._last_poll = 0.0
         self._last_lag = 0.0
         self._registry_retry_at = 0.0
@@ -439,6 +450,8 @@ class Worker:
         try:
             while not self._stop.is_set():
                 self._tick()
+                if self._clock() >= self._services_checked_at + 1.0:
+                    self._check_services()
                 if self._pending_registry is not None and self._pending_registry.made():
                     # Made (or its settings refused, raised here: the worker stops with that one line even
                     # before a record needs the registry).
@@ -449,6 +462,22 @@ class Worker:
             raise
         finally:
             self.close()
+
+    def _check_services(self) -> None:
+        """Raise when a service this worker runs beside its loop (forwarder, relay, periodic scheduler)
+        stopped on its own: the worker stops, with a non-zero exit, so that whatever supervises it starts it
+        again, rather than run on without releasing delayed tasks or publishing the outbox."""
+        self._services_checked_at = self._clock()
+        threads = [
+            ("delay forwarder", self._forwarder and self._forwarder[1]),
+            ("outbox relay", self._relay and self._relay[1]),
+            ("periodic scheduler", self._periodic and self._periodic[1]),
+        ]
+        for name, thread in threads:
+            if isinstance(thread, ServiceThread) and not thread.is_alive():
+                if isinstance(thread.error, KafkaAuthenticationError):
+                    raise thread.error  # refused credentials: the one line (and exit code) they always get
+                raise ServiceStoppedError(f"the {name} stopped (its error is logged above); the worker stops")
 
     def start(self) -> None:
         """Join the group and start the metrics server and the forwarder; `run` does it, tests may too."""

@@ -289,16 +289,8 @@ class _Workers:
         self, env: dict[str, str], count: int, concurrency: int, log_dir: Path, *, share_group: bool = False
     ) -> None:
         self._env = env
-        self._argv = [
-            sys.executable,
-            "-m",
-            "taskq.cli",
-            "worker",
-            HANDLERS,
-            "--concurrency",
-            str(concurrency),
-            *(["--share-group"] if share_group else []),
-        ]
+        self._argv = [sys.executable, "-m", "taskq.cli", "worker", HANDLERS, "--concurrency"]
+        self._argv += [str(concurrency), *(["--share-group"] if share_group else [])]
         self._log_dir = log_dir
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * count
         self._logs: list[IO[bytes] | None] = [None] * count
@@ -677,8 +669,7 @@ def run_chaos(
             report.drained = _wait(
                 lambda: _settled(store, s.namespace) >= report.enqueued, drain_timeout, pool=pool, every=0.5
             )
-            # Workers commit every second; once drained, nothing may stay behind their commits. (Share groups
-            # commit no offsets: what they acknowledged cannot be read back with the client's admin API.)
+            # Workers commit every second; once drained, nothing may stay behind (share groups commit none).
             if report.drained and not share_group:
                 _wait(lambda: not uncommitted(s), 60.0, pool=pool, every=1.0)
             lag = {} if share_group else uncommitted(s)

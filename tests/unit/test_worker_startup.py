@@ -193,3 +193,52 @@ def test_a_worker_that_cannot_leave_its_group_still_releases_everything_else() -
     worker.close()
     assert closed == ["registry"]
     assert not store.workers  # a clean stop removes the record: the keys it held are not waited for
+
+
+class _BrokenForwarder:
+    """A delay forwarder that fails on its own a moment after it starts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def run(self) -> None:
+        raise RuntimeError("the forwarder's own bug")
+
+    def stop(self) -> None:
+        pass
+
+
+def test_a_worker_whose_forwarder_stops_on_its_own_stops_too(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Run on without its forwarder, a worker would release no delayed task again, and look healthy.
+    monkeypatch.setattr("taskq.consumer.worker.Forwarder", _BrokenForwarder)
+    settings = Settings(namespace="unit")
+    broker = InMemoryBroker()
+    broker.admin().create_topics(topic_specs(settings, partitions=1))
+    worker = Worker(
+        Handlers(),
+        settings,
+        WorkerConfig(forwarder=True),
+        broker=broker,
+        store=InMemoryStore(owner="w"),
+        registry=InMemoryRegistry(),
+    )
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        worker.stop()
+        thread.join(20)
+    assert [str(e) for e in failed] == [
+        "the delay forwarder stopped (its error is logged above); the worker stops"
+    ], failed
+    assert "the forwarder's own bug" in caplog.text
