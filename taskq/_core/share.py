@@ -121,13 +121,16 @@ class ShareSource:
                     time.sleep(left)
                 break
             # The consumers whose last poll came back empty may have records by now (their fetch went on):
-            # they are asked first, without waiting. Then, if none had any, one waits for a slice, in turn.
-            # Free consumers are not all polled at once: each empty poll starts a fetch whose records wait,
-            # acquired, in that consumer's queue until it is polled again.
+            # they are asked first, without waiting, and one more starts a fetch. Then, if none had any, one
+            # waits for a slice, in turn. Free consumers are not all polled at once: each empty poll starts a
+            # fetch whose records wait, acquired, in that consumer's queue until it is polled again (all of
+            # them polled every pass took records from the other members and counted deliveries on them).
+            fetching = False
             for member in free:
                 if len(self._waiting) >= max_records - len(out):
                     break
-                if member.pending:
+                if member.pending or not fetching:
+                    fetching = fetching or not member.pending
                     self._fetch(member, 0.0)
             if not self._waiting and left > 0:
                 self._turn += 1
