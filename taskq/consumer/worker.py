@@ -7,10 +7,10 @@ by the broker (invariant 1).
 
 Longer than 800 lines because the loop's stages (intake, claims, dispatch, outcomes, offsets)
 still live here beside the wiring, and each feature that touches a task's path (quarantine, results,
-cancellation, workflow steps) adds to one of them. They share the loop's state (buffers, running tasks,
-offset tracker) and are split by moving that state into the stages: each a module of its own, taking and
-returning a batch, in the batch-stage restructuring of the hot path (issue 21, part 4). Split piecemeal
-before then, they would only pass that state back and forth.
+cancellation, workflow steps, share mode's acknowledgements) adds to one of them. They share the loop's
+state (buffers, running tasks, offset tracker) and are split by moving that state into the stages: each a
+module of its own, taking and returning a batch, in the batch-stage restructuring of the hot path (issue 21,
+part 4). Split piecemeal before then, they would only pass that state back and forth.
 """
 
 from __future__ import annotations

@@ -33,6 +33,25 @@ class _Counting(InMemoryRegistry):
         return super().latest(subject)
 
 
+def _run_until_it_stops(worker: Worker) -> list[BaseException]:
+    """Run the worker on a thread for up to 20 s (then stop it); what its run raised."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        worker.stop()
+        thread.join(20)
+    return failed
+
+
 def test_calls_wait_for_the_registry_and_the_subjects_are_looked_up_ahead_once_asked() -> None:
     made = _Counting()
     schema_id = made.register(JOB).schema_id
@@ -131,20 +150,7 @@ def test_a_worker_whose_registry_settings_are_refused_stops_with_that_error_befo
     assert isinstance(worker.registry, PendingRegistry)
     worker.registry.close()
     worker.registry = worker._pending_registry = PendingRegistry(make)
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            worker.run()
-        except BaseException as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(20)
-    if thread.is_alive():
-        worker.stop()
-        thread.join(20)
+    failed = _run_until_it_stops(worker)
     assert [type(e).__name__ for e in failed] == ["ConfigurationError"], failed
 
 
@@ -224,20 +230,7 @@ def test_a_worker_whose_forwarder_stops_on_its_own_stops_too(
         store=InMemoryStore(owner="w"),
         registry=InMemoryRegistry(),
     )
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            worker.run()
-        except BaseException as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(20)
-    if thread.is_alive():
-        worker.stop()
-        thread.join(20)
+    failed = _run_until_it_stops(worker)
     assert [str(e) for e in failed] == [
         "the delay forwarder stopped (its error is logged above); the worker stops"
     ], failed
