@@ -21,14 +21,19 @@ from taskq.testing import Clock, InMemoryBroker, InMemoryRegistry
 JOB = {"type": "record", "name": "Job", "namespace": "unit", "fields": [{"name": "n", "type": "long"}]}
 
 
-def test_a_fenced_forwarder_replaces_its_producer_and_forwards_each_task_once_in_its_membership() -> None:
-    settings = Settings(namespace="unit")
+def _delays(settings: Settings) -> tuple[Clock, InMemoryBroker, TaskProducer]:
+    """A fake broker on a fake clock with the namespace's topics, and a producer of unit.Job on it."""
     clock = Clock()
     broker = InMemoryBroker(clock=clock.time)
     broker.admin().create_topics(topic_specs(settings, partitions=2))
     registry = InMemoryRegistry()
     registry.register(JOB)
-    producer = TaskProducer(settings, registry=registry, broker=broker)
+    return clock, broker, TaskProducer(settings, registry=registry, broker=broker)
+
+
+def test_a_fenced_forwarder_replaces_its_producer_and_forwards_each_task_once_in_its_membership() -> None:
+    settings = Settings(namespace="unit")
+    clock, broker, producer = _delays(settings)
     events: list[tuple[str, dict[str, Any]]] = []
     forwarder = Forwarder(
         settings, instance_id="f", broker=broker, clock=clock.time, on_event=lambda *e: events.append(e)
@@ -128,12 +133,7 @@ class _ClientsFailingOnce:
 
 def test_a_forwarder_whose_client_raises_an_unexpected_error_while_closing_starts_over_and_forwards() -> None:
     settings = Settings(namespace="unit")
-    clock = Clock()
-    real = InMemoryBroker(clock=clock.time)
-    real.admin().create_topics(topic_specs(settings, partitions=2))
-    registry = InMemoryRegistry()
-    registry.register(JOB)
-    producer = TaskProducer(settings, registry=registry, broker=real)
+    clock, real, producer = _delays(settings)
     ids = [producer.enqueue("unit.Job", {"n": n}, delay=timedelta(seconds=1)).task_id for n in range(5)]
     producer.flush()
     clock.advance(2)
