@@ -120,6 +120,8 @@ POLL_CHUNK = 16
 SETTLE = 0.5
 #: Share mode: records acquired beyond what can start are released after this long (seconds).
 SHED_AFTER = 5.0
+#: A wave of group commits waits at most this long (seconds) for the claims in flight.
+WAVE_WAIT = 0.05
 
 
 class GroupRolledBack(TaskqError):
@@ -299,11 +301,16 @@ class Worker:
         *,
         broker: Broker | None = None,
         store: TaskStore | None = None,
+        recorder: TaskStore | None = None,
         registry: SchemaRegistry | None = None,
         hooks: Sequence[Hook] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Parts not given are the real ones from `settings`: Kafka, the Postgres store, the registry.
+
+        `recorder` writes outcomes and claims on a thread of its own while the loop goes on: with `store`
+        not given, a Postgres store on a connection of its own; with `store` given, none unless given
+        (everything is written from the loop's thread).
 
         Every event goes to the worker's Prometheus hook (`self.metrics`) and then to `hooks`.
         """
@@ -351,13 +358,13 @@ class Worker:
         self._step_ends: list[tuple[_Task, str, str]] = []  # workflow steps the claims skipped
         self._suspect_waits = False  # a suspect is next: nothing starts until the running tasks end
         self._members_running = 0  # members of group commits started and not reported yet
+        self._groups = any(s.transactional and s.group_commit for s in handlers)  # group commits may run
         # Tasks per tier whose claims are on their way: buffered as far as flow control is concerned.
         self._claiming: Counter[Priority] = Counter()
         self.heartbeat = metrics.Heartbeat()
         self._clock = clock
         self.broker: Broker = broker or KafkaBroker(self.settings)
         self._database = None
-        recorder: IdempotencyStore | None = None
         beats: IdempotencyStore | None = None
         if store is None:
             self._database = Database(self.settings.database_url, schema=self.settings.database_schema)
@@ -1065,6 +1072,12 @@ class Worker:
         if not free or not len(self._scheduler) or (self._suspect_waits and self._running):
             return  # (a suspect waits for the tasks running to end)
         self._suspect_waits = False
+        wave = len(self._scheduler) // 2
+        if self._groups and not self._members_running and self._short_of_wave(wave, free):
+            # A wave of group commits is due (below). It takes up to half the buffer at once, in weighted
+            # order: a tier whose refetched records are still being claimed would miss its turns in it,
+            # and the tiers buffered would take them (invariant 4). Postgres answers in milliseconds.
+            self._completer.wait_claimed(WAVE_WAIT)
         # At most half of what is buffered goes into the groups of one dispatch: the rest, and what is
         # fetched meanwhile, keeps the weighted order deciding what runs next. That half goes into as few
         # groups as the members' pace allows, not one per free slot: a group's transaction, completion
@@ -1177,6 +1190,17 @@ class Worker:
                 self._start_group(job)
             elif job:
                 self._start(job[0])
+
+    def _short_of_wave(self, wave: int, free: int) -> bool:
+        """A wave of `wave` picks is due, and a tier whose records are being claimed holds less than its
+        weighted share of it."""
+        if wave <= free or not self._completer.claiming():
+            return False
+        capacity = self.config.buffer_capacity
+        return any(
+            self._claiming[t] and self._scheduler.depth(t) * capacity < wave * self._scheduler.reserve(t)
+            for t in PRIORITIES
+        )
 
     def _group_fits(self) -> int:
         """Members a group starts within GROUP_WINDOW, at the recent members' pace: a group popped larger
