@@ -137,10 +137,14 @@ class Admin:
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.GROUP_ID_NOT_FOUND):
                     raise self._wrap(f"deleting group {group}", exc) from exc
 
-    def configure_share_group(self, group: str, *, lock_duration_ms: int | None = None) -> None:
+    def configure_share_group(
+        self, group: str, *, lock_duration_ms: int | None = None, delivery_count_limit: int | None = None
+    ) -> None:
         """Set a share group's configs (KIP-932) that taskq relies on; the group need not exist yet.
         `lock_duration_ms`: how long a member holds a record before the group hands it out again (the
-        broker's group.share.record.lock.duration.ms when None; within its min and max)."""
+        broker's group.share.record.lock.duration.ms when None; within its min and max).
+        `delivery_count_limit`: deliveries after which the group archives a record it is not acknowledged
+        for (the broker's group.share.delivery.count.limit when None; within its min and max)."""
         configs = {
             # A share group otherwise starts at the end of its topics: tasks enqueued before the first
             # worker started would never run.
@@ -151,6 +155,8 @@ class Admin:
         }
         if lock_duration_ms is not None:
             configs["share.record.lock.duration.ms"] = str(lock_duration_ms)
+        if delivery_count_limit is not None:
+            configs["share.delivery.count.limit"] = str(delivery_count_limit)
         entries = [ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in configs.items()]
         resource = ConfigResource(ConfigResource.Type.GROUP, group, incremental_configs=entries)
 
@@ -158,6 +164,28 @@ class Admin:
             self._a.incremental_alter_configs([resource], request_timeout=left)[resource].result()
 
         self._answered(f"configuring share group {group}", alter)
+
+    def share_group_configs(self, groups: Sequence[str]) -> dict[str, dict[str, str]]:
+        """Each share group's effective configs (`share.*`: its own where set, else the broker's)."""
+        resources = [ConfigResource(ConfigResource.Type.GROUP, g) for g in groups]
+
+        def describe(left: float) -> dict[str, dict[str, str]]:
+            answers = self._a.describe_configs(resources, request_timeout=left)
+            return {r.name: {k: e.value for k, e in answers[r].result().items()} for r in resources}
+
+        return self._answered(f"reading the configs of share groups {', '.join(groups)}", describe)
+
+    def broker_configs(self) -> dict[str, str]:
+        """The configs of one of the cluster's brokers (as they apply to it: the cluster-wide settings
+        of a uniformly configured cluster)."""
+
+        def describe(left: float) -> dict[str, str]:
+            brokers = self._a.list_topics(timeout=left).brokers
+            resource = ConfigResource(ConfigResource.Type.BROKER, str(min(brokers)))
+            answer = self._a.describe_configs([resource], request_timeout=left)[resource].result()
+            return {k: e.value for k, e in answer.items()}
+
+        return self._answered("reading a broker's configs", describe)
 
     def partitions(self, topics: Sequence[str]) -> dict[str, int]:
         """Partition counts of existing topics (missing topics are left out)."""

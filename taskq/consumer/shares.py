@@ -27,13 +27,16 @@ from taskq._core.share import ShareSource
 
 log = logging.getLogger("taskq.worker")
 
-#: Deliveries after which a share group archives a record it is not acknowledged for (Kafka's
-#: group.share.delivery.count.limit, 5 unless the cluster sets it), unrun and unrecorded.
+#: Deliveries after which a share group archives a record it is not acknowledged for, unrun and
+#: unrecorded: Kafka's default (group.share.delivery.count.limit), used where the cluster's is unreadable.
+#: Each worker death counts one for every record its share consumers held, run or not, so TierShares sets
+#: its groups' limit to the most the cluster allows (group.share.max.delivery.count.limit, 10 by
+#: default): poison pills are judged by the deaths recorded in Postgres (invariant 10), not by it.
 DELIVERY_LIMIT = 5
-#: A record handed out this many times is sent again as a new record (same key: it still takes effect
-#: once) and accepted: two deliveries before the limit, so that a worker dying while it sends the copy
-#: (its own run, or another task's) cannot let the group archive the task.
-SEND_AGAIN_AT = DELIVERY_LIMIT - 2
+#: A record is sent again as a new record (same key: it still takes effect once) and accepted this many
+#: deliveries before its group's limit, so that a worker dying while it sends the copy (its own run, or
+#: another task's) cannot let the group archive the task.
+SEND_AGAIN_BEFORE = 2
 #: Seconds one tier's share consumers wait for records before the next tier's are asked.
 _SLICE = 0.01
 
@@ -64,14 +67,27 @@ class TierShares:
         self._on_assign = on_assign
         self._lock_duration_ms = lock_duration_ms
         self._sources: dict[str, ShareSource] = {}
+        #: The groups' delivery limit as read back at subscribe, and the delivery a record is sent again at.
+        self.delivery_limit = DELIVERY_LIMIT
+        self.send_again_at = DELIVERY_LIMIT - SEND_AGAIN_BEFORE
         self._paused: set[str] = set()
         self._turn = 0
 
     def subscribe(self, topics: Sequence[str]) -> None:
         """Configure each tier's share group (read from the start, committed records only) and join it."""
         admin = self._broker.admin()
+        most = admin.broker_configs().get("group.share.max.delivery.count.limit")
         for topic in topics:
-            admin.configure_share_group(share_group(topic), lock_duration_ms=self._lock_duration_ms)
+            admin.configure_share_group(
+                share_group(topic),
+                lock_duration_ms=self._lock_duration_ms,
+                delivery_count_limit=int(most) if most else None,
+            )
+        configs = admin.share_group_configs([share_group(t) for t in topics])
+        self.delivery_limit = min(
+            int(c.get("share.delivery.count.limit") or DELIVERY_LIMIT) for c in configs.values()
+        )
+        self.send_again_at = max(2, self.delivery_limit - SEND_AGAIN_BEFORE)
         partitions = admin.partitions(topics)
         for topic in topics:
             self._sources[topic] = self._broker.share_source(

@@ -86,7 +86,7 @@ from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
 from taskq.consumer.retry import Reject, Retry
 from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id, retry_record
 from taskq.consumer.scheduler import PriorityScheduler
-from taskq.consumer.shares import SEND_AGAIN_AT, TierShares
+from taskq.consumer.shares import TierShares
 from taskq.consumer.store import (
     Claim,
     ClaimRequest,
@@ -825,7 +825,7 @@ class Worker:
             return
         if self._shares is not None:
             if record.delivery_count is not None and record.delivery_count > 1:
-                last = record.delivery_count >= SEND_AGAIN_AT
+                last = record.delivery_count >= self._shares.send_again_at
                 self._emit(ShareRedelivered(record.topic, record.delivery_count, last))
                 if last:
                     self._deliver_again(record)
@@ -1749,7 +1749,7 @@ class Worker:
             self._tracker.done(record.tp, record.offset)
 
     def _deliver_again(self, record: Record) -> None:
-        """Share mode: a record handed out SEND_AGAIN_AT times is near the delivery after which the group
+        """Share mode: a record handed out `send_again_at` times is near the delivery after which the group
         archives it unrun: it is sent again as a new record, and accepted once that is acknowledged. Its
         key stays one effect: the copy is claimed like any redelivery."""
         assert self._shares is not None

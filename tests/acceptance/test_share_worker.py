@@ -10,7 +10,7 @@ import pytest
 
 from taskq._core.envelope import Priority
 from taskq._core.kafka import Admin, KafkaBroker
-from taskq.consumer.shares import SEND_AGAIN_AT, share_group
+from taskq.consumer.shares import DELIVERY_LIMIT, SEND_AGAIN_BEFORE, TierShares, share_group
 from taskq.producer.producer import TaskProducer, TaskSpec
 from tests.acceptance.conftest import App
 from tests.acceptance.helpers import WorkerProcess, private_ports, wait_until
@@ -98,14 +98,25 @@ def test_a_worker_in_share_mode_refuses_ordered_task_types_with_one_line(app: Ap
 @pytest.mark.partitions(1)
 def test_a_task_near_its_last_delivery_is_sent_again_not_left_to_be_archived(app: App) -> None:
     keys = ["last"]
-    _enqueue(app, keys)
     topic = app.producer.topics.tier("normal")
     group = share_group(topic)
-    Admin(app.settings).configure_share_group(group)
+    admin = Admin(app.settings)
+    # A worker gives its groups the most deliveries the cluster allows (each worker death costs every
+    # record its consumers held one: the default 5 archived tasks in chaos runs), reads the limit back,
+    # and sends a record again SEND_AGAIN_BEFORE deliveries before it. It does so as it joins, before it
+    # fetches anything.
+    most = int(admin.broker_configs()["group.share.max.delivery.count.limit"])
+    assert most > DELIVERY_LIMIT
+    joined = TierShares(KafkaBroker(app.settings), consumers=1, max_poll_records=1, on_assign=lambda tps: None)
+    joined.subscribe([topic])
+    joined.close()
+    assert (joined.delivery_limit, joined.send_again_at) == (most, most - SEND_AGAIN_BEFORE)
+    send_again_at = most - SEND_AGAIN_BEFORE
+    _enqueue(app, keys)
     member = KafkaBroker(app.settings).share_source(group=group, topics=[topic], consumers=1)
     try:
         # Handed out and released until its next delivery is the one the worker sends it again at.
-        for delivery in range(1, SEND_AGAIN_AT):
+        for delivery in range(1, send_again_at):
             (record,) = wait_until(lambda: member.poll(1, 0.5), timeout=30, what=f"delivery {delivery}")
             assert record.delivery_count == delivery
             member.release(record)
@@ -115,8 +126,9 @@ def test_a_task_near_its_last_delivery_is_sent_again_not_left_to_be_archived(app
     wait_until(lambda: _done(app) == 1, timeout=60, what=f"the task\n{app.logs()}", every=0.5)
     app.assert_once_each(keys)
     # The copy sent again is a record of its own on the tier (the one that ran); the original is accepted.
-    assert sum(Admin(app.settings).end_offsets([topic]).values()) == 2
-    assert f"handed out {SEND_AGAIN_AT} times: sent again as a new record" in app.logs()
+    assert sum(admin.end_offsets([topic]).values()) == 2
+    assert f"handed out {send_again_at} times: sent again as a new record" in app.logs()
+    assert admin.share_group_configs([group])[group]["share.delivery.count.limit"] == str(most)
 
 
 def _metric(port: int, name: str) -> float:
