@@ -37,9 +37,6 @@ from taskq._core.db import Database
 from taskq._core.envelope import (
     DEFAULT_WEIGHTS,
     PRIORITIES,
-    WORKFLOW_HEADER,
-    Envelope,
-    EnvelopeError,
     Priority,
     Topics,
 )
@@ -78,8 +75,9 @@ from taskq.consumer.events import (
 )
 from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
 from taskq.consumer.forwarder import Forwarder
-from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext, task_fields
-from taskq.consumer.limits import Gate, KeyFailedError, Limits
+from taskq.consumer.handlers import Handlers, TaskContext, task_fields
+from taskq.consumer.intake import Intake, Task, size
+from taskq.consumer.limits import Limits
 from taskq.consumer.liveness import Liveness
 from taskq.consumer.offsets import OffsetTracker
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
@@ -101,8 +99,6 @@ from taskq.consumer.store import (
 )
 from taskq.producer.outbox import OutboxRelay
 from taskq.producer.producer import TaskProducer
-from taskq.schemas import avro
-from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
 from taskq.schemas.registry import PendingRegistry, Registry, SchemaRegistry, client_config
 
 log = logging.getLogger("taskq.worker")
@@ -140,14 +136,6 @@ def max_worker_deaths(max_attempts: int) -> int:
     and never after one alone, so a single crash never dead-letters a task with max_attempts=1.
     """
     return max(max_attempts, 2)
-
-
-def _workflow_of(record: Record) -> str | None:
-    """The record's workflow header (`<workflow id>:<node>`), if its task is a step of a workflow."""
-    for name, value in record.headers:
-        if name == WORKFLOW_HEADER:
-            return value.decode(errors="replace")
-    return None
 
 
 def _checked_result(result: Any, limit: int) -> Any:
@@ -244,31 +232,12 @@ class WorkerConfig:
 
 
 @dataclass(slots=True)
-class _Task:
-    record: Record
-    envelope: Envelope
-    spec: HandlerSpec
-    payload: Any
-    generation: int
-    tier: Priority
-    attempts: int = 0
-    claimed_at: float = 0.0
-    suspect: bool = False  # taken over from a dead worker before: its run is marked started first
-    grouped: bool = False  # runs in a group commit
-    gate: Gate | None = None  # the concurrency slot and rate bucket of a limited task type
-    recorded: bool = False  # the completion was recorded inside the handler's transaction
-    span: Any = None  # the attempt's span, when tracing
-    ctx: TaskContext | None = None  # the running attempt's context (ctx.cancelled is set on it)
-    workflow: str | None = None  # its workflow header, if it is a step of a workflow (read once)
-
-
-@dataclass(slots=True)
 class _Held:
-    task: _Task
+    task: Task
     due: float
 
 
-def _key(task: _Task) -> tuple[TP, bytes | None]:
+def _key(task: Task) -> tuple[TP, bytes | None]:
     """What an ordered task type serializes on: its partition and message key."""
     return task.record.tp, task.record.key
 
@@ -279,15 +248,10 @@ def _task_logger(task_type: str) -> logging.Logger:
     return logging.getLogger(f"taskq.task.{task_type}")
 
 
-def _fields(task: _Task) -> dict[str, Any]:
+def _fields(task: Task) -> dict[str, Any]:
     """The `extra` of a log line about a task: its id, idempotency key, type, tier and attempt."""
     env = task.envelope
     return task_fields(env.task_id, env.idempotency_key, env.task_type, env.priority, task.attempts)
-
-
-def _size(record: Record) -> int:
-    """Bytes a buffered record holds: its value and headers."""
-    return len(record.value or b"") + sum(len(k) + len(v) for k, v in record.headers)
 
 
 class Worker:
@@ -324,19 +288,18 @@ class Worker:
         self._hooks: tuple[Hook, ...] = (self.metrics, *hooks)
         self._tracer = Tracer()
         self._stop = threading.Event()
-        self._outcomes: queue.SimpleQueue[tuple[_Task, Outcome]] = queue.SimpleQueue()
-        self._scheduler: PriorityScheduler[_Task] = PriorityScheduler(
+        self._outcomes: queue.SimpleQueue[tuple[Task, Outcome]] = queue.SimpleQueue()
+        self._scheduler: PriorityScheduler[Task] = PriorityScheduler(
             weights=self.config.weights, capacity=self.config.buffer_capacity
         )
         self._tracker = OffsetTracker()
         self._generation: dict[TP, int] = {}
-        self._running: dict[int, _Task] = {}
+        self._running: dict[int, Task] = {}
         self._held: list[_Held] = []
-        self._undecoded: list[Record] = []
-        self._arrived: list[_Task] = []  # decoded this tick, to claim in one round trip
-        self._unstarted: list[_Task] = []  # left out of a group that stopped early, to release
+        self._arrived: list[Task] = []  # decoded this tick, to claim in one round trip
+        self._unstarted: list[Task] = []  # left out of a group that stopped early, to release
         # Tasks of a paused task type, claimed and held out of the scheduler until the type is resumed.
-        self._on_hold: list[_Task] = []
+        self._on_hold: list[Task] = []
         self._pauses = Pauses()
         self._pauses_read_at = -float("inf")
         # Ordered task types: the task that holds each (partition, key) while it runs or waits to retry.
@@ -354,8 +317,8 @@ class Worker:
         # Recent group members' run time, a moving average; until members have run, a guess that starts
         # groups of about 8 (pops a group gives back unstarted cost weighted order its precision).
         self._member_seconds = GROUP_WINDOW / 8
-        self._quarantine: _Task | None = None  # the suspect running alone, until its outcome is recorded
-        self._step_ends: list[tuple[_Task, str, str]] = []  # workflow steps the claims skipped
+        self._quarantine: Task | None = None  # the suspect running alone, until its outcome is recorded
+        self._step_ends: list[tuple[Task, str, str]] = []  # workflow steps the claims skipped
         self._suspect_waits = False  # a suspect is next: nothing starts until the running tasks end
         self._members_running = 0  # members of group commits started and not reported yet
         self._groups = any(s.transactional and s.group_commit for s in handlers)  # group commits may run
@@ -409,11 +372,11 @@ class Worker:
             # which `start` then has look up the handlers' schemas: both while the worker joins its group.
             url, conf = self.settings.schema_registry_url, client_config(self.settings)
             registry = self._pending_registry = PendingRegistry(lambda: Registry(url, config=conf))
-        self.registry: SchemaRegistry = registry
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)
         self._limits = Limits(self.store, self.settings.namespace, clock=clock)
+        self._intake = Intake(handlers, registry, self._limits, self.topics, clock=clock)
         self._source: RecordSource | TierShares | None = None
         self._shares: TierShares | None = None  # the source, in share mode
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
@@ -424,8 +387,20 @@ class Worker:
         self._services_checked_at = 0.0
         self._last_poll = 0.0
         self._last_lag = 0.0
-        self._registry_retry_at = 0.0
-        self._largest = 0  # the largest record accepted so far, in bytes
+
+    @property
+    def registry(self) -> SchemaRegistry:
+        """The schema registry that intake reads writer schemas from."""
+        return self._intake.registry
+
+    @registry.setter
+    def registry(self, registry: SchemaRegistry) -> None:
+        self._intake.registry = registry
+
+    @property
+    def _undecoded(self) -> list[Record]:
+        """Records held for the registry (in intake): their offsets stay pending."""
+        return self._intake.undecoded
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def stop(self) -> None:
@@ -688,11 +663,9 @@ class Worker:
                 waited = True
                 if records and room > 1:
                     records += self._take(room - 1, records)
-        for record in self._undecoded_ready():
-            self._accept(record, tracked=True)
+        self._take_in(self._intake.retry_ready(), tracked=True)
         self._arrived_from(records)
-        for record in records:
-            self._accept(record)
+        self._take_in(records)
         self._claim_arrived()
         self._read_pauses()
         self._flow_control()
@@ -808,96 +781,43 @@ class Worker:
         """Slots are free and nothing buffered is waiting for one."""
         return not (len(self._scheduler) or self._held or self._undecoded) and self.executor.free_slots() > 0
 
-    def _undecoded_ready(self) -> list[Record]:
-        if not self._undecoded or self._clock() < self._registry_retry_at:
-            return []
-        pending, self._undecoded = self._undecoded, []
-        return pending
-
     def _accept(self, record: Record, *, tracked: bool = False) -> None:
-        """Decode a fetched record into a task and buffer it; input that can never run goes to the DLQ."""
-        tier = self.topics.priority_of(record.topic)
-        self._largest = max(self._largest, _size(record))
-        if record.tp not in self._assigned:
-            # Fetched before its partition was revoked (one consume() can return records of a partition
-            # whose revocation it also served): its new owner reads it from the committed offset. Tracking
-            # it here would leave a stale entry that swallows the partition's records if it comes back.
+        """Take in one fetched record (the loop takes in each poll's records as one batch)."""
+        self._take_in([record], tracked=tracked)
+
+    def _take_in(self, records: Sequence[Record], *, tracked: bool = False) -> None:
+        """Track a batch of fetched records' offsets and decode it (intake); input that can never run goes
+        to the DLQ, and the tasks wait in `_arrived` to be claimed in one round trip."""
+        if not records:
             return
-        if self._shares is not None:
-            if record.delivery_count is not None and record.delivery_count > 1:
-                last = record.delivery_count >= self._shares.send_again_at
-                self._emit(ShareRedelivered(record.topic, record.delivery_count, last))
-                if last:
-                    self._deliver_again(record)
-                    return
-        elif not tracked:
-            try:
-                self._tracker.track(record.tp, record.offset)
-            except ValueError:
-                return  # a redelivery of an offset this assignment already holds
-        try:
-            envelope = Envelope.of(record)
-        except EnvelopeError as exc:
-            self._dead_letter_raw(record, f"bad envelope: {exc}", "taskq.EnvelopeError", attempts=0)
-            return
-        spec = self.handlers.get(envelope.task_type)
-        if spec is None:
-            self._dead_letter_raw(
-                record,
-                f"unknown task type {envelope.task_type!r}: no handler registered",
-                "taskq.UnknownTaskType",
-                0,
-            )
-            return
-        try:
-            schema_id, body = avro.split_frame(record.value)
-            writer = self.registry.cached(schema_id)
-            if writer is None:
-                if self._clock() < self._registry_retry_at:
-                    # The registry failed a moment ago: wait for the retry instead of asking per record.
-                    raise RegistryUnavailableError("registry unavailable a moment ago; retrying shortly")
-                writer = self.registry.by_id(schema_id)
-            payload = avro.decode(body, writer, spec.parsed)
-        except SchemaNotFoundError as exc:
-            self._dead_letter_raw(record, f"unknown schema id: {exc}", "taskq.UnknownSchema", 0)
-            return
-        except DecodeError as exc:
-            self._dead_letter_raw(record, f"undecodable payload: {exc}", "taskq.DecodeError", 0)
-            return
-        except SchemaError as exc:
-            # The registry is down or failing: not the task's fault. Hold it (its offset stays uncommitted).
-            if not self._undecoded:
-                log.warning("registry unavailable, holding undecoded tasks: %s", exc)
-            self._undecoded.append(record)
-            self._registry_retry_at = self._clock() + 1.0
-            return
-        if spec.upcaster is not None:
-            try:
-                payload = spec.upcaster(payload, schema_id)
-            except Exception as exc:  # an upcaster that raises rejects the payload
-                error_type = f"{type(exc).__module__}.{type(exc).__name__}"
-                self._dead_letter_raw(record, f"upcaster failed: {exc}", error_type, 0)
-                return
-        gate = None
-        if spec.concurrency_limit is not None or spec.rate_limit is not None:
-            try:
-                gate = self._limits.gate(
-                    spec.task_type,
-                    payload,
-                    limit=spec.concurrency_limit,
-                    concurrency_key=spec.concurrency_key,
-                    rate=spec.rate_limit,
-                    rate_key=spec.rate_key,
-                )
-            except KeyFailedError as exc:  # the task cannot be placed under its limit: it never runs
-                self._dead_letter_raw(record, str(exc), "taskq.LimitKeyFailed", 0)
-                return
-        generation = self._generation.get(record.tp, 0)
-        task = _Task(
-            record, envelope, spec, payload, generation, tier or envelope.priority, gate=gate,
-            workflow=_workflow_of(record),
-        )
-        self._arrived.append(task)
+        admitted: list[Record] = []
+        largest = self._intake.largest
+        for record in records:
+            largest = max(largest, size(record))
+            if record.tp not in self._assigned:
+                # Fetched before its partition was revoked (one consume() can return records of a partition
+                # whose revocation it also served): its new owner reads it from the committed offset.
+                # Tracking it here would leave a stale entry that swallows the partition's records if it
+                # comes back.
+                continue
+            if self._shares is not None:
+                if record.delivery_count is not None and record.delivery_count > 1:
+                    last = record.delivery_count >= self._shares.send_again_at
+                    self._emit(ShareRedelivered(record.topic, record.delivery_count, last))
+                    if last:
+                        self._deliver_again(record)
+                        continue
+            elif not tracked:
+                try:
+                    self._tracker.track(record.tp, record.offset)
+                except ValueError:
+                    continue  # a redelivery of an offset this assignment already holds
+            admitted.append(record)
+        self._intake.largest = largest
+        tasks, rejected = self._intake.decode(admitted, self._generation)
+        for r in rejected:
+            self._dead_letter_raw(r.record, r.reason, r.error_type, 0)
+        self._arrived += tasks
 
     def _claim_arrived(self) -> None:
         """Claim the keys of the tasks decoded this tick, all in one round trip."""
@@ -958,10 +878,10 @@ class Worker:
     def _over_bytes(self) -> bool:
         """Whether the buffered records (waiting, held, undecoded) take more than `buffer_bytes`."""
         waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
-        if waiting * self._largest < self.config.buffer_bytes:
+        if waiting * self._intake.largest < self.config.buffer_bytes:
             return False  # cannot be over whatever their sizes: no need to add them up (the usual case)
-        total = sum(_size(t.record) for t in self._scheduler) + sum(_size(t.record) for t in self._on_hold)
-        total += sum(_size(h.task.record) for h in self._held) + sum(_size(r) for r in self._undecoded)
+        total = sum(size(t.record) for t in self._scheduler) + sum(size(t.record) for t in self._on_hold)
+        total += sum(size(h.task.record) for h in self._held) + sum(size(r) for r in self._undecoded)
         return total >= self.config.buffer_bytes
 
     def _read_pauses(self) -> None:
@@ -1091,11 +1011,11 @@ class Worker:
         # the order of the picks. Groups started one by one as others end would each run a stretch of
         # picks at once, and a tier's share over a window would depend on which stretches it cut.
         most = groups * per_group if not self._members_running else 0  # members of this dispatch's groups
-        singles: list[_Task] = []
-        members: list[_Task] = []
+        singles: list[Task] = []
+        members: list[Task] = []
         # Ordered tasks whose key is held by an earlier task, and limited tasks whose key has no slot or
         # token now: they keep their place in the buffer, and the tasks behind them go by.
-        waiting: list[_Task] = []
+        waiting: list[Task] = []
         popped: dict[int, int] = {}  # pop order, to put the waiting tasks back in place
         while True:
             used = len(singles) + -(-len(members) // per_group)
@@ -1141,7 +1061,7 @@ class Worker:
         # Members are dealt to the groups in turn, not in runs: groups run side by side, member by member,
         # so effects land in the order of the picks, and weighted order holds over any window of them.
         n = -(-len(members) // per_group)
-        jobs: list[list[_Task]] = [[t] for t in singles] + [members[i::n] for i in range(n)]
+        jobs: list[list[Task]] = [[t] for t in singles] + [members[i::n] for i in range(n)]
         gated = [t for job in jobs for t in job if t.gate is not None]
         if gated:
             # One round trip for the batch's slots, one per bucket whose leased tokens ran out: a task
@@ -1207,12 +1127,12 @@ class Worker:
         gives the rest back unstarted, and weighted order is kept best by pops that start."""
         return max(1, min(GROUP_MAX, int(GROUP_WINDOW / max(self._member_seconds, 1e-6)) + 1))
 
-    def _run_lease(self, task: _Task) -> float:
+    def _run_lease(self, task: Task) -> float:
         timeout = task.spec.timeout or task.envelope.timeout
         # A lease outlives the attempt it covers; past it another worker may take the key over.
         return timeout * 1.5 + 5 if timeout else self.config.default_lease
 
-    def _claim(self, batch: list[_Task]) -> None:
+    def _claim(self, batch: list[Task]) -> None:
         """Claim the batch's keys in one round trip, sent with the outcomes queued so far, while the loop
         goes on; `_claimed` buffers the claimed tasks and skips or holds the others."""
         requests = [
@@ -1229,7 +1149,7 @@ class Worker:
             self._claiming[task.tier] += 1
         self._completer.claim(requests, functools.partial(self._claimed, batch))
 
-    def _claimed(self, batch: list[_Task], claims: list[Claim] | StoreUnavailableError) -> None:
+    def _claimed(self, batch: list[Task], claims: list[Claim] | StoreUnavailableError) -> None:
         """A batch's claims came back (on the loop's thread)."""
         for task in batch:
             self._claiming[task.tier] -= 1
@@ -1238,7 +1158,7 @@ class Worker:
             self._held.extend(_Held(t, self._clock() + 1.0) for t in batch)
             return
         now = self._clock()
-        gone: list[_Task] = []
+        gone: list[Task] = []
         for task, claim in zip(batch, claims, strict=True):
             task.claimed_at = now
             if self._generation.get(task.record.tp, 0) != task.generation:
@@ -1271,7 +1191,7 @@ class Worker:
                 self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
             self._done(task)
 
-    def _renew(self, waited: list[_Task], parked: Sequence[_Task] = ()) -> list[_Task]:
+    def _renew(self, waited: list[Task], parked: Sequence[Task] = ()) -> list[Task]:
         """Extend the leases of tasks that waited long for a slot (about to start: leased for their run) and
         of `parked` ones (still waiting for their key: leased for a wait more); those lost are dropped."""
         leases = [(t.envelope.idempotency_key, t.attempts, self._run_lease(t)) for t in waited]
@@ -1300,7 +1220,7 @@ class Worker:
                 self._done(task)
         return kept
 
-    def _mark_started(self, tasks: list[_Task]) -> list[_Task]:
+    def _mark_started(self, tasks: list[Task]) -> list[Task]:
         """Mark the runs of these tasks started before they start; those whose lease was lost are dropped
         (all are kept, unmarked, if the store is unavailable)."""
         try:
@@ -1322,7 +1242,7 @@ class Worker:
                 self._done(task)
         return kept
 
-    def _release(self, tasks: list[_Task]) -> None:
+    def _release(self, tasks: list[Task]) -> None:
         """Give back the claims of buffered tasks that will not start here: their keys are free at once."""
         if not tasks:
             return
@@ -1334,7 +1254,7 @@ class Worker:
             for task in tasks:
                 self._shares.release(task.record)  # another member gets it at once
 
-    def _handle_claim(self, task: _Task, claim: Claim) -> None:
+    def _handle_claim(self, task: Task, claim: Claim) -> None:
         workflow = task.workflow
         if workflow is not None and claim.outcome in ("completed", "dead", "cancelled"):
             # A workflow's step skipped here still ends its node (once: a node ended already stays so),
@@ -1376,7 +1296,7 @@ class Worker:
         task.suspect = claim.takeovers > 0
         self._scheduler.push(task.tier, task)
 
-    def _start(self, task: _Task) -> None:
+    def _start(self, task: Task) -> None:
         env = task.envelope
         ctx = self._context(task)
         call = None
@@ -1409,18 +1329,18 @@ class Worker:
             lambda outcome: self._outcomes.put((task, outcome)),
         )
 
-    def _attempt_span(self, task: _Task) -> tuple[Any, contextvars.Context]:
+    def _attempt_span(self, task: Task) -> tuple[Any, contextvars.Context]:
         record = task.record
         return self._tracer.attempt(
             task.envelope, record.topic, task.attempts, self.group, record.partition, record.offset
         )
 
-    def _end_span(self, task: _Task, outcome: str, error: str | None = None) -> None:
+    def _end_span(self, task: Task, outcome: str, error: str | None = None) -> None:
         if task.span is not None:
             self._tracer.finish(task.span, outcome, error)
             task.span = None
 
-    def _context(self, task: _Task) -> TaskContext:
+    def _context(self, task: Task) -> TaskContext:
         env = task.envelope
         workflow = task.workflow
         return TaskContext(
@@ -1437,11 +1357,11 @@ class Worker:
             else functools.partial(self.store.workflow_inputs, workflow),
         )
 
-    def _start_group(self, tasks: list[_Task]) -> None:
+    def _start_group(self, tasks: list[Task]) -> None:
         """Run transactional tasks one after another in one transaction on one slot (group commit)."""
         contexts = [self._context(t) for t in tasks]
 
-        def member(task: _Task, ctx: TaskContext) -> Member:
+        def member(task: Task, ctx: TaskContext) -> Member:
             timeout = task.spec.timeout or task.envelope.timeout
 
             def call(conn: Any) -> Any:
@@ -1537,7 +1457,7 @@ class Worker:
                 unstarted, self._unstarted = self._unstarted, []
                 self._release(unstarted)
 
-    def _outcome(self, task: _Task, outcome: Outcome) -> None:
+    def _outcome(self, task: Task, outcome: Outcome) -> None:
         env, spec = task.envelope, task.spec
         if task.gate is not None:
             self._limits.release(env.idempotency_key)  # the attempt ended (or never started): its slot frees
@@ -1662,7 +1582,7 @@ class Worker:
             ),
         )
 
-    def _finish_dead(self, task: _Task, reason: str, error_type: str, traceback: str = "") -> None:
+    def _finish_dead(self, task: Task, reason: str, error_type: str, traceback: str = "") -> None:
         out = dead_letter_record(
             task.record,
             reason=reason,
@@ -1715,28 +1635,28 @@ class Worker:
             out, lambda: self._offset_done(record, generation, dead=True), too_large=lambda: bounded(out)
         )
 
-    def _completed(self, task: _Task) -> None:
+    def _completed(self, task: Task) -> None:
         """The completion is recorded: the offset may be released."""
         self._done(task)
         env = task.envelope
         self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
 
-    def _done(self, task: _Task, *, dead: bool = False) -> None:
+    def _done(self, task: Task, *, dead: bool = False) -> None:
         self._free_key(task)
         self._lift_quarantine(task)
         self._offset_done(task.record, task.generation, dead=dead)
 
-    def _lift_quarantine(self, task: _Task) -> None:
+    def _lift_quarantine(self, task: Task) -> None:
         """The suspect running alone has its outcome recorded: other tasks may start again. (Until then,
         its run is still marked started, and a death would be charged to it.)"""
         if self._quarantine is task:
             self._quarantine = None
 
-    def _hold_key(self, task: _Task) -> None:
+    def _hold_key(self, task: Task) -> None:
         if task.spec.ordered:
             self._key_holder[_key(task)] = id(task)
 
-    def _free_key(self, task: _Task) -> None:
+    def _free_key(self, task: Task) -> None:
         if task.spec.ordered and self._key_holder.get(_key(task)) == id(task):
             del self._key_holder[_key(task)]
 
@@ -1866,7 +1786,7 @@ class Worker:
         # Claimed ahead and never started: the partition's new owner claims them at once, same attempt.
         self._release(dropped)
         self._held = [h for h in self._held if h.task.record.tp not in revoked]
-        self._undecoded = [r for r in self._undecoded if r.tp not in revoked]
+        self._intake.forget(revoked)
         self._key_holder = {k: v for k, v in self._key_holder.items() if k[0] not in revoked}
         self._drain(
             lambda: any(t.record.tp in revoked for t in self._running.values()),
