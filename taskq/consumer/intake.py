@@ -107,6 +107,11 @@ class Intake:
                 rejected.append(out)
         return tasks, rejected
 
+    def weigh(self, records: Sequence[Record]) -> None:
+        """Note the largest record fetched (the byte bound's quick check reads it)."""
+        if records:
+            self.largest = max(self.largest, *map(size, records))
+
     def retry_ready(self) -> list[Record]:
         """The records held for the registry, once it may be asked again (they leave the hold)."""
         if not self.undecoded or self._clock() < self._retry_at:

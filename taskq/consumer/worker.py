@@ -64,10 +64,8 @@ from taskq.consumer.events import (
     Event,
     Hook,
     LoopSampled,
-    OffsetsCommitted,
     PartitionsAssigned,
     PartitionsRevoked,
-    ShareRedelivered,
     TaskCompleted,
     TaskRetried,
     WorkerStarted,
@@ -79,7 +77,7 @@ from taskq.consumer.handlers import Handlers, TaskContext, task_fields
 from taskq.consumer.intake import Intake, Task, size
 from taskq.consumer.limits import Limits
 from taskq.consumer.liveness import Liveness
-from taskq.consumer.offsets import OffsetTracker
+from taskq.consumer.offsets import Offsets, OffsetTracker
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
 from taskq.consumer.retry import Reject, Retry
 from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id, retry_record
@@ -292,8 +290,7 @@ class Worker:
         self._scheduler: PriorityScheduler[Task] = PriorityScheduler(
             weights=self.config.weights, capacity=self.config.buffer_capacity
         )
-        self._tracker = OffsetTracker()
-        self._generation: dict[TP, int] = {}
+        self._offsets = Offsets(self._emit)
         self._running: dict[int, Task] = {}
         self._held: list[_Held] = []
         self._arrived: list[Task] = []  # decoded this tick, to claim in one round trip
@@ -308,7 +305,6 @@ class Worker:
         self._paused: set[TP] = set()
         self._resume_at: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)  # depth a paused tier resumes at
         self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
-        self._assigned: set[TP] = set()
         self._settling: dict[TP, float] = {}  # assigned, not fetched yet: when they were assigned
         self._dispatched = False  # nothing started yet: the first dispatch waits for every tier's partitions
         self._first_assigned: float | None = None
@@ -398,6 +394,21 @@ class Worker:
         self._intake.registry = registry
 
     @property
+    def _tracker(self) -> OffsetTracker:
+        """The assigned partitions' offsets (in the offsets stage)."""
+        return self._offsets.tracker
+
+    @property
+    def _assigned(self) -> set[TP]:
+        """The partitions assigned (in the offsets stage)."""
+        return self._offsets.assigned
+
+    @property
+    def _generation(self) -> dict[TP, int]:
+        """Each partition's assignment (in the offsets stage)."""
+        return self._offsets.generation
+
+    @property
     def _undecoded(self) -> list[Record]:
         """Records held for the registry (in intake): their offsets stay pending."""
         return self._intake.undecoded
@@ -474,7 +485,7 @@ class Worker:
         # is checked here. Nothing is claimed before this returns (claims are the loop's), so the schema is
         # migrated and the host's dead predecessors are freed before the first claim, as before.
         if self.config.share_group:
-            self._source = self._shares = self._share_source()
+            self._source = self._shares = self._offsets.shares = self._share_source()
         else:
             self._source = self.broker.source(
                 group=self.group,
@@ -568,8 +579,7 @@ class Worker:
             or self._undecoded
             or self._completer.pending()
             or len(self._scheduler)
-            or self._tracker.in_flight()
-            or self._tracker.committable()
+            or self._offsets.pending()
         )
 
     def waiting_until(self) -> float | None:
@@ -732,7 +742,7 @@ class Worker:
         assert self._source is not None
         now = self._clock()
         if not self._dispatched:
-            tiers = {self.topics.priority_of(t) for t, _ in self._assigned} - {None}
+            tiers = {self.topics.priority_of(t) for t, _ in self._offsets.assigned} - {None}
             if len(tiers) < len(PRIORITIES) and now - self._first_assigned < SETTLE:
                 return False
         if self._settling:
@@ -741,7 +751,7 @@ class Worker:
             waiting = [
                 tp
                 for tp, at in self._settling.items()
-                if now - at < SETTLE and tp in self._assigned and tp not in self._paused
+                if now - at < SETTLE and tp in self._offsets.assigned and tp not in self._paused
             ]
             # Nothing to wait for in an empty partition. (Where the group's reading starts is not asked for:
             # a committed-offsets request made from the loop can block it while a rebalance is in flight,
@@ -790,31 +800,11 @@ class Worker:
         to the DLQ, and the tasks wait in `_arrived` to be claimed in one round trip."""
         if not records:
             return
-        admitted: list[Record] = []
-        largest = self._intake.largest
-        for record in records:
-            largest = max(largest, size(record))
-            if record.tp not in self._assigned:
-                # Fetched before its partition was revoked (one consume() can return records of a partition
-                # whose revocation it also served): its new owner reads it from the committed offset.
-                # Tracking it here would leave a stale entry that swallows the partition's records if it
-                # comes back.
-                continue
-            if self._shares is not None:
-                if record.delivery_count is not None and record.delivery_count > 1:
-                    last = record.delivery_count >= self._shares.send_again_at
-                    self._emit(ShareRedelivered(record.topic, record.delivery_count, last))
-                    if last:
-                        self._deliver_again(record)
-                        continue
-            elif not tracked:
-                try:
-                    self._tracker.track(record.tp, record.offset)
-                except ValueError:
-                    continue  # a redelivery of an offset this assignment already holds
-            admitted.append(record)
-        self._intake.largest = largest
-        tasks, rejected = self._intake.decode(admitted, self._generation)
+        self._intake.weigh(records)
+        admitted, again = self._offsets.admit(records, tracked=tracked)
+        for record in again:
+            self._deliver_again(record)
+        tasks, rejected = self._intake.decode(admitted, self._offsets.generation)
         for r in rejected:
             self._dead_letter_raw(r.record, r.reason, r.error_type, 0)
         self._arrived += tasks
@@ -851,7 +841,7 @@ class Worker:
             over = full and held[tier] + depth >= self._scheduler.reserve(tier)
             paused = tier in self._pauses.tiers  # by an operator: nothing more is fetched
             halt[tier] = heavy or over or paused or self._scheduler.saturated(tier, incoming)
-        for tp in self._assigned:
+        for tp in self._offsets.assigned:
             of = self.topics.priority_of(tp[0])
             if of is None:
                 continue
@@ -872,7 +862,8 @@ class Worker:
         self._source.resume(to_resume)
         self._paused |= set(to_pause)
         self._paused -= set(to_resume)
-        self._fetching = {self.topics.priority_of(tp[0]) for tp in self._assigned - self._paused} - {None}
+        fetching = self._offsets.assigned - self._paused
+        self._fetching = {self.topics.priority_of(tp[0]) for tp in fetching} - {None}
         self._fresh.clear()
 
     def _over_bytes(self) -> bool:
@@ -1159,9 +1150,10 @@ class Worker:
             return
         now = self._clock()
         gone: list[Task] = []
+        generation = self._offsets.generation
         for task, claim in zip(batch, claims, strict=True):
             task.claimed_at = now
-            if self._generation.get(task.record.tp, 0) != task.generation:
+            if generation.get(task.record.tp, 0) != task.generation:
                 # Its partition was revoked while the claim was on its way (a revoke waits for claims in
                 # flight, but only so long): its new owner runs it. A key claimed here is given back.
                 if claim.outcome == "claimed":
@@ -1466,7 +1458,7 @@ class Worker:
             self._members_running -= 1
             if isinstance(outcome.error, NotStarted):
                 tp = task.record.tp
-                current = tp in self._assigned and self._generation.get(tp) == task.generation
+                current = self._offsets.current(tp, task.generation)
                 if current and not self._stop.is_set() and tp not in self._revoking:
                     self._scheduler.push_front(task.tier, task)  # past its group's window: still claimed
                 else:
@@ -1630,9 +1622,9 @@ class Worker:
             worker_id=self.worker_id,
             topics=self.topics,
         )
-        generation = self._generation.get(record.tp, 0)
+        generation = self._offsets.generation.get(record.tp, 0)
         self._completer.publish(
-            out, lambda: self._offset_done(record, generation, dead=True), too_large=lambda: bounded(out)
+            out, lambda: self._offsets.done(record, generation, dead=True), too_large=lambda: bounded(out)
         )
 
     def _completed(self, task: Task) -> None:
@@ -1644,7 +1636,7 @@ class Worker:
     def _done(self, task: Task, *, dead: bool = False) -> None:
         self._free_key(task)
         self._lift_quarantine(task)
-        self._offset_done(task.record, task.generation, dead=dead)
+        self._offsets.done(task.record, task.generation, dead=dead)
 
     def _lift_quarantine(self, task: Task) -> None:
         """The suspect running alone has its outcome recorded: other tasks may start again. (Until then,
@@ -1659,14 +1651,6 @@ class Worker:
     def _free_key(self, task: Task) -> None:
         if task.spec.ordered and self._key_holder.get(_key(task)) == id(task):
             del self._key_holder[_key(task)]
-
-    def _offset_done(self, record: Record, generation: int, *, dead: bool = False) -> None:
-        """The record's outcome is durable (`dead`: in the DLQ): its offset may be committed, or in share
-        mode, the record is acknowledged."""
-        if self._shares is not None:
-            (self._shares.reject if dead else self._shares.accept)(record)
-        elif self._generation.get(record.tp) == generation and record.tp in self._assigned:
-            self._tracker.done(record.tp, record.offset)
 
     def _deliver_again(self, record: Record) -> None:
         """Share mode: a record handed out `send_again_at` times is near the delivery after which the group
@@ -1685,45 +1669,14 @@ class Worker:
         self._completer.publish(again, lambda: shares.accept(record))
 
     def _commit(self, tps: set[TP] | None = None, *, asynchronous: bool = False) -> bool:
-        """Commit what is committable (of `tps`, if given); False if the commit failed.
-
-        `asynchronous` (the periodic commit): the loop goes on at once, and the outcome comes to
-        `_committed_cb` from a later poll. Revoke and shutdown commit synchronously: they must know.
-        """
+        """Commit what is committable (of `tps`, if given); False if the commit failed (`Offsets.commit`)."""
         assert self._source is not None
-        if self._shares is not None:
-            # Acknowledgements instead of offsets: sent as they are made, waited for when stopping.
-            self._last_commit = self._clock()
-            try:
-                self._shares.commit({}, asynchronous=asynchronous)
-            except TaskqError as exc:
-                log.warning("sending acknowledgements failed, will retry: %s", exc)
-                return False
-            return True
-        offsets = self._tracker.committable()
-        if tps is not None:
-            offsets = {tp: o for tp, o in offsets.items() if tp in tps}
         self._last_commit = self._clock()
-        if not offsets:
-            return True
-        try:
-            self._source.commit(offsets, asynchronous=asynchronous)
-        except TaskqError as exc:
-            log.warning("commit failed, will retry: %s", exc)
-            return False
-        if not asynchronous:
-            self._tracker.mark_committed(offsets)
-            self._emit(OffsetsCommitted(offsets))
-        return True
+        return self._offsets.commit(self._source, tps, asynchronous=asynchronous)
 
     def _committed_cb(self, offsets: dict[TP, int], error: str | None) -> None:
-        """An asynchronous commit's outcome: what the broker committed is marked so."""
-        if error is not None:
-            # Delivery guarantee: offsets not committed stay committable, and the next commit sends them.
-            log.warning("commit failed, will retry: %s", error)
-        if offsets:
-            self._tracker.mark_committed(offsets)
-            self._emit(OffsetsCommitted(offsets))
+        """An asynchronous commit's outcome (`Offsets.committed`)."""
+        self._offsets.committed(offsets, error)
 
     def _serve_group(self) -> None:
         """Poll while stopping: serves rebalance callbacks. Records fetched meanwhile (of partitions assigned
@@ -1753,11 +1706,8 @@ class Worker:
     def _assigned_cb(self, tps: list[TP]) -> None:
         """Start newly assigned partitions from a clean slate; partitions kept through the rebalance are
         not in `tps` (incremental assignment) and keep their buffered, held and running work."""
-        self._tracker.forget(tps)  # the partition is read again from its committed offset
-        for tp in tps:
-            self._generation[tp] = self._generation.get(tp, 0) + 1
-            self._assigned.add(tp)
-            self._paused.discard(tp)
+        self._offsets.assign(tps)  # the partition is read again from its committed offset
+        self._paused.difference_update(tps)
         # librdkafka keeps a partition's pause across revoke and re-assign: one paused before it was revoked
         # (or lost) comes back paused. Flow control resumes fresh partitions explicitly, or they would stall.
         self._fresh |= set(tps)
@@ -1797,11 +1747,8 @@ class Worker:
             self._commit(revoked)
         except Exception as exc:  # a lost partition cannot be committed; its new owner redoes the rest
             log.warning("commit on revoke failed: %s", exc)
-        self._tracker.forget(revoked)
-        for tp in revoked:
-            self._assigned.discard(tp)
-            self._paused.discard(tp)
-            self._generation[tp] = self._generation.get(tp, 0) + 1
+        self._offsets.revoke(revoked)
+        self._paused -= revoked
         self._revoking = set()
         log.info(
             "revoked %s (%d buffered task(s) dropped)", ", ".join(f"{t}[{p}]" for t, p in tps), len(dropped)
@@ -1836,7 +1783,7 @@ class Worker:
     def _shutdown(self) -> None:
         """Stop fetching, let in-flight tasks finish up to the timeout, record, commit, leave the group."""
         assert self._source is not None
-        self._source.pause(list(self._assigned))
+        self._source.pause(list(self._offsets.assigned))
         self._completer.wait_claimed(5.0)
         # Claimed ahead and never started: whoever reads these partitions next claims them at once.
         self._release(self._scheduler.remove_if(lambda t: True) + self._on_hold)
@@ -1858,8 +1805,7 @@ class Worker:
         # Delivery guarantee: what is still running is abandoned here, and its keys freed below. A late
         # outcome (a lease lost to that freeing, say) must never mark its offset done: closing the consumer
         # serves a last revocation, whose commit would then skip the task for good.
-        for tp in self._assigned:
-            self._generation[tp] = self._generation.get(tp, 0) + 1
+        self._offsets.abandon()
         abandoned = list(self._running.values())
         if abandoned:
             # Their attempts end with this process: free the keys now rather than at lease expiry.
