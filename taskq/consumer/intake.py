@@ -15,13 +15,13 @@ from typing import Any
 
 from taskq._core.envelope import WORKFLOW_HEADER, Envelope, EnvelopeError, Priority, Topics
 from taskq._core.kafka import TP, Record
-from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
+from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext, task_fields
 from taskq.consumer.limits import Gate, KeyFailedError, Limits
 from taskq.schemas import avro
 from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
 from taskq.schemas.registry import SchemaRegistry
 
-__all__ = ["Intake", "Rejected", "Task", "size"]
+__all__ = ["Intake", "Rejected", "Task", "fields", "size"]
 
 log = logging.getLogger("taskq.worker")
 
@@ -54,6 +54,12 @@ class Rejected:
     record: Record
     reason: str
     error_type: str
+
+
+def fields(task: Task) -> dict[str, Any]:
+    """The `extra` of a log line about a task: its id, idempotency key, type, tier and attempt."""
+    env = task.envelope
+    return task_fields(env.task_id, env.idempotency_key, env.task_type, env.priority, task.attempts)
 
 
 def size(record: Record) -> int:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cache
 from types import FrameType
@@ -43,44 +43,38 @@ from taskq._core.envelope import (
 from taskq._core.errors import (
     ConfigurationError,
     KafkaAuthenticationError,
-    ResultError,
     StoreUnavailableError,
     TaskqError,
 )
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.service import ServiceThread, run_in_thread
 from taskq._core.settings import Settings
-from taskq._core.store import RESULT_MAX_BYTES, encode_result
+from taskq._core.store import RESULT_MAX_BYTES
 from taskq._core.tracing import Tracer
 from taskq.consumer import metrics
 from taskq.consumer.completer import Completer
 from taskq.consumer.events import (
-    AttemptFailed,
     AttemptStarted,
-    AttemptSucceeded,
     CancelledSkipped,
-    DeadLettered,
     DuplicateSkipped,
     Event,
     Hook,
     LoopSampled,
     PartitionsAssigned,
     PartitionsRevoked,
-    TaskCompleted,
-    TaskRetried,
     WorkerStarted,
     WorkerStopped,
 )
-from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
+from taskq.consumer.executor import Executor, Job, Outcome, failure
 from taskq.consumer.forwarder import Forwarder
-from taskq.consumer.handlers import Handlers, TaskContext, task_fields
-from taskq.consumer.intake import Intake, Task, size
+from taskq.consumer.handlers import Handlers, TaskContext
+from taskq.consumer.intake import Intake, Task, fields, size
 from taskq.consumer.limits import Limits
 from taskq.consumer.liveness import Liveness
 from taskq.consumer.offsets import Offsets, OffsetTracker
+from taskq.consumer.outcomes import Outcomes, checked_result
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
-from taskq.consumer.retry import Reject, Retry
-from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id, retry_record
+from taskq.consumer.routing import default_worker_id
 from taskq.consumer.scheduler import PriorityScheduler
 from taskq.consumer.shares import TierShares
 from taskq.consumer.store import (
@@ -134,13 +128,6 @@ def max_worker_deaths(max_attempts: int) -> int:
     and never after one alone, so a single crash never dead-letters a task with max_attempts=1.
     """
     return max(max_attempts, 2)
-
-
-def _checked_result(result: Any, limit: int) -> Any:
-    """The handler's return value, once known to be storable as its result; ResultError if not."""
-    if result is not None:
-        encode_result(result, limit)
-    return result
 
 
 def worker_deaths(claim: Claim) -> int:
@@ -244,12 +231,6 @@ def _key(task: Task) -> tuple[TP, bytes | None]:
 def _task_logger(task_type: str) -> logging.Logger:
     """The logger a task type's handlers get (`ctx.logger`): looked up once per type, not per task."""
     return logging.getLogger(f"taskq.task.{task_type}")
-
-
-def _fields(task: Task) -> dict[str, Any]:
-    """The `extra` of a log line about a task: its id, idempotency key, type, tier and attempt."""
-    env = task.envelope
-    return task_fields(env.task_id, env.idempotency_key, env.task_type, env.priority, task.attempts)
 
 
 class Worker:
@@ -373,6 +354,19 @@ class Worker:
         self._completer = Completer(self.store, self._sink, recorder=recorder)
         self._limits = Limits(self.store, self.settings.namespace, clock=clock)
         self._intake = Intake(handlers, registry, self._limits, self.topics, clock=clock)
+        self._outcome_stage = Outcomes(
+            self._completer,
+            self._offsets,
+            self._limits,
+            self._tracer,
+            self.topics,
+            delay_tiers=self.settings.delay_tiers,
+            worker_id=self.worker_id,
+            result_max_bytes=self.config.result_max_bytes,
+            emit=self._emit,
+            done=lambda task, dead: self._done(task, dead=dead),
+            lift=self._lift_quarantine,
+        )
         self._source: RecordSource | TierShares | None = None
         self._shares: TierShares | None = None  # the source, in share mode
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
@@ -802,11 +796,11 @@ class Worker:
             return
         self._intake.weigh(records)
         admitted, again = self._offsets.admit(records, tracked=tracked)
-        for record in again:
-            self._deliver_again(record)
+        if again:
+            self._outcome_stage.send_again(again)
         tasks, rejected = self._intake.decode(admitted, self._offsets.generation)
-        for r in rejected:
-            self._dead_letter_raw(r.record, r.reason, r.error_type, 0)
+        if rejected:
+            self._outcome_stage.reject(rejected, self._offsets.generation)
         self._arrived += tasks
 
     def _claim_arrived(self) -> None:
@@ -1207,7 +1201,7 @@ class Worker:
                 log.warning(
                     "task %s: lease taken over while it waited for a slot",
                     task.envelope.task_id,
-                    extra=_fields(task),
+                    extra=fields(task),
                 )
                 self._done(task)
         return kept
@@ -1229,7 +1223,7 @@ class Worker:
             else:
                 # Taken over before it started: the worker holding the lease now decides this key.
                 log.warning(
-                    "task %s: lease taken over before it started", task.envelope.task_id, extra=_fields(task)
+                    "task %s: lease taken over before it started", task.envelope.task_id, extra=fields(task)
                 )
                 self._done(task)
         return kept
@@ -1274,14 +1268,14 @@ class Worker:
         max_attempts = task.envelope.max_attempts or task.spec.policy.max_attempts
         if task.attempts > max_attempts:
             # A poison pill: earlier attempts never reported (they killed their worker). Never run it again.
-            self._finish_dead(
+            self._outcome_stage.dead_letter(
                 task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill"
             )
             return
         deaths = worker_deaths(claim)
         if deaths >= max_worker_deaths(max_attempts):
             # A poison pill too: its runs keep killing their workers (each taken over from a dead worker).
-            self._finish_dead(
+            self._outcome_stage.dead_letter(
                 task, f"gave up after {deaths} run(s) ended with their worker's death", "taskq.PoisonPill"
             )
             return
@@ -1303,7 +1297,7 @@ class Worker:
                 ) as conn:
                     ctx.db = conn
                     # Checked inside the transaction: a result that cannot be stored rolls the effect back.
-                    returned[0] = _checked_result(spec.fn(task.payload, ctx), limit)
+                    returned[0] = checked_result(spec.fn(task.payload, ctx), limit)
                 task.recorded = True
                 return returned[0]
 
@@ -1326,11 +1320,6 @@ class Worker:
         return self._tracer.attempt(
             task.envelope, record.topic, task.attempts, self.group, record.partition, record.offset
         )
-
-    def _end_span(self, task: Task, outcome: str, error: str | None = None) -> None:
-        if task.span is not None:
-            self._tracer.finish(task.span, outcome, error)
-            task.span = None
 
     def _context(self, task: Task) -> TaskContext:
         env = task.envelope
@@ -1365,7 +1354,7 @@ class Worker:
                 else:
                     returned = task.spec.fn(task.payload, ctx)
                 # Checked under the member's savepoint: a result that cannot be stored rolls it back alone.
-                return _checked_result(returned, self.config.result_max_bytes)
+                return checked_result(returned, self.config.result_max_bytes)
 
             tp = task.record.tp
             # A member whose turn comes after SIGTERM or its partition's revocation is not started: the
@@ -1431,207 +1420,41 @@ class Worker:
         )
 
     def _collect(self, block: float) -> None:
-        """Turn reported outcomes into records for the completer (written in batches)."""
-        deadline = self._clock() + block
+        """Take the outcomes reported so far (waiting up to `block` for the first) as one batch, and hand it
+        to the outcomes stage; group members past their group's window go back to the buffer instead."""
+        try:
+            first = self._outcomes.get(timeout=block) if block > 0 else self._outcomes.get_nowait()
+        except queue.Empty:
+            return
+        reported = [first]
         while True:
             try:
-                remaining = deadline - self._clock()
-                task, outcome = (
-                    self._outcomes.get(timeout=remaining) if remaining > 0 else self._outcomes.get_nowait()
-                )
+                reported.append(self._outcomes.get_nowait())
             except queue.Empty:
-                return
+                break
+        ended: list[tuple[Task, Outcome]] = []
+        for task, outcome in reported:
             self._running.pop(id(task), None)
-            self._outcome(task, outcome)
-            block = 0.0
-            deadline = self._clock()
-            if self._unstarted:
-                unstarted, self._unstarted = self._unstarted, []
-                self._release(unstarted)
-
-    def _outcome(self, task: Task, outcome: Outcome) -> None:
-        env, spec = task.envelope, task.spec
-        if task.gate is not None:
-            self._limits.release(env.idempotency_key)  # the attempt ended (or never started): its slot frees
-        if task.grouped:
-            task.grouped = False
-            self._members_running -= 1
-            if isinstance(outcome.error, NotStarted):
-                tp = task.record.tp
-                current = self._offsets.current(tp, task.generation)
-                if current and not self._stop.is_set() and tp not in self._revoking:
-                    self._scheduler.push_front(task.tier, task)  # past its group's window: still claimed
-                else:
-                    self._unstarted.append(task)  # its claim is given back; its offset stays uncommitted
-                return
-            self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
-            self._member_seconds += (outcome.seconds - self._member_seconds) / 8
-        if outcome.ok and not task.recorded and outcome.result is not None:
-            try:
-                _checked_result(outcome.result, self.config.result_max_bytes)
-            except ResultError as exc:
-                outcome = failure(exc, outcome.seconds)  # never stored cut short, nor dropped silently
-        if outcome.ok:
-            self._end_span(task, "completed")
-            self._emit(
-                AttemptSucceeded(
-                    env.task_type, env.task_id, env.idempotency_key, outcome.seconds, env.enqueued_at
-                )
-            )
-            if task.recorded:
-                self._completed(task)
-            else:
-                self._completer.record(
-                    Finished(
-                        env.idempotency_key,
-                        task.attempts,
-                        "completed",
-                        result=outcome.result,
-                        workflow=task.workflow,
-                    ),
-                    lambda: self._completed(task),
-                )
-            return
-        error = outcome.error or Exception(outcome.message)
-        if isinstance(error, TaskFailed) and isinstance(error.__cause__, Exception):
-            error = error.__cause__  # a process-isolated handler's own exception, when it survived pickling
-        if isinstance(error, LeaseLostError):
-            log.warning("task %s: %s", env.task_id, error, extra=_fields(task))
-            self._end_span(task, "lease_lost", str(error))
-            self._done(task)  # the worker that took the lease over decides this key
-            return
-        if isinstance(error, Retry) and error.delay is not None and task.gate is not None:
-            # Told to back off (an HTTP 429's Retry-After, say): the key's bucket pauses for every worker.
-            self._limits.pause(task.gate, error.delay.total_seconds())
-        message = f"{outcome.error_type}: {outcome.message}"
-        self._emit(AttemptFailed(env.task_type, env.task_id, env.idempotency_key, outcome.seconds, message))
-        policy = spec.policy
-        if env.max_attempts is not None:
-            policy = replace(policy, max_attempts=env.max_attempts)
-        # A result that cannot be stored would be the same on the next attempt: to the DLQ at once.
-        final = isinstance(error, Reject | ResultError)
-        delay = None if final else policy.next_delay(task.attempts, error)
-        if delay is None:
-            reason = (
-                "result refused"
-                if isinstance(error, ResultError)
-                else "rejected by handler"
-                if isinstance(error, Reject)
-                else f"failed {task.attempts} attempt(s)"
-            )
-            self._end_span(task, "dead_lettered", message)
-            self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
-            return
-        self._end_span(task, "retried", message)
-        log.info(
-            "task %s: attempt %d failed, retrying in %.1fs: %s",
-            env.task_id,
-            task.attempts,
-            delay.total_seconds(),
-            message,
-            extra=_fields(task),
-        )
-        if spec.ordered:
-            # Retried in place: its offset stays pending and its key stays held, so the key's later tasks
-            # wait for it (what ordering means); a restart or rebalance redelivers it first.
-            self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
-            self._completer.record(
-                Finished(
-                    env.idempotency_key, task.attempts, "failed", error=message, workflow=task.workflow
-                ),
-                lambda: self._lift_quarantine(task),
-            )
-            self._held.append(_Held(task, self._clock() + delay.total_seconds()))
-            return
-        now = datetime.now(UTC)
-        out = retry_record(
-            task.record,
-            replace(env, attempt=task.attempts),
-            delay,
-            self.topics,
-            self.settings.delay_tiers,
-            now,
-        )
-        self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
-        self._completer.record(
-            Finished(env.idempotency_key, task.attempts, "failed", error=message, workflow=task.workflow)
-        )
-        # Delivery guarantee: the offset is done only when the broker acknowledged the retry record.
-        # One too large to send again cannot be retried: a bounded DLQ record takes its place.
-        self._completer.publish(
-            out,
-            lambda: self._done(task),
-            too_large=lambda: bounded(
-                dead_letter_record(
-                    task.record,
-                    reason=f"failed {task.attempts} attempt(s), too large to retry: {message}",
-                    error_type=outcome.error_type,
-                    traceback=outcome.traceback,
-                    attempts=task.attempts,
-                    worker_id=self.worker_id,
-                    topics=self.topics,
-                )
-            ),
-        )
-
-    def _finish_dead(self, task: Task, reason: str, error_type: str, traceback: str = "") -> None:
-        out = dead_letter_record(
-            task.record,
-            reason=reason,
-            error_type=error_type,
-            traceback=traceback,
-            attempts=task.attempts,
-            worker_id=self.worker_id,
-            topics=self.topics,
-        )
-        env, record = task.envelope, task.record
-        log.warning("task %s dead-lettered: %s", env.task_id, reason, extra=_fields(task))
-        self._emit(
-            DeadLettered(reason, error_type, env.task_id, env.idempotency_key, record.topic, record.offset)
-        )
-        # Delivery guarantee: the key is recorded dead only once the broker acknowledged its DLQ record (a
-        # dead key's redelivery is skipped, so recording it first could lose the record), and the offset is
-        # done only once both are durable. The record says where the DLQ record is, for result().
-        self._completer.publish(
-            out,
-            lambda: None,
-            too_large=lambda: bounded(out),
-            on_record=lambda at: self._completer.record(
-                Finished(
-                    env.idempotency_key,
-                    task.attempts,
-                    "dead",
-                    error=reason,
-                    dlq=None if at is None else (at.partition, at.offset),
-                    workflow=task.workflow,
-                ),
-                lambda: self._done(task, dead=True),
-            ),
-        )
-
-    def _dead_letter_raw(self, record: Record, reason: str, error_type: str, attempts: int) -> None:
-        """Input that never becomes a task: straight to the DLQ, offset done once the broker has it."""
-        log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
-        self._emit(DeadLettered(reason, error_type, None, None, record.topic, record.offset))
-        out = dead_letter_record(
-            record,
-            reason=reason,
-            error_type=error_type,
-            traceback="",
-            attempts=attempts,
-            worker_id=self.worker_id,
-            topics=self.topics,
-        )
-        generation = self._offsets.generation.get(record.tp, 0)
-        self._completer.publish(
-            out, lambda: self._offsets.done(record, generation, dead=True), too_large=lambda: bounded(out)
-        )
-
-    def _completed(self, task: Task) -> None:
-        """The completion is recorded: the offset may be released."""
-        self._done(task)
-        env = task.envelope
-        self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
+            if task.gate is not None:
+                self._limits.release(task.envelope.idempotency_key)  # the attempt ended (or never started)
+            if task.grouped:
+                self._members_running -= 1
+                if isinstance(outcome.error, NotStarted):
+                    task.grouped = False
+                    tp = task.record.tp
+                    current = self._offsets.current(tp, task.generation)
+                    if current and not self._stop.is_set() and tp not in self._revoking:
+                        self._scheduler.push_front(task.tier, task)  # past its group's window: still claimed
+                    else:
+                        self._unstarted.append(task)  # its claim is given back; its offset stays uncommitted
+                    continue
+                self._member_seconds += (outcome.seconds - self._member_seconds) / 8
+            ended.append((task, outcome))
+        again = self._outcome_stage.settle(ended, self._clock())
+        self._held.extend(_Held(task, due) for task, due in again)
+        if self._unstarted:
+            unstarted, self._unstarted = self._unstarted, []
+            self._release(unstarted)
 
     def _done(self, task: Task, *, dead: bool = False) -> None:
         self._free_key(task)
@@ -1651,22 +1474,6 @@ class Worker:
     def _free_key(self, task: Task) -> None:
         if task.spec.ordered and self._key_holder.get(_key(task)) == id(task):
             del self._key_holder[_key(task)]
-
-    def _deliver_again(self, record: Record) -> None:
-        """Share mode: a record handed out `send_again_at` times is near the delivery after which the group
-        archives it unrun: it is sent again as a new record, and accepted once that is acknowledged. Its
-        key stays one effect: the copy is claimed like any redelivery."""
-        assert self._shares is not None
-        shares = self._shares
-        log.warning(
-            "%s[%d]@%d handed out %d times: sent again as a new record",
-            record.topic,
-            record.partition,
-            record.offset,
-            record.delivery_count,
-        )
-        again = Outgoing(record.topic, record.key, record.value, list(record.headers))
-        self._completer.publish(again, lambda: shares.accept(record))
 
     def _commit(self, tps: set[TP] | None = None, *, asynchronous: bool = False) -> bool:
         """Commit what is committable (of `tps`, if given); False if the commit failed (`Offsets.commit`)."""
