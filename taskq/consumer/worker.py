@@ -52,11 +52,11 @@ from taskq._core.settings import Settings
 from taskq._core.store import RESULT_MAX_BYTES
 from taskq._core.tracing import Tracer
 from taskq.consumer import metrics
+from taskq.consumer.claims import Claims, Held
 from taskq.consumer.completer import Completer
 from taskq.consumer.events import (
     AttemptStarted,
     CancelledSkipped,
-    DuplicateSkipped,
     Event,
     Hook,
     LoopSampled,
@@ -68,7 +68,7 @@ from taskq.consumer.events import (
 from taskq.consumer.executor import Executor, Job, Outcome, failure
 from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers, TaskContext
-from taskq.consumer.intake import Intake, Task, fields, size
+from taskq.consumer.intake import Intake, Task, size
 from taskq.consumer.limits import Limits
 from taskq.consumer.liveness import Liveness
 from taskq.consumer.offsets import Offsets, OffsetTracker
@@ -78,8 +78,6 @@ from taskq.consumer.routing import default_worker_id
 from taskq.consumer.scheduler import PriorityScheduler
 from taskq.consumer.shares import TierShares
 from taskq.consumer.store import (
-    Claim,
-    ClaimRequest,
     Finished,
     IdempotencyStore,
     LeaseLostError,
@@ -118,27 +116,6 @@ class GroupRolledBack(TaskqError):
 
 class ServiceStoppedError(TaskqError):
     """A service the worker runs beside its loop (the delay forwarder, say) stopped on its own."""
-
-
-def max_worker_deaths(max_attempts: int) -> int:
-    """Deaths of its own after which a key is dead-lettered as a poison pill, unrun.
-
-    A task merely in flight (or claimed ahead) on a worker that died is not charged an attempt; but a task
-    that kills every worker running it must still end in the DLQ: after max_attempts deaths of its own,
-    and never after one alone, so a single crash never dead-letters a task with max_attempts=1.
-    """
-    return max(max_attempts, 2)
-
-
-def worker_deaths(claim: Claim) -> int:
-    """Deaths charged to a key: interruptions of its runs in quarantine (invariant 10).
-
-    A key taken over from a dead worker is a suspect: it runs alone in its process, outside group commit,
-    marked started just before it runs. Only such a run's death is an interruption. The death that made it
-    a suspect is charged to nobody: whatever ran, was buffered or was claimed ahead beside the task that
-    killed the worker cannot be told apart from it.
-    """
-    return claim.interruptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,12 +193,6 @@ class WorkerConfig:
             )
 
 
-@dataclass(slots=True)
-class _Held:
-    task: Task
-    due: float
-
-
 def _key(task: Task) -> tuple[TP, bytes | None]:
     """What an ordered task type serializes on: its partition and message key."""
     return task.record.tp, task.record.key
@@ -273,7 +244,6 @@ class Worker:
         )
         self._offsets = Offsets(self._emit)
         self._running: dict[int, Task] = {}
-        self._held: list[_Held] = []
         self._arrived: list[Task] = []  # decoded this tick, to claim in one round trip
         self._unstarted: list[Task] = []  # left out of a group that stopped early, to release
         # Tasks of a paused task type, claimed and held out of the scheduler until the type is resumed.
@@ -295,12 +265,9 @@ class Worker:
         # groups of about 8 (pops a group gives back unstarted cost weighted order its precision).
         self._member_seconds = GROUP_WINDOW / 8
         self._quarantine: Task | None = None  # the suspect running alone, until its outcome is recorded
-        self._step_ends: list[tuple[Task, str, str]] = []  # workflow steps the claims skipped
         self._suspect_waits = False  # a suspect is next: nothing starts until the running tasks end
         self._members_running = 0  # members of group commits started and not reported yet
         self._groups = any(s.transactional and s.group_commit for s in handlers)  # group commits may run
-        # Tasks per tier whose claims are on their way: buffered as far as flow control is concerned.
-        self._claiming: Counter[Priority] = Counter()
         self.heartbeat = metrics.Heartbeat()
         self._clock = clock
         self.broker: Broker = broker or KafkaBroker(self.settings)
@@ -367,6 +334,18 @@ class Worker:
             done=lambda task, dead: self._done(task, dead=dead),
             lift=self._lift_quarantine,
         )
+        self._claims = Claims(
+            self.store,
+            self._completer,
+            self._outcome_stage,
+            self._offsets,
+            claim_wait=self.config.claim_wait,
+            default_lease=self.config.default_lease,
+            emit=self._emit,
+            clock=clock,
+            done=self._done,
+            ready=self._ready,
+        )
         self._source: RecordSource | TierShares | None = None
         self._shares: TierShares | None = None  # the source, in share mode
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
@@ -401,6 +380,11 @@ class Worker:
     def _generation(self) -> dict[TP, int]:
         """Each partition's assignment (in the offsets stage)."""
         return self._offsets.generation
+
+    @property
+    def _held(self) -> list[Held]:
+        """Tasks held out of the buffer to be claimed again (in the claims stage)."""
+        return self._claims.held
 
     @property
     def _undecoded(self) -> list[Record]:
@@ -567,7 +551,7 @@ class Worker:
         """Nothing buffered, held, running, or waiting to be recorded, acked, committed or given back."""
         return not (
             self._running
-            or self._held
+            or self._claims.held
             or self._limits.pending()
             or self._on_hold
             or self._undecoded
@@ -581,7 +565,7 @@ class Worker:
         limited tasks' keys: the clock time the first may go on."""
         if self._running or self._undecoded or self._completer.pending():
             return None
-        dues = [h.due for h in self._held]
+        dues = [h.due for h in self._claims.held]
         if len(self._scheduler):
             if any(t.gate is None or self._limits.ready(t.gate) for t in self._scheduler):
                 return None
@@ -638,7 +622,7 @@ class Worker:
     def _tick(self) -> None:
         self.heartbeat.beat()
         assert self._source is not None
-        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
+        waiting = len(self._scheduler) + len(self._claims.held) + len(self._on_hold) + len(self._undecoded)
         waiting += self._completer.claiming()
         busy = bool(self._running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
@@ -673,7 +657,7 @@ class Worker:
         self._claim_arrived()
         self._read_pauses()
         self._flow_control()
-        self._release_held()
+        self._claims.release_due()
         self._completer.settle()  # what earlier claims answered goes into the buffers first
         if self._settled():
             self._dispatch()
@@ -702,7 +686,7 @@ class Worker:
         comes from the tiers still short of their reserve (invariant 4).
         """
         assert self._source is not None
-        incoming = self._claiming.copy()
+        incoming = self._claims.claiming.copy()
         for record in taken:
             tier = self.topics.priority_of(record.topic)
             if tier is not None:
@@ -772,7 +756,7 @@ class Worker:
         recent = self._clock() - 1.0
         return any(
             self._fed[tier] > recent
-            and self._scheduler.depth(tier) + self._claiming[tier] < self._scheduler.reserve(tier) // 2
+            and self._scheduler.depth(tier) + self._claims.claiming[tier] < self._scheduler.reserve(tier) // 2
             and tier in self._fetching
             for tier in PRIORITIES
         )
@@ -783,7 +767,8 @@ class Worker:
 
     def _idle_slots(self) -> bool:
         """Slots are free and nothing buffered is waiting for one."""
-        return not (len(self._scheduler) or self._held or self._undecoded) and self.executor.free_slots() > 0
+        waiting = len(self._scheduler) or self._claims.held or self._undecoded
+        return not waiting and self.executor.free_slots() > 0
 
     def _accept(self, record: Record, *, tracked: bool = False) -> None:
         """Take in one fetched record (the loop takes in each poll's records as one batch)."""
@@ -807,7 +792,13 @@ class Worker:
         """Claim the keys of the tasks decoded this tick, all in one round trip."""
         if self._arrived:
             arrived, self._arrived = self._arrived, []
-            self._claim(arrived)
+            self._claims.claim(arrived)
+
+    def _ready(self, tasks: list[Task]) -> None:
+        """Claimed tasks go into the buffers, for dispatch in weighted order."""
+        push = self._scheduler.push
+        for task in tasks:
+            push(task.tier, task)
 
     def _flow_control(self, incoming: Mapping[Priority, int] | None = None) -> None:
         """Pause the partitions of saturated tiers, resume the others (bounded memory, no starvation).
@@ -816,13 +807,13 @@ class Worker:
         """
         assert self._source is not None
         if incoming is None:
-            incoming = self._claiming
+            incoming = self._claims.claiming
         to_pause, to_resume = [], []
         # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
-        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold)
+        waiting = len(self._scheduler) + len(self._claims.held) + len(self._on_hold)
         full = waiting + (sum(incoming.values()) if incoming else 0) >= self.config.buffer_capacity
-        held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
+        held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._claims.held if full)
         held.update(t.tier for t in self._on_hold if full)
         # Over the byte bound every partition waits: what is buffered runs first, then fetching resumes.
         heavy = self._over_bytes() or self._stop.is_set()
@@ -862,11 +853,11 @@ class Worker:
 
     def _over_bytes(self) -> bool:
         """Whether the buffered records (waiting, held, undecoded) take more than `buffer_bytes`."""
-        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
+        waiting = len(self._scheduler) + len(self._claims.held) + len(self._on_hold) + len(self._undecoded)
         if waiting * self._intake.largest < self.config.buffer_bytes:
             return False  # cannot be over whatever their sizes: no need to add them up (the usual case)
         total = sum(size(t.record) for t in self._scheduler) + sum(size(t.record) for t in self._on_hold)
-        total += sum(size(h.task.record) for h in self._held) + sum(size(r) for r in self._undecoded)
+        total += sum(size(h.task.record) for h in self._claims.held) + sum(size(r) for r in self._undecoded)
         return total >= self.config.buffer_bytes
 
     def _read_pauses(self) -> None:
@@ -902,7 +893,7 @@ class Worker:
         # A paused task keeps its claim: its lease is renewed while it waits, and no attempt is counted.
         try:
             renewed = self.store.renew(
-                [(t.envelope.idempotency_key, t.attempts, self._run_lease(t) + self.config.claim_wait)
+                [(t.envelope.idempotency_key, t.attempts, self._claims.lease(t) + self.config.claim_wait)
                  for t in waiting]
             )
         except StoreUnavailableError as exc:
@@ -958,14 +949,6 @@ class Worker:
                 ),
                 lambda task=task: self._done(task),  # type: ignore[misc]
             )
-
-    def _release_held(self) -> None:
-        now = self._clock()
-        due = [h for h in self._held if h.due <= now]
-        if not due:
-            return
-        self._held = [h for h in self._held if h.due > now]
-        self._claim([h.task for h in due])
 
     def _dispatch(self) -> None:
         """Start claimed tasks in weighted order, one slot each; transactional tasks ready together share
@@ -1052,7 +1035,7 @@ class Worker:
             # One round trip for the batch's slots, one per bucket whose leased tokens ran out: a task
             # refused waits, claimed, and has used up no attempt.
             admitted = self._limits.admit(
-                [(t.envelope.idempotency_key, t.gate, self._run_lease(t)) for t in gated if t.gate]
+                [(t.envelope.idempotency_key, t.gate, self._claims.lease(t)) for t in gated if t.gate]
             )
             refused = {id(t) for t in gated if t.envelope.idempotency_key not in admitted}
             if refused:
@@ -1069,13 +1052,13 @@ class Worker:
         lost: set[int] = set()
         if waited or parked:
             # One statement renews every long-waiting task of this dispatch; those not renewed are dropped.
-            lost = {id(t) for t in waited + parked} - {id(t) for t in self._renew(waited, parked)}
+            lost = {id(t) for t in waited + parked} - {id(t) for t in self._claims.renew(waited, parked)}
         suspects = [t for job in jobs for t in job if t.suspect and id(t) not in lost]
         if suspects:
             # Keys taken over before may be poison pills: their runs are marked started before they start, so
             # that this worker's death counts as an interruption. One statement for the dispatch, and only
             # after a worker died: the run of a plain key writes nothing before it starts.
-            lost |= {id(t) for t in suspects} - {id(t) for t in self._mark_started(suspects)}
+            lost |= {id(t) for t in suspects} - {id(t) for t in self._claims.mark_started(suspects)}
         if lost:
             for job in jobs:
                 for t in job:
@@ -1101,9 +1084,9 @@ class Worker:
         weighted share of it."""
         if wave <= free or not self._completer.claiming():
             return False
-        capacity = self.config.buffer_capacity
+        capacity, claiming = self.config.buffer_capacity, self._claims.claiming
         return any(
-            self._claiming[t] and self._scheduler.depth(t) * capacity < wave * self._scheduler.reserve(t)
+            claiming[t] and self._scheduler.depth(t) * capacity < wave * self._scheduler.reserve(t)
             for t in PRIORITIES
         )
 
@@ -1111,176 +1094,6 @@ class Worker:
         """Members a group starts within GROUP_WINDOW, at the recent members' pace: a group popped larger
         gives the rest back unstarted, and weighted order is kept best by pops that start."""
         return max(1, min(GROUP_MAX, int(GROUP_WINDOW / max(self._member_seconds, 1e-6)) + 1))
-
-    def _run_lease(self, task: Task) -> float:
-        timeout = task.spec.timeout or task.envelope.timeout
-        # A lease outlives the attempt it covers; past it another worker may take the key over.
-        return timeout * 1.5 + 5 if timeout else self.config.default_lease
-
-    def _claim(self, batch: list[Task]) -> None:
-        """Claim the batch's keys in one round trip, sent with the outcomes queued so far, while the loop
-        goes on; `_claimed` buffers the claimed tasks and skips or holds the others."""
-        requests = [
-            ClaimRequest(
-                t.envelope.idempotency_key,
-                t.envelope.task_id,
-                t.envelope.task_type,
-                # Claimed as it arrives, the key is leased for its wait in the buffer as well.
-                self._run_lease(t) + self.config.claim_wait,
-            )
-            for t in batch
-        ]
-        for task in batch:
-            self._claiming[task.tier] += 1
-        self._completer.claim(requests, functools.partial(self._claimed, batch))
-
-    def _claimed(self, batch: list[Task], claims: list[Claim] | StoreUnavailableError) -> None:
-        """A batch's claims came back (on the loop's thread)."""
-        for task in batch:
-            self._claiming[task.tier] -= 1
-        if isinstance(claims, StoreUnavailableError):
-            log.warning("store unavailable, holding %d task(s): %s", len(batch), claims)
-            self._held.extend(_Held(t, self._clock() + 1.0) for t in batch)
-            return
-        now = self._clock()
-        gone: list[Task] = []
-        generation = self._offsets.generation
-        for task, claim in zip(batch, claims, strict=True):
-            task.claimed_at = now
-            if generation.get(task.record.tp, 0) != task.generation:
-                # Its partition was revoked while the claim was on its way (a revoke waits for claims in
-                # flight, but only so long): its new owner runs it. A key claimed here is given back.
-                if claim.outcome == "claimed":
-                    task.attempts = claim.attempts
-                    gone.append(task)
-                continue
-            self._handle_claim(task, claim)
-        self._release(gone)
-        if self._step_ends:
-            self._end_steps()
-
-    def _end_steps(self) -> None:
-        """Record the ends of the workflow steps the claims skipped, then let their offsets move on; with
-        Postgres away they are held and claimed again."""
-        ends, self._step_ends = self._step_ends, []
-        try:
-            self.store.workflow_ended([(wf, t.envelope.idempotency_key, state) for t, wf, state in ends])
-        except StoreUnavailableError as exc:
-            log.warning("store unavailable, holding %d workflow step(s): %s", len(ends), exc)
-            self._held.extend(_Held(t, self._clock() + 1.0) for t, _, _ in ends)
-            return
-        for task, _, state in ends:
-            env = task.envelope
-            if state == "cancelled":
-                self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
-            else:
-                self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
-            self._done(task)
-
-    def _renew(self, waited: list[Task], parked: Sequence[Task] = ()) -> list[Task]:
-        """Extend the leases of tasks that waited long for a slot (about to start: leased for their run) and
-        of `parked` ones (still waiting for their key: leased for a wait more); those lost are dropped."""
-        leases = [(t.envelope.idempotency_key, t.attempts, self._run_lease(t)) for t in waited]
-        wait = self.config.claim_wait
-        leases += [(t.envelope.idempotency_key, t.attempts, self._run_lease(t) + wait) for t in parked]
-        try:
-            renewed = self.store.renew(leases)
-        except StoreUnavailableError as exc:
-            log.warning("store unavailable, holding %d task(s): %s", len(leases), exc)
-            # Held tasks are claimed again: their own lease answers 'running' until it expires.
-            self._held.extend(_Held(t, self._clock() + 1.0) for t in [*waited, *parked])
-            return []
-        now = self._clock()
-        kept = []
-        for task in [*waited, *parked]:
-            if task.envelope.idempotency_key in renewed:
-                task.claimed_at = now
-                kept.append(task)
-            else:
-                # Taken over while it waited: the worker holding the lease now decides this key.
-                log.warning(
-                    "task %s: lease taken over while it waited for a slot",
-                    task.envelope.task_id,
-                    extra=fields(task),
-                )
-                self._done(task)
-        return kept
-
-    def _mark_started(self, tasks: list[Task]) -> list[Task]:
-        """Mark the runs of these tasks started before they start; those whose lease was lost are dropped
-        (all are kept, unmarked, if the store is unavailable)."""
-        try:
-            marked = self.store.mark_started([(t.envelope.idempotency_key, t.attempts) for t in tasks])
-        except StoreUnavailableError as exc:
-            # Run unmarked rather than held: held, they would wait out their own lease and then be charged
-            # an attempt. A poison pill may kill one more worker before the DLQ, during an outage only.
-            log.warning("could not mark %d run(s) started, they run unmarked: %s", len(tasks), exc)
-            return tasks
-        kept = []
-        for task in tasks:
-            if task.envelope.idempotency_key in marked:
-                kept.append(task)
-            else:
-                # Taken over before it started: the worker holding the lease now decides this key.
-                log.warning(
-                    "task %s: lease taken over before it started", task.envelope.task_id, extra=fields(task)
-                )
-                self._done(task)
-        return kept
-
-    def _release(self, tasks: list[Task]) -> None:
-        """Give back the claims of buffered tasks that will not start here: their keys are free at once."""
-        if not tasks:
-            return
-        try:
-            self.store.release([(t.envelope.idempotency_key, t.attempts) for t in tasks])
-        except StoreUnavailableError as exc:
-            log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
-        if self._shares is not None:
-            for task in tasks:
-                self._shares.release(task.record)  # another member gets it at once
-
-    def _handle_claim(self, task: Task, claim: Claim) -> None:
-        workflow = task.workflow
-        if workflow is not None and claim.outcome in ("completed", "dead", "cancelled"):
-            # A workflow's step skipped here still ends its node (once: a node ended already stays so),
-            # before its offset moves on.
-            self._step_ends.append((task, workflow, claim.outcome))
-            return
-        if claim.outcome == "cancelled":
-            # Cancelled before it started: it never runs, and never reaches the DLQ; its offset moves on.
-            env = task.envelope
-            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
-            self._done(task)
-            return
-        if claim.outcome in ("completed", "dead"):
-            # Completed, or this very task was dead-lettered already (its offset was not committed before
-            # its worker died): the DLQ holds it once, so its redelivery is skipped and committed.
-            env = task.envelope
-            self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
-            self._done(task)
-            return
-        if claim.outcome in ("running", "duplicate"):
-            # Leased by a live worker (or a copy in this batch): look again soon, at latest when it expires.
-            self._held.append(_Held(task, self._clock() + max(0.2, min(claim.lease_left, 1.0))))
-            return
-        task.attempts = claim.attempts
-        max_attempts = task.envelope.max_attempts or task.spec.policy.max_attempts
-        if task.attempts > max_attempts:
-            # A poison pill: earlier attempts never reported (they killed their worker). Never run it again.
-            self._outcome_stage.dead_letter(
-                task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill"
-            )
-            return
-        deaths = worker_deaths(claim)
-        if deaths >= max_worker_deaths(max_attempts):
-            # A poison pill too: its runs keep killing their workers (each taken over from a dead worker).
-            self._outcome_stage.dead_letter(
-                task, f"gave up after {deaths} run(s) ended with their worker's death", "taskq.PoisonPill"
-            )
-            return
-        task.suspect = claim.takeovers > 0
-        self._scheduler.push(task.tier, task)
 
     def _start(self, task: Task) -> None:
         env = task.envelope
@@ -1451,10 +1264,10 @@ class Worker:
                 self._member_seconds += (outcome.seconds - self._member_seconds) / 8
             ended.append((task, outcome))
         again = self._outcome_stage.settle(ended, self._clock())
-        self._held.extend(_Held(task, due) for task, due in again)
+        self._claims.held.extend(Held(task, due) for task, due in again)
         if self._unstarted:
             unstarted, self._unstarted = self._unstarted, []
-            self._release(unstarted)
+            self._claims.release(unstarted)
 
     def _done(self, task: Task, *, dead: bool = False) -> None:
         self._free_key(task)
@@ -1541,8 +1354,8 @@ class Worker:
         dropped += [t for t in self._on_hold if t.record.tp in revoked]
         self._on_hold = [t for t in self._on_hold if t.record.tp not in revoked]
         # Claimed ahead and never started: the partition's new owner claims them at once, same attempt.
-        self._release(dropped)
-        self._held = [h for h in self._held if h.task.record.tp not in revoked]
+        self._claims.release(dropped)
+        self._claims.forget(revoked)
         self._intake.forget(revoked)
         self._key_holder = {k: v for k, v in self._key_holder.items() if k[0] not in revoked}
         self._drain(
@@ -1593,7 +1406,7 @@ class Worker:
         self._source.pause(list(self._offsets.assigned))
         self._completer.wait_claimed(5.0)
         # Claimed ahead and never started: whoever reads these partitions next claims them at once.
-        self._release(self._scheduler.remove_if(lambda t: True) + self._on_hold)
+        self._claims.release(self._scheduler.remove_if(lambda t: True) + self._on_hold)
         self._on_hold = []
         if self._running:
             log.info("stopping: waiting for %d running task(s)", len(self._running))
