@@ -1,22 +1,20 @@
 """The worker: consume the priority topics in a group, run each task once, commit offsets contiguously.
 
-One thread (the loop) owns the Kafka consumer, the buffers, the offset tracker and the store connection;
-handlers run on the executor's slots and report back through a queue. A task's offset becomes committable
-only once its outcome is durable: the completion recorded in Postgres, or its retry/DLQ record acknowledged
-by the broker (invariant 1).
+One thread (the loop) fetches records and passes each batch through the stages, in order, once each:
+offsets admit it (`offsets.Offsets`), intake decodes it (`intake.Intake`), claims hold its keys
+(`claims.Claims`), dispatch starts the claimed tasks on the executor's slots (`dispatch.Dispatch`), and the
+outcomes they report are recorded (`outcomes.Outcomes`), after which their offsets are committed. A task's
+offset becomes committable only once its outcome is durable: the completion recorded in Postgres, or its
+retry/DLQ record acknowledged by the broker (invariant 1). This module wires the stages and runs the loop.
 
-Longer than 800 lines because the loop's stages (intake, claims, dispatch, outcomes, offsets)
-still live here beside the wiring, and each feature that touches a task's path (quarantine, results,
-cancellation, workflow steps, share mode's acknowledgements) adds to one of them. They share the loop's
-state (buffers, running tasks, offset tracker) and are split by moving that state into the stages: each a
-module of its own, taking and returning a batch, in the batch-stage restructuring of the hot path (issue 21,
-part 4). Split piecemeal before then, they would only pass that state back and forth.
+Longer than 800 lines because the loop's fetch side (records taken in chunks between flow control, the
+pausing and resuming of partitions, the first dispatch's wait for every tier) and the rebalance and
+shutdown paths, which reach into every stage, still live here beside the wiring and the lifecycle of the
+services the worker runs (forwarder, relay, periodic scheduler, metrics).
 """
 
 from __future__ import annotations
 
-import contextvars
-import functools
 import logging
 import os
 import queue
@@ -28,7 +26,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from functools import cache
 from types import FrameType
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -54,9 +51,8 @@ from taskq._core.tracing import Tracer
 from taskq.consumer import metrics
 from taskq.consumer.claims import Claims, Held
 from taskq.consumer.completer import Completer
+from taskq.consumer.dispatch import Dispatch
 from taskq.consumer.events import (
-    AttemptStarted,
-    CancelledSkipped,
     Event,
     Hook,
     LoopSampled,
@@ -65,14 +61,14 @@ from taskq.consumer.events import (
     WorkerStarted,
     WorkerStopped,
 )
-from taskq.consumer.executor import Executor, Job, Outcome, failure
+from taskq.consumer.executor import Executor, Outcome
 from taskq.consumer.forwarder import Forwarder
-from taskq.consumer.handlers import Handlers, TaskContext
+from taskq.consumer.handlers import Handlers
 from taskq.consumer.intake import Intake, Task, size
 from taskq.consumer.limits import Limits
 from taskq.consumer.liveness import Liveness
 from taskq.consumer.offsets import Offsets, OffsetTracker
-from taskq.consumer.outcomes import Outcomes, checked_result
+from taskq.consumer.outcomes import Outcomes
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
 from taskq.consumer.routing import default_worker_id
 from taskq.consumer.scheduler import PriorityScheduler
@@ -80,10 +76,6 @@ from taskq.consumer.shares import TierShares
 from taskq.consumer.store import (
     Finished,
     IdempotencyStore,
-    LeaseLostError,
-    Member,
-    NotStarted,
-    Pauses,
     TaskStore,
     WorkerRecord,
 )
@@ -93,12 +85,6 @@ from taskq.schemas.registry import PendingRegistry, Registry, SchemaRegistry, cl
 
 log = logging.getLogger("taskq.worker")
 
-#: Most transactional attempts in one group commit: each is a subtransaction, and past 64 in one
-#: transaction Postgres's snapshots overflow their subtransaction cache (slower for every session).
-GROUP_MAX = 50
-#: A group starts no member after it has run this long (seconds): slow tasks commit in small groups, and
-#: no effect waits long for the rest of its group.
-GROUP_WINDOW = 0.05
 #: Records taken from Kafka at a time once a tier may be saturated by them, with flow control in between:
 #: fewer than the smallest reserve of the default weights, so no tier can take another's place for long.
 POLL_CHUNK = 16
@@ -106,14 +92,6 @@ POLL_CHUNK = 16
 SETTLE = 0.5
 #: Share mode: records acquired beyond what can start are released after this long (seconds).
 SHED_AFTER = 5.0
-#: A wave of group commits waits at most this long (seconds) for the claims in flight.
-WAVE_WAIT = 0.05
-
-
-class GroupRolledBack(TaskqError):
-    """The attempt's group commit was rolled back because of another attempt in it; it runs again."""
-
-
 class ServiceStoppedError(TaskqError):
     """A service the worker runs beside its loop (the delay forwarder, say) stopped on its own."""
 
@@ -193,17 +171,6 @@ class WorkerConfig:
             )
 
 
-def _key(task: Task) -> tuple[TP, bytes | None]:
-    """What an ordered task type serializes on: its partition and message key."""
-    return task.record.tp, task.record.key
-
-
-@cache
-def _task_logger(task_type: str) -> logging.Logger:
-    """The logger a task type's handlers get (`ctx.logger`): looked up once per type, not per task."""
-    return logging.getLogger(f"taskq.task.{task_type}")
-
-
 class Worker:
     """Runs the handlers of a `Handlers` registry against a namespace's priority topics."""
 
@@ -243,16 +210,7 @@ class Worker:
             weights=self.config.weights, capacity=self.config.buffer_capacity
         )
         self._offsets = Offsets(self._emit)
-        self._running: dict[int, Task] = {}
         self._arrived: list[Task] = []  # decoded this tick, to claim in one round trip
-        self._unstarted: list[Task] = []  # left out of a group that stopped early, to release
-        # Tasks of a paused task type, claimed and held out of the scheduler until the type is resumed.
-        self._on_hold: list[Task] = []
-        self._pauses = Pauses()
-        self._pauses_read_at = -float("inf")
-        # Ordered task types: the task that holds each (partition, key) while it runs or waits to retry.
-        self._key_holder: dict[tuple[TP, bytes | None], int] = {}
-        self._revoking: set[TP] = set()  # partitions whose revocation is being served
         self._paused: set[TP] = set()
         self._resume_at: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)  # depth a paused tier resumes at
         self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
@@ -261,13 +219,6 @@ class Worker:
         self._first_assigned: float | None = None
         self._fed: dict[Priority, float] = dict.fromkeys(PRIORITIES, -float("inf"))  # last record taken
         self._fetching: set[Priority | None] = set()  # tiers with a partition assigned and not paused
-        # Recent group members' run time, a moving average; until members have run, a guess that starts
-        # groups of about 8 (pops a group gives back unstarted cost weighted order its precision).
-        self._member_seconds = GROUP_WINDOW / 8
-        self._quarantine: Task | None = None  # the suspect running alone, until its outcome is recorded
-        self._suspect_waits = False  # a suspect is next: nothing starts until the running tasks end
-        self._members_running = 0  # members of group commits started and not reported yet
-        self._groups = any(s.transactional and s.group_commit for s in handlers)  # group commits may run
         self.heartbeat = metrics.Heartbeat()
         self._clock = clock
         self.broker: Broker = broker or KafkaBroker(self.settings)
@@ -306,7 +257,7 @@ class Worker:
                 self.config.concurrency,
                 datetime.now(UTC),
             ),
-            lambda: len(self._running),
+            lambda: len(self._dispatcher.running),
             interval=self.config.heartbeat_interval,
         )
         self._crashed = False  # the loop raised: keys may still be leased, so the liveness record stays
@@ -331,8 +282,8 @@ class Worker:
             worker_id=self.worker_id,
             result_max_bytes=self.config.result_max_bytes,
             emit=self._emit,
-            done=lambda task, dead: self._done(task, dead=dead),
-            lift=self._lift_quarantine,
+            done=lambda task, dead: self._dispatcher.done(task, dead=dead),
+            lift=lambda task: self._dispatcher.lift_quarantine(task),
         )
         self._claims = Claims(
             self.store,
@@ -343,8 +294,25 @@ class Worker:
             default_lease=self.config.default_lease,
             emit=self._emit,
             clock=clock,
-            done=self._done,
-            ready=self._ready,
+            done=lambda task: self._dispatcher.done(task),
+            ready=lambda tasks: self._dispatcher.ready(tasks),
+        )
+        self._dispatcher = Dispatch(
+            self._scheduler,
+            self.executor,
+            self._claims,
+            self._limits,
+            self.store,
+            self._completer,
+            self._offsets,
+            self._tracer,
+            self._outcomes,
+            config=self.config,
+            group=self.group,
+            group_commits=any(s.transactional and s.group_commit for s in handlers),
+            stop=self._stop,
+            emit=self._emit,
+            clock=clock,
         )
         self._source: RecordSource | TierShares | None = None
         self._shares: TierShares | None = None  # the source, in share mode
@@ -380,6 +348,19 @@ class Worker:
     def _generation(self) -> dict[TP, int]:
         """Each partition's assignment (in the offsets stage)."""
         return self._offsets.generation
+
+    @property
+    def _running(self) -> dict[int, Task]:
+        """Attempts started and not reported yet (in the dispatch stage), by id of their task."""
+        return self._dispatcher.running
+
+    def _dispatch(self) -> None:
+        """Start what may start now (the dispatch stage)."""
+        self._dispatcher.dispatch()
+
+    def _done(self, task: Task, *, dead: bool = False) -> None:
+        """The task's outcome is durable (the dispatch stage frees its key; its offset moves on)."""
+        self._dispatcher.done(task, dead=dead)
 
     @property
     def _held(self) -> list[Held]:
@@ -550,10 +531,10 @@ class Worker:
     def idle(self) -> bool:
         """Nothing buffered, held, running, or waiting to be recorded, acked, committed or given back."""
         return not (
-            self._running
+            self._dispatcher.running
             or self._claims.held
             or self._limits.pending()
-            or self._on_hold
+            or self._dispatcher.on_hold
             or self._undecoded
             or self._completer.pending()
             or len(self._scheduler)
@@ -563,7 +544,7 @@ class Worker:
     def waiting_until(self) -> float | None:
         """When the worker has nothing to do but wait for held tasks, or for the slots and tokens of its
         limited tasks' keys: the clock time the first may go on."""
-        if self._running or self._undecoded or self._completer.pending():
+        if self._dispatcher.running or self._undecoded or self._completer.pending():
             return None
         dues = [h.due for h in self._claims.held]
         if len(self._scheduler):
@@ -622,9 +603,9 @@ class Worker:
     def _tick(self) -> None:
         self.heartbeat.beat()
         assert self._source is not None
-        waiting = len(self._scheduler) + len(self._claims.held) + len(self._on_hold) + len(self._undecoded)
-        waiting += self._completer.claiming()
-        busy = bool(self._running or waiting or self._completer.pending())
+        waiting = len(self._scheduler) + len(self._claims.held) + len(self._dispatcher.on_hold)
+        waiting += len(self._undecoded) + self._completer.claiming()
+        busy = bool(self._dispatcher.running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
         if self._shares is not None:
             # Share mode takes only what can start now: a record buffered here is locked from the other
@@ -655,12 +636,12 @@ class Worker:
         self._arrived_from(records)
         self._take_in(records)
         self._claim_arrived()
-        self._read_pauses()
+        self._dispatcher.read_pauses()
         self._flow_control()
         self._claims.release_due()
         self._completer.settle()  # what earlier claims answered goes into the buffers first
         if self._settled():
-            self._dispatch()
+            self._dispatcher.dispatch()
         self._collect(block=0.0)
         self._limits.flush()
         self._completer.flush(linger=0.005)
@@ -794,12 +775,6 @@ class Worker:
             arrived, self._arrived = self._arrived, []
             self._claims.claim(arrived)
 
-    def _ready(self, tasks: list[Task]) -> None:
-        """Claimed tasks go into the buffers, for dispatch in weighted order."""
-        push = self._scheduler.push
-        for task in tasks:
-            push(task.tier, task)
-
     def _flow_control(self, incoming: Mapping[Priority, int] | None = None) -> None:
         """Pause the partitions of saturated tiers, resume the others (bounded memory, no starvation).
 
@@ -811,10 +786,10 @@ class Worker:
         to_pause, to_resume = [], []
         # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
-        waiting = len(self._scheduler) + len(self._claims.held) + len(self._on_hold)
+        waiting = len(self._scheduler) + len(self._claims.held) + len(self._dispatcher.on_hold)
         full = waiting + (sum(incoming.values()) if incoming else 0) >= self.config.buffer_capacity
         held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._claims.held if full)
-        held.update(t.tier for t in self._on_hold if full)
+        held.update(t.tier for t in self._dispatcher.on_hold if full)
         # Over the byte bound every partition waits: what is buffered runs first, then fetching resumes.
         heavy = self._over_bytes() or self._stop.is_set()
         # Decided per tier, then applied to its partitions: the rule reads every tier's depth, and a worker
@@ -824,7 +799,7 @@ class Worker:
         for tier in PRIORITIES:
             depth = depths[tier] = self._scheduler.depth(tier) + (incoming or {}).get(tier, 0)
             over = full and held[tier] + depth >= self._scheduler.reserve(tier)
-            paused = tier in self._pauses.tiers  # by an operator: nothing more is fetched
+            paused = tier in self._dispatcher.pauses.tiers  # by an operator: nothing more is fetched
             halt[tier] = heavy or over or paused or self._scheduler.saturated(tier, incoming)
         for tp in self._offsets.assigned:
             of = self.topics.priority_of(tp[0])
@@ -853,384 +828,13 @@ class Worker:
 
     def _over_bytes(self) -> bool:
         """Whether the buffered records (waiting, held, undecoded) take more than `buffer_bytes`."""
-        waiting = len(self._scheduler) + len(self._claims.held) + len(self._on_hold) + len(self._undecoded)
+        on_hold = self._dispatcher.on_hold
+        waiting = len(self._scheduler) + len(self._claims.held) + len(on_hold) + len(self._undecoded)
         if waiting * self._intake.largest < self.config.buffer_bytes:
             return False  # cannot be over whatever their sizes: no need to add them up (the usual case)
-        total = sum(size(t.record) for t in self._scheduler) + sum(size(t.record) for t in self._on_hold)
+        total = sum(size(t.record) for t in self._scheduler) + sum(size(t.record) for t in on_hold)
         total += sum(size(h.task.record) for h in self._claims.held) + sum(size(r) for r in self._undecoded)
         return total >= self.config.buffer_bytes
-
-    def _read_pauses(self) -> None:
-        """Every `pause_interval` seconds: read what operators paused, give resumed tasks back to the
-        scheduler, and renew the leases of paused tasks that wait long, so no other worker takes them over."""
-        now = self._clock()
-        if now - self._pauses_read_at < self.config.pause_interval:
-            return
-        self._pauses_read_at = now
-        self._read_cancels()
-        try:
-            pauses = self.store.pauses()
-        except StoreUnavailableError as exc:  # the last known state holds meanwhile
-            log.warning("cannot read pauses: %s", exc)
-            return
-        if pauses != self._pauses:
-            log.info(
-                "paused tiers: %s; paused task types: %s",
-                ", ".join(sorted(pauses.tiers)) or "none",
-                ", ".join(sorted(pauses.task_types)) or "none",
-            )
-            self._pauses = pauses
-        resumed = [t for t in self._on_hold if t.envelope.task_type not in pauses.task_types]
-        if resumed:
-            self._on_hold = [t for t in self._on_hold if t.envelope.task_type in pauses.task_types]
-            for task in reversed(resumed):  # first in line again, in their order
-                self._scheduler.push_front(task.tier, task)
-        stale = now - self.config.claim_wait / 2
-        waiting = [t for t in self._on_hold if t.claimed_at < stale]
-        waiting += [t for t in self._scheduler if t.tier in pauses.tiers and t.claimed_at < stale]
-        if not waiting:
-            return
-        # A paused task keeps its claim: its lease is renewed while it waits, and no attempt is counted.
-        try:
-            renewed = self.store.renew(
-                [(t.envelope.idempotency_key, t.attempts, self._claims.lease(t) + self.config.claim_wait)
-                 for t in waiting]
-            )
-        except StoreUnavailableError as exc:
-            log.warning("could not renew the leases of %d paused task(s): %s", len(waiting), exc)
-            return
-        lost = {id(t) for t in waiting if t.envelope.idempotency_key not in renewed}
-        for task in waiting:
-            if id(task) in lost:
-                # Taken over while paused: the worker holding the lease now decides this key.
-                log.warning("task %s: lease taken over while paused", task.envelope.task_id)
-                self._done(task)
-            else:
-                task.claimed_at = now
-        if lost:
-            self._on_hold = [t for t in self._on_hold if id(t) not in lost]
-            self._scheduler.remove_if(lambda t: id(t) in lost)
-
-    def _read_cancels(self) -> None:
-        """With the pauses: which tasks that run here or wait claimed in the buffer were cancelled. A running
-        one's handler sees ctx.cancelled; a waiting one never starts: its attempt is recorded failed, which
-        a cancelled key's record turns into cancelled (no retry, no DLQ), and its offset moves on."""
-        running = [t for t in self._running.values() if t.ctx is not None and not t.ctx.cancelled]
-        waiting = [*self._scheduler, *self._on_hold]
-        if not running and not waiting:
-            return
-        try:
-            asked = self.store.cancel_requested(
-                [t.envelope.idempotency_key for t in (*running, *waiting)]
-            )
-        except StoreUnavailableError as exc:
-            log.warning("cannot read cancellations: %s", exc)
-            return
-        if not asked:
-            return
-        for task in running:
-            if task.envelope.idempotency_key in asked and task.ctx is not None:
-                task.ctx.cancelled = True
-        dropped = {id(t): t for t in waiting if t.envelope.idempotency_key in asked}
-        if not dropped:
-            return
-        self._scheduler.remove_if(lambda t: id(t) in dropped)
-        self._on_hold = [t for t in self._on_hold if id(t) not in dropped]
-        for task in dropped.values():
-            env = task.envelope
-            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
-            self._completer.record(
-                Finished(
-                    env.idempotency_key,
-                    task.attempts,
-                    "failed",
-                    error="cancelled before it started",
-                    workflow=task.workflow,
-                ),
-                lambda task=task: self._done(task),  # type: ignore[misc]
-            )
-
-    def _dispatch(self) -> None:
-        """Start claimed tasks in weighted order, one slot each; transactional tasks ready together share
-        a slot and a transaction (group commit), in as few groups as GROUP_MAX allows. A suspect (a key
-        taken over from a dead worker) runs alone, outside any group (invariant 10)."""
-        if self._quarantine is not None:
-            return  # a suspect runs: nothing starts beside it until its outcome is recorded
-        free = self.executor.free_slots()
-        if not free or not len(self._scheduler) or (self._suspect_waits and self._running):
-            return  # (a suspect waits for the tasks running to end)
-        self._suspect_waits = False
-        wave = len(self._scheduler) // 2
-        if self._groups and not self._members_running and self._short_of_wave(wave, free):
-            # A wave of group commits is due (below). It takes up to half the buffer at once, in weighted
-            # order: a tier whose refetched records are still being claimed would miss its turns in it,
-            # and the tiers buffered would take them (invariant 4). Postgres answers in milliseconds.
-            self._completer.wait_claimed(WAVE_WAIT)
-        # At most half of what is buffered goes into the groups of one dispatch: the rest, and what is
-        # fetched meanwhile, keeps the weighted order deciding what runs next. That half goes into as few
-        # groups as the members' pace allows, not one per free slot: a group's transaction, completion
-        # statement and commit are shared by more attempts.
-        half = len(self._scheduler) // 2
-        size = self._group_fits()
-        groups = min(free, -(-half // size)) if half > free else free
-        per_group = min(size, -(-half // groups)) if half > free else 1
-        # Groups start in waves, never beside the groups of an earlier dispatch: groups run side by side
-        # member by member, and the members of one wave are dealt out in turn (below), so effects land in
-        # the order of the picks. Groups started one by one as others end would each run a stretch of
-        # picks at once, and a tier's share over a window would depend on which stretches it cut.
-        most = groups * per_group if not self._members_running else 0  # members of this dispatch's groups
-        singles: list[Task] = []
-        members: list[Task] = []
-        # Ordered tasks whose key is held by an earlier task, and limited tasks whose key has no slot or
-        # token now: they keep their place in the buffer, and the tasks behind them go by.
-        waiting: list[Task] = []
-        popped: dict[int, int] = {}  # pop order, to put the waiting tasks back in place
-        while True:
-            used = len(singles) + -(-len(members) // per_group)
-            open_group = len(members) % per_group != 0 and len(members) < most
-            if used >= free and not open_group:
-                break
-            task = self._scheduler.pop(skip=self._pauses.tiers)
-            if task is None:
-                break
-            if task.envelope.task_type in self._pauses.task_types:
-                self._on_hold.append(task)  # claimed, and held until its type is resumed
-                continue
-            popped[id(task)] = len(popped)
-            if task.spec.ordered and self._key_holder.get(_key(task), id(task)) != id(task):
-                waiting.append(task)
-                continue
-            if task.gate is not None and not self._limits.ready(task.gate):
-                waiting.append(task)
-                continue
-            if task.suspect:
-                # Quarantine: blamed for its worker's death only if it ran alone, a suspect starts only
-                # when nothing else runs, and nothing else starts until its outcome is recorded.
-                if singles or members or self._running:
-                    self._scheduler.push_front(task.tier, task)  # next in line (its pick is refunded)
-                    self._suspect_waits = True
-                else:
-                    singles.append(task)
-                    self._hold_key(task)
-                break
-            # A workflow's step commits alone: the transaction recording its end also moves the workflow on.
-            if not (task.spec.transactional and task.spec.group_commit) or task.workflow is not None:
-                if used >= free:  # only the open group had room: the task waits, first in line
-                    self._scheduler.push_front(task.tier, task)
-                    break
-                singles.append(task)
-                self._hold_key(task)
-                continue
-            if len(members) >= most or (not open_group and used >= free):
-                self._scheduler.push_front(task.tier, task)
-                break
-            members.append(task)
-            self._hold_key(task)
-        # Members are dealt to the groups in turn, not in runs: groups run side by side, member by member,
-        # so effects land in the order of the picks, and weighted order holds over any window of them.
-        n = -(-len(members) // per_group)
-        jobs: list[list[Task]] = [[t] for t in singles] + [members[i::n] for i in range(n)]
-        gated = [t for job in jobs for t in job if t.gate is not None]
-        if gated:
-            # One round trip for the batch's slots, one per bucket whose leased tokens ran out: a task
-            # refused waits, claimed, and has used up no attempt.
-            admitted = self._limits.admit(
-                [(t.envelope.idempotency_key, t.gate, self._claims.lease(t)) for t in gated if t.gate]
-            )
-            refused = {id(t) for t in gated if t.envelope.idempotency_key not in admitted}
-            if refused:
-                for job in jobs:
-                    for t in job:
-                        if id(t) in refused:
-                            self._free_key(t)
-                            waiting.append(t)
-                jobs = [[t for t in job if id(t) not in refused] for job in jobs]
-        stale = self._clock() - self.config.claim_wait / 2
-        waited = [t for job in jobs for t in job if t.claimed_at < stale]
-        # Limited tasks waiting for their key keep their claims: renewed as they age, as the others at start.
-        parked = [t for t in waiting if t.gate is not None and t.claimed_at < stale]
-        lost: set[int] = set()
-        if waited or parked:
-            # One statement renews every long-waiting task of this dispatch; those not renewed are dropped.
-            lost = {id(t) for t in waited + parked} - {id(t) for t in self._claims.renew(waited, parked)}
-        suspects = [t for job in jobs for t in job if t.suspect and id(t) not in lost]
-        if suspects:
-            # Keys taken over before may be poison pills: their runs are marked started before they start, so
-            # that this worker's death counts as an interruption. One statement for the dispatch, and only
-            # after a worker died: the run of a plain key writes nothing before it starts.
-            lost |= {id(t) for t in suspects} - {id(t) for t in self._claims.mark_started(suspects)}
-        if lost:
-            for job in jobs:
-                for t in job:
-                    if id(t) in lost:
-                        self._free_key(t)
-                        self._limits.release(t.envelope.idempotency_key)
-            jobs = [[t for t in job if id(t) not in lost] for job in jobs]
-            waiting = [t for t in waiting if id(t) not in lost]
-        waiting.sort(key=lambda t: popped[id(t)])
-        for task in reversed(waiting):
-            self._scheduler.push_front(task.tier, task)
-        for job in jobs:
-            if job and job[0].suspect:
-                self._quarantine = job[0]
-                self._start(job[0])
-            elif job and job[0].spec.transactional and job[0].spec.group_commit and not job[0].workflow:
-                self._start_group(job)
-            elif job:
-                self._start(job[0])
-
-    def _short_of_wave(self, wave: int, free: int) -> bool:
-        """A wave of `wave` picks is due, and a tier whose records are being claimed holds less than its
-        weighted share of it."""
-        if wave <= free or not self._completer.claiming():
-            return False
-        capacity, claiming = self.config.buffer_capacity, self._claims.claiming
-        return any(
-            claiming[t] and self._scheduler.depth(t) * capacity < wave * self._scheduler.reserve(t)
-            for t in PRIORITIES
-        )
-
-    def _group_fits(self) -> int:
-        """Members a group starts within GROUP_WINDOW, at the recent members' pace: a group popped larger
-        gives the rest back unstarted, and weighted order is kept best by pops that start."""
-        return max(1, min(GROUP_MAX, int(GROUP_WINDOW / max(self._member_seconds, 1e-6)) + 1))
-
-    def _start(self, task: Task) -> None:
-        env = task.envelope
-        ctx = self._context(task)
-        call = None
-        if task.spec.transactional:
-            spec, store, limit = task.spec, self.store, self.config.result_max_bytes
-            workflow = task.workflow
-
-            def call() -> Any:
-                returned: list[Any] = [None]
-                with store.transaction(
-                    env.idempotency_key, task.attempts, result_of=lambda: returned[0], workflow=workflow
-                ) as conn:
-                    ctx.db = conn
-                    # Checked inside the transaction: a result that cannot be stored rolls the effect back.
-                    returned[0] = checked_result(spec.fn(task.payload, ctx), limit)
-                task.recorded = True
-                return returned[0]
-
-        timeout = task.spec.timeout or env.timeout
-        task.ctx = ctx
-        self._running[id(task)] = task
-        self._emit(
-            AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts, task.suspect)
-        )
-        trace = None
-        if self._tracer.active():
-            task.span, trace = self._attempt_span(task)
-        self.executor.submit(
-            Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call, trace=trace),
-            lambda outcome: self._outcomes.put((task, outcome)),
-        )
-
-    def _attempt_span(self, task: Task) -> tuple[Any, contextvars.Context]:
-        record = task.record
-        return self._tracer.attempt(
-            task.envelope, record.topic, task.attempts, self.group, record.partition, record.offset
-        )
-
-    def _context(self, task: Task) -> TaskContext:
-        env = task.envelope
-        workflow = task.workflow
-        return TaskContext(
-            task_id=env.task_id,
-            task_type=env.task_type,
-            attempt=task.attempts,
-            max_attempts=env.max_attempts or task.spec.policy.max_attempts,
-            idempotency_key=env.idempotency_key,
-            priority=env.priority,
-            headers=dict(task.record.headers),
-            logger=_task_logger(env.task_type),
-            workflow_inputs=None
-            if workflow is None
-            else functools.partial(self.store.workflow_inputs, workflow),
-        )
-
-    def _start_group(self, tasks: list[Task]) -> None:
-        """Run transactional tasks one after another in one transaction on one slot (group commit)."""
-        contexts = [self._context(t) for t in tasks]
-
-        def member(task: Task, ctx: TaskContext) -> Member:
-            timeout = task.spec.timeout or task.envelope.timeout
-
-            def call(conn: Any) -> Any:
-                ctx.db = conn
-                ctx.deadline = time.monotonic() + timeout if timeout else None
-                if self._tracer.active():
-                    task.span, trace = self._attempt_span(task)
-                    returned = trace.run(task.spec.fn, task.payload, ctx)
-                else:
-                    returned = task.spec.fn(task.payload, ctx)
-                # Checked under the member's savepoint: a result that cannot be stored rolls it back alone.
-                return checked_result(returned, self.config.result_max_bytes)
-
-            tp = task.record.tp
-            # A member whose turn comes after SIGTERM or its partition's revocation is not started: the
-            # group commits what ran, and shutdown and revoke wait for one attempt, not a whole group.
-            # Nor one whose turn comes after the group's window: it goes back to the buffer, still
-            # claimed, and a group's effects are never held back for long.
-            return Member(
-                task.envelope.idempotency_key,
-                task.attempts,
-                call,
-                skip=lambda: self._stop.is_set() or tp in self._revoking or window_passed(),
-            )
-
-        began: list[float] = []
-
-        def window_passed() -> bool:
-            if not began:
-                began.append(time.monotonic())
-            return time.monotonic() - began[0] > GROUP_WINDOW
-
-        members = [member(t, c) for t, c in zip(tasks, contexts, strict=True)]
-        store = self.store
-
-        def run() -> list[Member]:
-            store.run_group(members)
-            return members
-
-        def report(outcome: Outcome) -> None:
-            # One outcome per task: its own when the group committed; the group's when it did not (a
-            # failed commit records nothing, so every task of the group runs again).
-            for task, m in zip(tasks, members, strict=True):
-                if isinstance(m.error, NotStarted):
-                    self._outcomes.put((task, failure(m.error, 0.0)))
-                elif not outcome.ok:
-                    error = outcome.error
-                    lost = isinstance(error, LeaseLostError) and m.idempotency_key in error.keys
-                    if isinstance(error, LeaseLostError) and not lost:
-                        error = GroupRolledBack(f"rolled back with its group: {error}")
-                        self._outcomes.put((task, failure(error, m.seconds)))
-                    else:
-                        self._outcomes.put((task, outcome))
-                elif m.error is not None:
-                    self._outcomes.put((task, failure(m.error, m.seconds)))
-                else:
-                    task.recorded = True
-                    self._outcomes.put((task, Outcome(ok=True, result=m.result, seconds=m.seconds)))
-
-        timeouts = [t.spec.timeout or t.envelope.timeout for t in tasks]
-        for task, ctx in zip(tasks, contexts, strict=True):
-            task.ctx = ctx
-            self._running[id(task)] = task
-            task.grouped = True  # AttemptStarted is emitted when it reports: a member may never start
-        self._members_running += len(tasks)
-        self.executor.submit(
-            Job(
-                spec=tasks[0].spec,
-                payload=None,
-                ctx=contexts[0],
-                timeout=None if None in timeouts else sum(t or 0.0 for t in timeouts),
-                call=run,
-            ),
-            report,
-        )
 
     def _collect(self, block: float) -> None:
         """Take the outcomes reported so far (waiting up to `block` for the first) as one batch, and hand it
@@ -1245,48 +849,10 @@ class Worker:
                 reported.append(self._outcomes.get_nowait())
             except queue.Empty:
                 break
-        ended: list[tuple[Task, Outcome]] = []
-        for task, outcome in reported:
-            self._running.pop(id(task), None)
-            if task.gate is not None:
-                self._limits.release(task.envelope.idempotency_key)  # the attempt ended (or never started)
-            if task.grouped:
-                self._members_running -= 1
-                if isinstance(outcome.error, NotStarted):
-                    task.grouped = False
-                    tp = task.record.tp
-                    current = self._offsets.current(tp, task.generation)
-                    if current and not self._stop.is_set() and tp not in self._revoking:
-                        self._scheduler.push_front(task.tier, task)  # past its group's window: still claimed
-                    else:
-                        self._unstarted.append(task)  # its claim is given back; its offset stays uncommitted
-                    continue
-                self._member_seconds += (outcome.seconds - self._member_seconds) / 8
-            ended.append((task, outcome))
+        ended, unstarted = self._dispatcher.ended(reported)
         again = self._outcome_stage.settle(ended, self._clock())
         self._claims.held.extend(Held(task, due) for task, due in again)
-        if self._unstarted:
-            unstarted, self._unstarted = self._unstarted, []
-            self._claims.release(unstarted)
-
-    def _done(self, task: Task, *, dead: bool = False) -> None:
-        self._free_key(task)
-        self._lift_quarantine(task)
-        self._offsets.done(task.record, task.generation, dead=dead)
-
-    def _lift_quarantine(self, task: Task) -> None:
-        """The suspect running alone has its outcome recorded: other tasks may start again. (Until then,
-        its run is still marked started, and a death would be charged to it.)"""
-        if self._quarantine is task:
-            self._quarantine = None
-
-    def _hold_key(self, task: Task) -> None:
-        if task.spec.ordered:
-            self._key_holder[_key(task)] = id(task)
-
-    def _free_key(self, task: Task) -> None:
-        if task.spec.ordered and self._key_holder.get(_key(task)) == id(task):
-            del self._key_holder[_key(task)]
+        self._claims.release(unstarted)
 
     def _commit(self, tps: set[TP] | None = None, *, asynchronous: bool = False) -> bool:
         """Commit what is committable (of `tps`, if given); False if the commit failed (`Offsets.commit`)."""
@@ -1346,20 +912,17 @@ class Worker:
         # Only the revoked partitions' work is dropped: retained partitions keep their buffered, held,
         # undecoded and running tasks, their pending offsets and their pause state (invariant 8).
         revoked = set(tps)
-        self._revoking = revoked
+        self._dispatcher.revoking = revoked
         # Claims on their way land in the buffers first, so the claimed keys of revoked partitions are
-        # given back with the rest (one answered later is given back by `_claimed`).
+        # given back with the rest (one answered later is given back by the claims stage).
         self._completer.wait_claimed(5.0)
-        dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
-        dropped += [t for t in self._on_hold if t.record.tp in revoked]
-        self._on_hold = [t for t in self._on_hold if t.record.tp not in revoked]
+        dropped = self._dispatcher.drop(revoked)
         # Claimed ahead and never started: the partition's new owner claims them at once, same attempt.
         self._claims.release(dropped)
         self._claims.forget(revoked)
         self._intake.forget(revoked)
-        self._key_holder = {k: v for k, v in self._key_holder.items() if k[0] not in revoked}
         self._drain(
-            lambda: any(t.record.tp in revoked for t in self._running.values()),
+            lambda: any(t.record.tp in revoked for t in self._dispatcher.running.values()),
             timeout=self.config.revoke_timeout,
             ack_timeout=5.0,
         )
@@ -1369,7 +932,7 @@ class Worker:
             log.warning("commit on revoke failed: %s", exc)
         self._offsets.revoke(revoked)
         self._paused -= revoked
-        self._revoking = set()
+        self._dispatcher.revoking = set()
         log.info(
             "revoked %s (%d buffered task(s) dropped)", ", ".join(f"{t}[{p}]" for t, p in tps), len(dropped)
         )
@@ -1406,12 +969,11 @@ class Worker:
         self._source.pause(list(self._offsets.assigned))
         self._completer.wait_claimed(5.0)
         # Claimed ahead and never started: whoever reads these partitions next claims them at once.
-        self._claims.release(self._scheduler.remove_if(lambda t: True) + self._on_hold)
-        self._on_hold = []
-        if self._running:
-            log.info("stopping: waiting for %d running task(s)", len(self._running))
+        self._claims.release(self._dispatcher.drop_all())
+        if self._dispatcher.running:
+            log.info("stopping: waiting for %d running task(s)", len(self._dispatcher.running))
         self._drain(
-            lambda: bool(self._running),
+            lambda: bool(self._dispatcher.running),
             timeout=self.config.shutdown_timeout,
             ack_timeout=10.0,
             serve_group=True,
@@ -1426,7 +988,7 @@ class Worker:
         # outcome (a lease lost to that freeing, say) must never mark its offset done: closing the consumer
         # serves a last revocation, whose commit would then skip the task for good.
         self._offsets.abandon()
-        abandoned = list(self._running.values())
+        abandoned = list(self._dispatcher.running.values())
         if abandoned:
             # Their attempts end with this process: free the keys now rather than at lease expiry.
             log.warning(
