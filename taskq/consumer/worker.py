@@ -1,22 +1,20 @@
 """The worker: consume the priority topics in a group, run each task once, commit offsets contiguously.
 
-One thread (the loop) owns the Kafka consumer, the buffers, the offset tracker and the store connection;
-handlers run on the executor's slots and report back through a queue. A task's offset becomes committable
-only once its outcome is durable: the completion recorded in Postgres, or its retry/DLQ record acknowledged
-by the broker (invariant 1).
+One thread (the loop) fetches records and passes each batch through the stages, in order, once each:
+offsets admit it (`offsets.Offsets`), intake decodes it (`intake.Intake`), claims hold its keys
+(`claims.Claims`), dispatch starts the claimed tasks on the executor's slots (`dispatch.Dispatch`), and the
+outcomes they report are recorded (`outcomes.Outcomes`), after which their offsets are committed. A task's
+offset becomes committable only once its outcome is durable: the completion recorded in Postgres, or its
+retry/DLQ record acknowledged by the broker (invariant 1). This module wires the stages and runs the loop.
 
-Longer than 800 lines because the loop's stages (intake, claims, dispatch, outcomes, offsets)
-still live here beside the wiring, and each feature that touches a task's path (quarantine, results,
-cancellation, workflow steps, share mode's acknowledgements) adds to one of them. They share the loop's
-state (buffers, running tasks, offset tracker) and are split by moving that state into the stages: each a
-module of its own, taking and returning a batch, in the batch-stage restructuring of the hot path (issue 21,
-part 4). Split piecemeal before then, they would only pass that state back and forth.
+Longer than 800 lines because the loop's fetch side (records taken in chunks between flow control, the
+pausing and resuming of partitions, the first dispatch's wait for every tier) and the rebalance and
+shutdown paths, which reach into every stage, still live here beside the wiring and the lifecycle of the
+services the worker runs (forwarder, relay, periodic scheduler, metrics).
 """
 
 from __future__ import annotations
 
-import contextvars
-import functools
 import logging
 import os
 import queue
@@ -26,9 +24,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from functools import cache
 from types import FrameType
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -37,82 +34,57 @@ from taskq._core.db import Database
 from taskq._core.envelope import (
     DEFAULT_WEIGHTS,
     PRIORITIES,
-    WORKFLOW_HEADER,
-    Envelope,
-    EnvelopeError,
     Priority,
     Topics,
 )
 from taskq._core.errors import (
     ConfigurationError,
     KafkaAuthenticationError,
-    ResultError,
     StoreUnavailableError,
     TaskqError,
 )
 from taskq._core.kafka import TP, Broker, KafkaBroker, Record, RecordSource
 from taskq._core.service import ServiceThread, run_in_thread
 from taskq._core.settings import Settings
-from taskq._core.store import RESULT_MAX_BYTES, encode_result
+from taskq._core.store import RESULT_MAX_BYTES
 from taskq._core.tracing import Tracer
 from taskq.consumer import metrics
+from taskq.consumer.claims import Claims, Held
 from taskq.consumer.completer import Completer
+from taskq.consumer.dispatch import Dispatch
 from taskq.consumer.events import (
-    AttemptFailed,
-    AttemptStarted,
-    AttemptSucceeded,
-    CancelledSkipped,
-    DeadLettered,
-    DuplicateSkipped,
     Event,
     Hook,
     LoopSampled,
-    OffsetsCommitted,
     PartitionsAssigned,
     PartitionsRevoked,
-    ShareRedelivered,
-    TaskCompleted,
-    TaskRetried,
     WorkerStarted,
     WorkerStopped,
 )
-from taskq.consumer.executor import Executor, Job, Outcome, TaskFailed, failure
+from taskq.consumer.executor import Executor, Outcome
 from taskq.consumer.forwarder import Forwarder
-from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext, task_fields
-from taskq.consumer.limits import Gate, KeyFailedError, Limits
+from taskq.consumer.handlers import Handlers
+from taskq.consumer.intake import Intake, Task, size
+from taskq.consumer.limits import Limits
 from taskq.consumer.liveness import Liveness
-from taskq.consumer.offsets import OffsetTracker
+from taskq.consumer.offsets import Offsets, OffsetTracker
+from taskq.consumer.outcomes import Outcomes
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
-from taskq.consumer.retry import Reject, Retry
-from taskq.consumer.routing import Outgoing, bounded, dead_letter_record, default_worker_id, retry_record
+from taskq.consumer.routing import default_worker_id
 from taskq.consumer.scheduler import PriorityScheduler
 from taskq.consumer.shares import TierShares
 from taskq.consumer.store import (
-    Claim,
-    ClaimRequest,
     Finished,
     IdempotencyStore,
-    LeaseLostError,
-    Member,
-    NotStarted,
-    Pauses,
     TaskStore,
     WorkerRecord,
 )
 from taskq.producer.outbox import OutboxRelay
 from taskq.producer.producer import TaskProducer
-from taskq.schemas import avro
-from taskq.schemas.errors import DecodeError, RegistryUnavailableError, SchemaError, SchemaNotFoundError
 from taskq.schemas.registry import PendingRegistry, Registry, SchemaRegistry, client_config
 
 log = logging.getLogger("taskq.worker")
 
-#: Most transactional attempts in one group commit: each is a subtransaction, and past 64 in one
-#: transaction Postgres's snapshots overflow their subtransaction cache (slower for every session).
-GROUP_MAX = 50
-#: A group starts no member after it has run this long (seconds): slow tasks commit in small groups, and
-#: no effect waits long for the rest of its group.
-GROUP_WINDOW = 0.05
 #: Records taken from Kafka at a time once a tier may be saturated by them, with flow control in between:
 #: fewer than the smallest reserve of the default weights, so no tier can take another's place for long.
 POLL_CHUNK = 16
@@ -120,52 +92,8 @@ POLL_CHUNK = 16
 SETTLE = 0.5
 #: Share mode: records acquired beyond what can start are released after this long (seconds).
 SHED_AFTER = 5.0
-#: A wave of group commits waits at most this long (seconds) for the claims in flight.
-WAVE_WAIT = 0.05
-
-
-class GroupRolledBack(TaskqError):
-    """The attempt's group commit was rolled back because of another attempt in it; it runs again."""
-
-
 class ServiceStoppedError(TaskqError):
     """A service the worker runs beside its loop (the delay forwarder, say) stopped on its own."""
-
-
-def max_worker_deaths(max_attempts: int) -> int:
-    """Deaths of its own after which a key is dead-lettered as a poison pill, unrun.
-
-    A task merely in flight (or claimed ahead) on a worker that died is not charged an attempt; but a task
-    that kills every worker running it must still end in the DLQ: after max_attempts deaths of its own,
-    and never after one alone, so a single crash never dead-letters a task with max_attempts=1.
-    """
-    return max(max_attempts, 2)
-
-
-def _workflow_of(record: Record) -> str | None:
-    """The record's workflow header (`<workflow id>:<node>`), if its task is a step of a workflow."""
-    for name, value in record.headers:
-        if name == WORKFLOW_HEADER:
-            return value.decode(errors="replace")
-    return None
-
-
-def _checked_result(result: Any, limit: int) -> Any:
-    """The handler's return value, once known to be storable as its result; ResultError if not."""
-    if result is not None:
-        encode_result(result, limit)
-    return result
-
-
-def worker_deaths(claim: Claim) -> int:
-    """Deaths charged to a key: interruptions of its runs in quarantine (invariant 10).
-
-    A key taken over from a dead worker is a suspect: it runs alone in its process, outside group commit,
-    marked started just before it runs. Only such a run's death is an interruption. The death that made it
-    a suspect is charged to nobody: whatever ran, was buffered or was claimed ahead beside the task that
-    killed the worker cannot be told apart from it.
-    """
-    return claim.interruptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,53 +171,6 @@ class WorkerConfig:
             )
 
 
-@dataclass(slots=True)
-class _Task:
-    record: Record
-    envelope: Envelope
-    spec: HandlerSpec
-    payload: Any
-    generation: int
-    tier: Priority
-    attempts: int = 0
-    claimed_at: float = 0.0
-    suspect: bool = False  # taken over from a dead worker before: its run is marked started first
-    grouped: bool = False  # runs in a group commit
-    gate: Gate | None = None  # the concurrency slot and rate bucket of a limited task type
-    recorded: bool = False  # the completion was recorded inside the handler's transaction
-    span: Any = None  # the attempt's span, when tracing
-    ctx: TaskContext | None = None  # the running attempt's context (ctx.cancelled is set on it)
-    workflow: str | None = None  # its workflow header, if it is a step of a workflow (read once)
-
-
-@dataclass(slots=True)
-class _Held:
-    task: _Task
-    due: float
-
-
-def _key(task: _Task) -> tuple[TP, bytes | None]:
-    """What an ordered task type serializes on: its partition and message key."""
-    return task.record.tp, task.record.key
-
-
-@cache
-def _task_logger(task_type: str) -> logging.Logger:
-    """The logger a task type's handlers get (`ctx.logger`): looked up once per type, not per task."""
-    return logging.getLogger(f"taskq.task.{task_type}")
-
-
-def _fields(task: _Task) -> dict[str, Any]:
-    """The `extra` of a log line about a task: its id, idempotency key, type, tier and attempt."""
-    env = task.envelope
-    return task_fields(env.task_id, env.idempotency_key, env.task_type, env.priority, task.attempts)
-
-
-def _size(record: Record) -> int:
-    """Bytes a buffered record holds: its value and headers."""
-    return len(record.value or b"") + sum(len(k) + len(v) for k, v in record.headers)
-
-
 class Worker:
     """Runs the handlers of a `Handlers` registry against a namespace's priority topics."""
 
@@ -324,43 +205,20 @@ class Worker:
         self._hooks: tuple[Hook, ...] = (self.metrics, *hooks)
         self._tracer = Tracer()
         self._stop = threading.Event()
-        self._outcomes: queue.SimpleQueue[tuple[_Task, Outcome]] = queue.SimpleQueue()
-        self._scheduler: PriorityScheduler[_Task] = PriorityScheduler(
+        self._outcomes: queue.SimpleQueue[tuple[Task, Outcome]] = queue.SimpleQueue()
+        self._scheduler: PriorityScheduler[Task] = PriorityScheduler(
             weights=self.config.weights, capacity=self.config.buffer_capacity
         )
-        self._tracker = OffsetTracker()
-        self._generation: dict[TP, int] = {}
-        self._running: dict[int, _Task] = {}
-        self._held: list[_Held] = []
-        self._undecoded: list[Record] = []
-        self._arrived: list[_Task] = []  # decoded this tick, to claim in one round trip
-        self._unstarted: list[_Task] = []  # left out of a group that stopped early, to release
-        # Tasks of a paused task type, claimed and held out of the scheduler until the type is resumed.
-        self._on_hold: list[_Task] = []
-        self._pauses = Pauses()
-        self._pauses_read_at = -float("inf")
-        # Ordered task types: the task that holds each (partition, key) while it runs or waits to retry.
-        self._key_holder: dict[tuple[TP, bytes | None], int] = {}
-        self._revoking: set[TP] = set()  # partitions whose revocation is being served
+        self._offsets = Offsets(self._emit)
+        self._arrived: list[Task] = []  # decoded this tick, to claim in one round trip
         self._paused: set[TP] = set()
         self._resume_at: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)  # depth a paused tier resumes at
         self._fresh: set[TP] = set()  # assigned since the last flow control: pause state unknown
-        self._assigned: set[TP] = set()
         self._settling: dict[TP, float] = {}  # assigned, not fetched yet: when they were assigned
         self._dispatched = False  # nothing started yet: the first dispatch waits for every tier's partitions
         self._first_assigned: float | None = None
         self._fed: dict[Priority, float] = dict.fromkeys(PRIORITIES, -float("inf"))  # last record taken
         self._fetching: set[Priority | None] = set()  # tiers with a partition assigned and not paused
-        # Recent group members' run time, a moving average; until members have run, a guess that starts
-        # groups of about 8 (pops a group gives back unstarted cost weighted order its precision).
-        self._member_seconds = GROUP_WINDOW / 8
-        self._quarantine: _Task | None = None  # the suspect running alone, until its outcome is recorded
-        self._step_ends: list[tuple[_Task, str, str]] = []  # workflow steps the claims skipped
-        self._suspect_waits = False  # a suspect is next: nothing starts until the running tasks end
-        self._members_running = 0  # members of group commits started and not reported yet
-        self._groups = any(s.transactional and s.group_commit for s in handlers)  # group commits may run
-        # Tasks per tier whose claims are on their way: buffered as far as flow control is concerned.
-        self._claiming: Counter[Priority] = Counter()
         self.heartbeat = metrics.Heartbeat()
         self._clock = clock
         self.broker: Broker = broker or KafkaBroker(self.settings)
@@ -399,7 +257,7 @@ class Worker:
                 self.config.concurrency,
                 datetime.now(UTC),
             ),
-            lambda: len(self._running),
+            lambda: len(self._dispatcher.running),
             interval=self.config.heartbeat_interval,
         )
         self._crashed = False  # the loop raised: keys may still be leased, so the liveness record stays
@@ -409,11 +267,53 @@ class Worker:
             # which `start` then has look up the handlers' schemas: both while the worker joins its group.
             url, conf = self.settings.schema_registry_url, client_config(self.settings)
             registry = self._pending_registry = PendingRegistry(lambda: Registry(url, config=conf))
-        self.registry: SchemaRegistry = registry
         self.executor = Executor(concurrency=self.config.concurrency, handlers_path=handlers.import_path)
         self._sink = self.broker.sink()
         self._completer = Completer(self.store, self._sink, recorder=recorder)
         self._limits = Limits(self.store, self.settings.namespace, clock=clock)
+        self._intake = Intake(handlers, registry, self._limits, self.topics, clock=clock)
+        self._outcome_stage = Outcomes(
+            self._completer,
+            self._offsets,
+            self._limits,
+            self._tracer,
+            self.topics,
+            delay_tiers=self.settings.delay_tiers,
+            worker_id=self.worker_id,
+            result_max_bytes=self.config.result_max_bytes,
+            emit=self._emit,
+            done=lambda task, dead: self._dispatcher.done(task, dead=dead),
+            lift=lambda task: self._dispatcher.lift_quarantine(task),
+        )
+        self._claims = Claims(
+            self.store,
+            self._completer,
+            self._outcome_stage,
+            self._offsets,
+            claim_wait=self.config.claim_wait,
+            default_lease=self.config.default_lease,
+            emit=self._emit,
+            clock=clock,
+            done=lambda task: self._dispatcher.done(task),
+            ready=lambda tasks: self._dispatcher.ready(tasks),
+        )
+        self._dispatcher = Dispatch(
+            self._scheduler,
+            self.executor,
+            self._claims,
+            self._limits,
+            self.store,
+            self._completer,
+            self._offsets,
+            self._tracer,
+            self._outcomes,
+            config=self.config,
+            group=self.group,
+            group_commits=any(s.transactional and s.group_commit for s in handlers),
+            stop=self._stop,
+            emit=self._emit,
+            clock=clock,
+        )
         self._source: RecordSource | TierShares | None = None
         self._shares: TierShares | None = None  # the source, in share mode
         self._forwarder: tuple[Forwarder, threading.Thread] | None = None
@@ -424,8 +324,53 @@ class Worker:
         self._services_checked_at = 0.0
         self._last_poll = 0.0
         self._last_lag = 0.0
-        self._registry_retry_at = 0.0
-        self._largest = 0  # the largest record accepted so far, in bytes
+
+    @property
+    def registry(self) -> SchemaRegistry:
+        """The schema registry that intake reads writer schemas from."""
+        return self._intake.registry
+
+    @registry.setter
+    def registry(self, registry: SchemaRegistry) -> None:
+        self._intake.registry = registry
+
+    @property
+    def _tracker(self) -> OffsetTracker:
+        """The assigned partitions' offsets (in the offsets stage)."""
+        return self._offsets.tracker
+
+    @property
+    def _assigned(self) -> set[TP]:
+        """The partitions assigned (in the offsets stage)."""
+        return self._offsets.assigned
+
+    @property
+    def _generation(self) -> dict[TP, int]:
+        """Each partition's assignment (in the offsets stage)."""
+        return self._offsets.generation
+
+    @property
+    def _running(self) -> dict[int, Task]:
+        """Attempts started and not reported yet (in the dispatch stage), by id of their task."""
+        return self._dispatcher.running
+
+    def _dispatch(self) -> None:
+        """Start what may start now (the dispatch stage)."""
+        self._dispatcher.dispatch()
+
+    def _done(self, task: Task, *, dead: bool = False) -> None:
+        """The task's outcome is durable (the dispatch stage frees its key; its offset moves on)."""
+        self._dispatcher.done(task, dead=dead)
+
+    @property
+    def _held(self) -> list[Held]:
+        """Tasks held out of the buffer to be claimed again (in the claims stage)."""
+        return self._claims.held
+
+    @property
+    def _undecoded(self) -> list[Record]:
+        """Records held for the registry (in intake): their offsets stay pending."""
+        return self._intake.undecoded
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def stop(self) -> None:
@@ -499,7 +444,7 @@ class Worker:
         # is checked here. Nothing is claimed before this returns (claims are the loop's), so the schema is
         # migrated and the host's dead predecessors are freed before the first claim, as before.
         if self.config.share_group:
-            self._source = self._shares = self._share_source()
+            self._source = self._shares = self._offsets.shares = self._share_source()
         else:
             self._source = self.broker.source(
                 group=self.group,
@@ -586,23 +531,22 @@ class Worker:
     def idle(self) -> bool:
         """Nothing buffered, held, running, or waiting to be recorded, acked, committed or given back."""
         return not (
-            self._running
-            or self._held
+            self._dispatcher.running
+            or self._claims.held
             or self._limits.pending()
-            or self._on_hold
+            or self._dispatcher.on_hold
             or self._undecoded
             or self._completer.pending()
             or len(self._scheduler)
-            or self._tracker.in_flight()
-            or self._tracker.committable()
+            or self._offsets.pending()
         )
 
     def waiting_until(self) -> float | None:
         """When the worker has nothing to do but wait for held tasks, or for the slots and tokens of its
         limited tasks' keys: the clock time the first may go on."""
-        if self._running or self._undecoded or self._completer.pending():
+        if self._dispatcher.running or self._undecoded or self._completer.pending():
             return None
-        dues = [h.due for h in self._held]
+        dues = [h.due for h in self._claims.held]
         if len(self._scheduler):
             if any(t.gate is None or self._limits.ready(t.gate) for t in self._scheduler):
                 return None
@@ -659,9 +603,9 @@ class Worker:
     def _tick(self) -> None:
         self.heartbeat.beat()
         assert self._source is not None
-        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
-        waiting += self._completer.claiming()
-        busy = bool(self._running or waiting or self._completer.pending())
+        waiting = len(self._scheduler) + len(self._claims.held) + len(self._dispatcher.on_hold)
+        waiting += len(self._undecoded) + self._completer.claiming()
+        busy = bool(self._dispatcher.running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
         if self._shares is not None:
             # Share mode takes only what can start now: a record buffered here is locked from the other
@@ -688,18 +632,16 @@ class Worker:
                 waited = True
                 if records and room > 1:
                     records += self._take(room - 1, records)
-        for record in self._undecoded_ready():
-            self._accept(record, tracked=True)
+        self._take_in(self._intake.retry_ready(), tracked=True)
         self._arrived_from(records)
-        for record in records:
-            self._accept(record)
+        self._take_in(records)
         self._claim_arrived()
-        self._read_pauses()
+        self._dispatcher.read_pauses()
         self._flow_control()
-        self._release_held()
+        self._claims.release_due()
         self._completer.settle()  # what earlier claims answered goes into the buffers first
         if self._settled():
-            self._dispatch()
+            self._dispatcher.dispatch()
         self._collect(block=0.0)
         self._limits.flush()
         self._completer.flush(linger=0.005)
@@ -725,7 +667,7 @@ class Worker:
         comes from the tiers still short of their reserve (invariant 4).
         """
         assert self._source is not None
-        incoming = self._claiming.copy()
+        incoming = self._claims.claiming.copy()
         for record in taken:
             tier = self.topics.priority_of(record.topic)
             if tier is not None:
@@ -759,7 +701,7 @@ class Worker:
         assert self._source is not None
         now = self._clock()
         if not self._dispatched:
-            tiers = {self.topics.priority_of(t) for t, _ in self._assigned} - {None}
+            tiers = {self.topics.priority_of(t) for t, _ in self._offsets.assigned} - {None}
             if len(tiers) < len(PRIORITIES) and now - self._first_assigned < SETTLE:
                 return False
         if self._settling:
@@ -768,7 +710,7 @@ class Worker:
             waiting = [
                 tp
                 for tp, at in self._settling.items()
-                if now - at < SETTLE and tp in self._assigned and tp not in self._paused
+                if now - at < SETTLE and tp in self._offsets.assigned and tp not in self._paused
             ]
             # Nothing to wait for in an empty partition. (Where the group's reading starts is not asked for:
             # a committed-offsets request made from the loop can block it while a rebalance is in flight,
@@ -795,7 +737,7 @@ class Worker:
         recent = self._clock() - 1.0
         return any(
             self._fed[tier] > recent
-            and self._scheduler.depth(tier) + self._claiming[tier] < self._scheduler.reserve(tier) // 2
+            and self._scheduler.depth(tier) + self._claims.claiming[tier] < self._scheduler.reserve(tier) // 2
             and tier in self._fetching
             for tier in PRIORITIES
         )
@@ -806,104 +748,32 @@ class Worker:
 
     def _idle_slots(self) -> bool:
         """Slots are free and nothing buffered is waiting for one."""
-        return not (len(self._scheduler) or self._held or self._undecoded) and self.executor.free_slots() > 0
-
-    def _undecoded_ready(self) -> list[Record]:
-        if not self._undecoded or self._clock() < self._registry_retry_at:
-            return []
-        pending, self._undecoded = self._undecoded, []
-        return pending
+        waiting = len(self._scheduler) or self._claims.held or self._undecoded
+        return not waiting and self.executor.free_slots() > 0
 
     def _accept(self, record: Record, *, tracked: bool = False) -> None:
-        """Decode a fetched record into a task and buffer it; input that can never run goes to the DLQ."""
-        tier = self.topics.priority_of(record.topic)
-        self._largest = max(self._largest, _size(record))
-        if record.tp not in self._assigned:
-            # Fetched before its partition was revoked (one consume() can return records of a partition
-            # whose revocation it also served): its new owner reads it from the committed offset. Tracking
-            # it here would leave a stale entry that swallows the partition's records if it comes back.
+        """Take in one fetched record (the loop takes in each poll's records as one batch)."""
+        self._take_in([record], tracked=tracked)
+
+    def _take_in(self, records: Sequence[Record], *, tracked: bool = False) -> None:
+        """Track a batch of fetched records' offsets and decode it (intake); input that can never run goes
+        to the DLQ, and the tasks wait in `_arrived` to be claimed in one round trip."""
+        if not records:
             return
-        if self._shares is not None:
-            if record.delivery_count is not None and record.delivery_count > 1:
-                last = record.delivery_count >= self._shares.send_again_at
-                self._emit(ShareRedelivered(record.topic, record.delivery_count, last))
-                if last:
-                    self._deliver_again(record)
-                    return
-        elif not tracked:
-            try:
-                self._tracker.track(record.tp, record.offset)
-            except ValueError:
-                return  # a redelivery of an offset this assignment already holds
-        try:
-            envelope = Envelope.of(record)
-        except EnvelopeError as exc:
-            self._dead_letter_raw(record, f"bad envelope: {exc}", "taskq.EnvelopeError", attempts=0)
-            return
-        spec = self.handlers.get(envelope.task_type)
-        if spec is None:
-            self._dead_letter_raw(
-                record,
-                f"unknown task type {envelope.task_type!r}: no handler registered",
-                "taskq.UnknownTaskType",
-                0,
-            )
-            return
-        try:
-            schema_id, body = avro.split_frame(record.value)
-            writer = self.registry.cached(schema_id)
-            if writer is None:
-                if self._clock() < self._registry_retry_at:
-                    # The registry failed a moment ago: wait for the retry instead of asking per record.
-                    raise RegistryUnavailableError("registry unavailable a moment ago; retrying shortly")
-                writer = self.registry.by_id(schema_id)
-            payload = avro.decode(body, writer, spec.parsed)
-        except SchemaNotFoundError as exc:
-            self._dead_letter_raw(record, f"unknown schema id: {exc}", "taskq.UnknownSchema", 0)
-            return
-        except DecodeError as exc:
-            self._dead_letter_raw(record, f"undecodable payload: {exc}", "taskq.DecodeError", 0)
-            return
-        except SchemaError as exc:
-            # The registry is down or failing: not the task's fault. Hold it (its offset stays uncommitted).
-            if not self._undecoded:
-                log.warning("registry unavailable, holding undecoded tasks: %s", exc)
-            self._undecoded.append(record)
-            self._registry_retry_at = self._clock() + 1.0
-            return
-        if spec.upcaster is not None:
-            try:
-                payload = spec.upcaster(payload, schema_id)
-            except Exception as exc:  # an upcaster that raises rejects the payload
-                error_type = f"{type(exc).__module__}.{type(exc).__name__}"
-                self._dead_letter_raw(record, f"upcaster failed: {exc}", error_type, 0)
-                return
-        gate = None
-        if spec.concurrency_limit is not None or spec.rate_limit is not None:
-            try:
-                gate = self._limits.gate(
-                    spec.task_type,
-                    payload,
-                    limit=spec.concurrency_limit,
-                    concurrency_key=spec.concurrency_key,
-                    rate=spec.rate_limit,
-                    rate_key=spec.rate_key,
-                )
-            except KeyFailedError as exc:  # the task cannot be placed under its limit: it never runs
-                self._dead_letter_raw(record, str(exc), "taskq.LimitKeyFailed", 0)
-                return
-        generation = self._generation.get(record.tp, 0)
-        task = _Task(
-            record, envelope, spec, payload, generation, tier or envelope.priority, gate=gate,
-            workflow=_workflow_of(record),
-        )
-        self._arrived.append(task)
+        self._intake.weigh(records)
+        admitted, again = self._offsets.admit(records, tracked=tracked)
+        if again:
+            self._outcome_stage.send_again(again)
+        tasks, rejected = self._intake.decode(admitted, self._offsets.generation)
+        if rejected:
+            self._outcome_stage.reject(rejected, self._offsets.generation)
+        self._arrived += tasks
 
     def _claim_arrived(self) -> None:
         """Claim the keys of the tasks decoded this tick, all in one round trip."""
         if self._arrived:
             arrived, self._arrived = self._arrived, []
-            self._claim(arrived)
+            self._claims.claim(arrived)
 
     def _flow_control(self, incoming: Mapping[Priority, int] | None = None) -> None:
         """Pause the partitions of saturated tiers, resume the others (bounded memory, no starvation).
@@ -912,14 +782,14 @@ class Worker:
         """
         assert self._source is not None
         if incoming is None:
-            incoming = self._claiming
+            incoming = self._claims.claiming
         to_pause, to_resume = [], []
         # Copies held back while their key is leased take no slot and leave the scheduler, yet they are
         # buffered tasks: with the buffers full, a tier holding its reserve's worth is paused as saturated.
-        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold)
+        waiting = len(self._scheduler) + len(self._claims.held) + len(self._dispatcher.on_hold)
         full = waiting + (sum(incoming.values()) if incoming else 0) >= self.config.buffer_capacity
-        held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._held if full)
-        held.update(t.tier for t in self._on_hold if full)
+        held = Counter(self.topics.priority_of(h.task.record.topic) for h in self._claims.held if full)
+        held.update(t.tier for t in self._dispatcher.on_hold if full)
         # Over the byte bound every partition waits: what is buffered runs first, then fetching resumes.
         heavy = self._over_bytes() or self._stop.is_set()
         # Decided per tier, then applied to its partitions: the rule reads every tier's depth, and a worker
@@ -929,9 +799,9 @@ class Worker:
         for tier in PRIORITIES:
             depth = depths[tier] = self._scheduler.depth(tier) + (incoming or {}).get(tier, 0)
             over = full and held[tier] + depth >= self._scheduler.reserve(tier)
-            paused = tier in self._pauses.tiers  # by an operator: nothing more is fetched
+            paused = tier in self._dispatcher.pauses.tiers  # by an operator: nothing more is fetched
             halt[tier] = heavy or over or paused or self._scheduler.saturated(tier, incoming)
-        for tp in self._assigned:
+        for tp in self._offsets.assigned:
             of = self.topics.priority_of(tp[0])
             if of is None:
                 continue
@@ -952,858 +822,47 @@ class Worker:
         self._source.resume(to_resume)
         self._paused |= set(to_pause)
         self._paused -= set(to_resume)
-        self._fetching = {self.topics.priority_of(tp[0]) for tp in self._assigned - self._paused} - {None}
+        fetching = self._offsets.assigned - self._paused
+        self._fetching = {self.topics.priority_of(tp[0]) for tp in fetching} - {None}
         self._fresh.clear()
 
     def _over_bytes(self) -> bool:
         """Whether the buffered records (waiting, held, undecoded) take more than `buffer_bytes`."""
-        waiting = len(self._scheduler) + len(self._held) + len(self._on_hold) + len(self._undecoded)
-        if waiting * self._largest < self.config.buffer_bytes:
+        on_hold = self._dispatcher.on_hold
+        waiting = len(self._scheduler) + len(self._claims.held) + len(on_hold) + len(self._undecoded)
+        if waiting * self._intake.largest < self.config.buffer_bytes:
             return False  # cannot be over whatever their sizes: no need to add them up (the usual case)
-        total = sum(_size(t.record) for t in self._scheduler) + sum(_size(t.record) for t in self._on_hold)
-        total += sum(_size(h.task.record) for h in self._held) + sum(_size(r) for r in self._undecoded)
+        total = sum(size(t.record) for t in self._scheduler) + sum(size(t.record) for t in on_hold)
+        total += sum(size(h.task.record) for h in self._claims.held) + sum(size(r) for r in self._undecoded)
         return total >= self.config.buffer_bytes
 
-    def _read_pauses(self) -> None:
-        """Every `pause_interval` seconds: read what operators paused, give resumed tasks back to the
-        scheduler, and renew the leases of paused tasks that wait long, so no other worker takes them over."""
-        now = self._clock()
-        if now - self._pauses_read_at < self.config.pause_interval:
-            return
-        self._pauses_read_at = now
-        self._read_cancels()
-        try:
-            pauses = self.store.pauses()
-        except StoreUnavailableError as exc:  # the last known state holds meanwhile
-            log.warning("cannot read pauses: %s", exc)
-            return
-        if pauses != self._pauses:
-            log.info(
-                "paused tiers: %s; paused task types: %s",
-                ", ".join(sorted(pauses.tiers)) or "none",
-                ", ".join(sorted(pauses.task_types)) or "none",
-            )
-            self._pauses = pauses
-        resumed = [t for t in self._on_hold if t.envelope.task_type not in pauses.task_types]
-        if resumed:
-            self._on_hold = [t for t in self._on_hold if t.envelope.task_type in pauses.task_types]
-            for task in reversed(resumed):  # first in line again, in their order
-                self._scheduler.push_front(task.tier, task)
-        stale = now - self.config.claim_wait / 2
-        waiting = [t for t in self._on_hold if t.claimed_at < stale]
-        waiting += [t for t in self._scheduler if t.tier in pauses.tiers and t.claimed_at < stale]
-        if not waiting:
-            return
-        # A paused task keeps its claim: its lease is renewed while it waits, and no attempt is counted.
-        try:
-            renewed = self.store.renew(
-                [(t.envelope.idempotency_key, t.attempts, self._run_lease(t) + self.config.claim_wait)
-                 for t in waiting]
-            )
-        except StoreUnavailableError as exc:
-            log.warning("could not renew the leases of %d paused task(s): %s", len(waiting), exc)
-            return
-        lost = {id(t) for t in waiting if t.envelope.idempotency_key not in renewed}
-        for task in waiting:
-            if id(task) in lost:
-                # Taken over while paused: the worker holding the lease now decides this key.
-                log.warning("task %s: lease taken over while paused", task.envelope.task_id)
-                self._done(task)
-            else:
-                task.claimed_at = now
-        if lost:
-            self._on_hold = [t for t in self._on_hold if id(t) not in lost]
-            self._scheduler.remove_if(lambda t: id(t) in lost)
-
-    def _read_cancels(self) -> None:
-        """With the pauses: which tasks that run here or wait claimed in the buffer were cancelled. A running
-        one's handler sees ctx.cancelled; a waiting one never starts: its attempt is recorded failed, which
-        a cancelled key's record turns into cancelled (no retry, no DLQ), and its offset moves on."""
-        running = [t for t in self._running.values() if t.ctx is not None and not t.ctx.cancelled]
-        waiting = [*self._scheduler, *self._on_hold]
-        if not running and not waiting:
-            return
-        try:
-            asked = self.store.cancel_requested(
-                [t.envelope.idempotency_key for t in (*running, *waiting)]
-            )
-        except StoreUnavailableError as exc:
-            log.warning("cannot read cancellations: %s", exc)
-            return
-        if not asked:
-            return
-        for task in running:
-            if task.envelope.idempotency_key in asked and task.ctx is not None:
-                task.ctx.cancelled = True
-        dropped = {id(t): t for t in waiting if t.envelope.idempotency_key in asked}
-        if not dropped:
-            return
-        self._scheduler.remove_if(lambda t: id(t) in dropped)
-        self._on_hold = [t for t in self._on_hold if id(t) not in dropped]
-        for task in dropped.values():
-            env = task.envelope
-            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
-            self._completer.record(
-                Finished(
-                    env.idempotency_key,
-                    task.attempts,
-                    "failed",
-                    error="cancelled before it started",
-                    workflow=task.workflow,
-                ),
-                lambda task=task: self._done(task),  # type: ignore[misc]
-            )
-
-    def _release_held(self) -> None:
-        now = self._clock()
-        due = [h for h in self._held if h.due <= now]
-        if not due:
-            return
-        self._held = [h for h in self._held if h.due > now]
-        self._claim([h.task for h in due])
-
-    def _dispatch(self) -> None:
-        """Start claimed tasks in weighted order, one slot each; transactional tasks ready together share
-        a slot and a transaction (group commit), in as few groups as GROUP_MAX allows. A suspect (a key
-        taken over from a dead worker) runs alone, outside any group (invariant 10)."""
-        if self._quarantine is not None:
-            return  # a suspect runs: nothing starts beside it until its outcome is recorded
-        free = self.executor.free_slots()
-        if not free or not len(self._scheduler) or (self._suspect_waits and self._running):
-            return  # (a suspect waits for the tasks running to end)
-        self._suspect_waits = False
-        wave = len(self._scheduler) // 2
-        if self._groups and not self._members_running and self._short_of_wave(wave, free):
-            # A wave of group commits is due (below). It takes up to half the buffer at once, in weighted
-            # order: a tier whose refetched records are still being claimed would miss its turns in it,
-            # and the tiers buffered would take them (invariant 4). Postgres answers in milliseconds.
-            self._completer.wait_claimed(WAVE_WAIT)
-        # At most half of what is buffered goes into the groups of one dispatch: the rest, and what is
-        # fetched meanwhile, keeps the weighted order deciding what runs next. That half goes into as few
-        # groups as the members' pace allows, not one per free slot: a group's transaction, completion
-        # statement and commit are shared by more attempts.
-        half = len(self._scheduler) // 2
-        size = self._group_fits()
-        groups = min(free, -(-half // size)) if half > free else free
-        per_group = min(size, -(-half // groups)) if half > free else 1
-        # Groups start in waves, never beside the groups of an earlier dispatch: groups run side by side
-        # member by member, and the members of one wave are dealt out in turn (below), so effects land in
-        # the order of the picks. Groups started one by one as others end would each run a stretch of
-        # picks at once, and a tier's share over a window would depend on which stretches it cut.
-        most = groups * per_group if not self._members_running else 0  # members of this dispatch's groups
-        singles: list[_Task] = []
-        members: list[_Task] = []
-        # Ordered tasks whose key is held by an earlier task, and limited tasks whose key has no slot or
-        # token now: they keep their place in the buffer, and the tasks behind them go by.
-        waiting: list[_Task] = []
-        popped: dict[int, int] = {}  # pop order, to put the waiting tasks back in place
-        while True:
-            used = len(singles) + -(-len(members) // per_group)
-            open_group = len(members) % per_group != 0 and len(members) < most
-            if used >= free and not open_group:
-                break
-            task = self._scheduler.pop(skip=self._pauses.tiers)
-            if task is None:
-                break
-            if task.envelope.task_type in self._pauses.task_types:
-                self._on_hold.append(task)  # claimed, and held until its type is resumed
-                continue
-            popped[id(task)] = len(popped)
-            if task.spec.ordered and self._key_holder.get(_key(task), id(task)) != id(task):
-                waiting.append(task)
-                continue
-            if task.gate is not None and not self._limits.ready(task.gate):
-                waiting.append(task)
-                continue
-            if task.suspect:
-                # Quarantine: blamed for its worker's death only if it ran alone, a suspect starts only
-                # when nothing else runs, and nothing else starts until its outcome is recorded.
-                if singles or members or self._running:
-                    self._scheduler.push_front(task.tier, task)  # next in line (its pick is refunded)
-                    self._suspect_waits = True
-                else:
-                    singles.append(task)
-                    self._hold_key(task)
-                break
-            # A workflow's step commits alone: the transaction recording its end also moves the workflow on.
-            if not (task.spec.transactional and task.spec.group_commit) or task.workflow is not None:
-                if used >= free:  # only the open group had room: the task waits, first in line
-                    self._scheduler.push_front(task.tier, task)
-                    break
-                singles.append(task)
-                self._hold_key(task)
-                continue
-            if len(members) >= most or (not open_group and used >= free):
-                self._scheduler.push_front(task.tier, task)
-                break
-            members.append(task)
-            self._hold_key(task)
-        # Members are dealt to the groups in turn, not in runs: groups run side by side, member by member,
-        # so effects land in the order of the picks, and weighted order holds over any window of them.
-        n = -(-len(members) // per_group)
-        jobs: list[list[_Task]] = [[t] for t in singles] + [members[i::n] for i in range(n)]
-        gated = [t for job in jobs for t in job if t.gate is not None]
-        if gated:
-            # One round trip for the batch's slots, one per bucket whose leased tokens ran out: a task
-            # refused waits, claimed, and has used up no attempt.
-            admitted = self._limits.admit(
-                [(t.envelope.idempotency_key, t.gate, self._run_lease(t)) for t in gated if t.gate]
-            )
-            refused = {id(t) for t in gated if t.envelope.idempotency_key not in admitted}
-            if refused:
-                for job in jobs:
-                    for t in job:
-                        if id(t) in refused:
-                            self._free_key(t)
-                            waiting.append(t)
-                jobs = [[t for t in job if id(t) not in refused] for job in jobs]
-        stale = self._clock() - self.config.claim_wait / 2
-        waited = [t for job in jobs for t in job if t.claimed_at < stale]
-        # Limited tasks waiting for their key keep their claims: renewed as they age, as the others at start.
-        parked = [t for t in waiting if t.gate is not None and t.claimed_at < stale]
-        lost: set[int] = set()
-        if waited or parked:
-            # One statement renews every long-waiting task of this dispatch; those not renewed are dropped.
-            lost = {id(t) for t in waited + parked} - {id(t) for t in self._renew(waited, parked)}
-        suspects = [t for job in jobs for t in job if t.suspect and id(t) not in lost]
-        if suspects:
-            # Keys taken over before may be poison pills: their runs are marked started before they start, so
-            # that this worker's death counts as an interruption. One statement for the dispatch, and only
-            # after a worker died: the run of a plain key writes nothing before it starts.
-            lost |= {id(t) for t in suspects} - {id(t) for t in self._mark_started(suspects)}
-        if lost:
-            for job in jobs:
-                for t in job:
-                    if id(t) in lost:
-                        self._free_key(t)
-                        self._limits.release(t.envelope.idempotency_key)
-            jobs = [[t for t in job if id(t) not in lost] for job in jobs]
-            waiting = [t for t in waiting if id(t) not in lost]
-        waiting.sort(key=lambda t: popped[id(t)])
-        for task in reversed(waiting):
-            self._scheduler.push_front(task.tier, task)
-        for job in jobs:
-            if job and job[0].suspect:
-                self._quarantine = job[0]
-                self._start(job[0])
-            elif job and job[0].spec.transactional and job[0].spec.group_commit and not job[0].workflow:
-                self._start_group(job)
-            elif job:
-                self._start(job[0])
-
-    def _short_of_wave(self, wave: int, free: int) -> bool:
-        """A wave of `wave` picks is due, and a tier whose records are being claimed holds less than its
-        weighted share of it."""
-        if wave <= free or not self._completer.claiming():
-            return False
-        capacity = self.config.buffer_capacity
-        return any(
-            self._claiming[t] and self._scheduler.depth(t) * capacity < wave * self._scheduler.reserve(t)
-            for t in PRIORITIES
-        )
-
-    def _group_fits(self) -> int:
-        """Members a group starts within GROUP_WINDOW, at the recent members' pace: a group popped larger
-        gives the rest back unstarted, and weighted order is kept best by pops that start."""
-        return max(1, min(GROUP_MAX, int(GROUP_WINDOW / max(self._member_seconds, 1e-6)) + 1))
-
-    def _run_lease(self, task: _Task) -> float:
-        timeout = task.spec.timeout or task.envelope.timeout
-        # A lease outlives the attempt it covers; past it another worker may take the key over.
-        return timeout * 1.5 + 5 if timeout else self.config.default_lease
-
-    def _claim(self, batch: list[_Task]) -> None:
-        """Claim the batch's keys in one round trip, sent with the outcomes queued so far, while the loop
-        goes on; `_claimed` buffers the claimed tasks and skips or holds the others."""
-        requests = [
-            ClaimRequest(
-                t.envelope.idempotency_key,
-                t.envelope.task_id,
-                t.envelope.task_type,
-                # Claimed as it arrives, the key is leased for its wait in the buffer as well.
-                self._run_lease(t) + self.config.claim_wait,
-            )
-            for t in batch
-        ]
-        for task in batch:
-            self._claiming[task.tier] += 1
-        self._completer.claim(requests, functools.partial(self._claimed, batch))
-
-    def _claimed(self, batch: list[_Task], claims: list[Claim] | StoreUnavailableError) -> None:
-        """A batch's claims came back (on the loop's thread)."""
-        for task in batch:
-            self._claiming[task.tier] -= 1
-        if isinstance(claims, StoreUnavailableError):
-            log.warning("store unavailable, holding %d task(s): %s", len(batch), claims)
-            self._held.extend(_Held(t, self._clock() + 1.0) for t in batch)
-            return
-        now = self._clock()
-        gone: list[_Task] = []
-        for task, claim in zip(batch, claims, strict=True):
-            task.claimed_at = now
-            if self._generation.get(task.record.tp, 0) != task.generation:
-                # Its partition was revoked while the claim was on its way (a revoke waits for claims in
-                # flight, but only so long): its new owner runs it. A key claimed here is given back.
-                if claim.outcome == "claimed":
-                    task.attempts = claim.attempts
-                    gone.append(task)
-                continue
-            self._handle_claim(task, claim)
-        self._release(gone)
-        if self._step_ends:
-            self._end_steps()
-
-    def _end_steps(self) -> None:
-        """Record the ends of the workflow steps the claims skipped, then let their offsets move on; with
-        Postgres away they are held and claimed again."""
-        ends, self._step_ends = self._step_ends, []
-        try:
-            self.store.workflow_ended([(wf, t.envelope.idempotency_key, state) for t, wf, state in ends])
-        except StoreUnavailableError as exc:
-            log.warning("store unavailable, holding %d workflow step(s): %s", len(ends), exc)
-            self._held.extend(_Held(t, self._clock() + 1.0) for t, _, _ in ends)
-            return
-        for task, _, state in ends:
-            env = task.envelope
-            if state == "cancelled":
-                self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
-            else:
-                self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
-            self._done(task)
-
-    def _renew(self, waited: list[_Task], parked: Sequence[_Task] = ()) -> list[_Task]:
-        """Extend the leases of tasks that waited long for a slot (about to start: leased for their run) and
-        of `parked` ones (still waiting for their key: leased for a wait more); those lost are dropped."""
-        leases = [(t.envelope.idempotency_key, t.attempts, self._run_lease(t)) for t in waited]
-        wait = self.config.claim_wait
-        leases += [(t.envelope.idempotency_key, t.attempts, self._run_lease(t) + wait) for t in parked]
-        try:
-            renewed = self.store.renew(leases)
-        except StoreUnavailableError as exc:
-            log.warning("store unavailable, holding %d task(s): %s", len(leases), exc)
-            # Held tasks are claimed again: their own lease answers 'running' until it expires.
-            self._held.extend(_Held(t, self._clock() + 1.0) for t in [*waited, *parked])
-            return []
-        now = self._clock()
-        kept = []
-        for task in [*waited, *parked]:
-            if task.envelope.idempotency_key in renewed:
-                task.claimed_at = now
-                kept.append(task)
-            else:
-                # Taken over while it waited: the worker holding the lease now decides this key.
-                log.warning(
-                    "task %s: lease taken over while it waited for a slot",
-                    task.envelope.task_id,
-                    extra=_fields(task),
-                )
-                self._done(task)
-        return kept
-
-    def _mark_started(self, tasks: list[_Task]) -> list[_Task]:
-        """Mark the runs of these tasks started before they start; those whose lease was lost are dropped
-        (all are kept, unmarked, if the store is unavailable)."""
-        try:
-            marked = self.store.mark_started([(t.envelope.idempotency_key, t.attempts) for t in tasks])
-        except StoreUnavailableError as exc:
-            # Run unmarked rather than held: held, they would wait out their own lease and then be charged
-            # an attempt. A poison pill may kill one more worker before the DLQ, during an outage only.
-            log.warning("could not mark %d run(s) started, they run unmarked: %s", len(tasks), exc)
-            return tasks
-        kept = []
-        for task in tasks:
-            if task.envelope.idempotency_key in marked:
-                kept.append(task)
-            else:
-                # Taken over before it started: the worker holding the lease now decides this key.
-                log.warning(
-                    "task %s: lease taken over before it started", task.envelope.task_id, extra=_fields(task)
-                )
-                self._done(task)
-        return kept
-
-    def _release(self, tasks: list[_Task]) -> None:
-        """Give back the claims of buffered tasks that will not start here: their keys are free at once."""
-        if not tasks:
-            return
-        try:
-            self.store.release([(t.envelope.idempotency_key, t.attempts) for t in tasks])
-        except StoreUnavailableError as exc:
-            log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
-        if self._shares is not None:
-            for task in tasks:
-                self._shares.release(task.record)  # another member gets it at once
-
-    def _handle_claim(self, task: _Task, claim: Claim) -> None:
-        workflow = task.workflow
-        if workflow is not None and claim.outcome in ("completed", "dead", "cancelled"):
-            # A workflow's step skipped here still ends its node (once: a node ended already stays so),
-            # before its offset moves on.
-            self._step_ends.append((task, workflow, claim.outcome))
-            return
-        if claim.outcome == "cancelled":
-            # Cancelled before it started: it never runs, and never reaches the DLQ; its offset moves on.
-            env = task.envelope
-            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
-            self._done(task)
-            return
-        if claim.outcome in ("completed", "dead"):
-            # Completed, or this very task was dead-lettered already (its offset was not committed before
-            # its worker died): the DLQ holds it once, so its redelivery is skipped and committed.
-            env = task.envelope
-            self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
-            self._done(task)
-            return
-        if claim.outcome in ("running", "duplicate"):
-            # Leased by a live worker (or a copy in this batch): look again soon, at latest when it expires.
-            self._held.append(_Held(task, self._clock() + max(0.2, min(claim.lease_left, 1.0))))
-            return
-        task.attempts = claim.attempts
-        max_attempts = task.envelope.max_attempts or task.spec.policy.max_attempts
-        if task.attempts > max_attempts:
-            # A poison pill: earlier attempts never reported (they killed their worker). Never run it again.
-            self._finish_dead(
-                task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill"
-            )
-            return
-        deaths = worker_deaths(claim)
-        if deaths >= max_worker_deaths(max_attempts):
-            # A poison pill too: its runs keep killing their workers (each taken over from a dead worker).
-            self._finish_dead(
-                task, f"gave up after {deaths} run(s) ended with their worker's death", "taskq.PoisonPill"
-            )
-            return
-        task.suspect = claim.takeovers > 0
-        self._scheduler.push(task.tier, task)
-
-    def _start(self, task: _Task) -> None:
-        env = task.envelope
-        ctx = self._context(task)
-        call = None
-        if task.spec.transactional:
-            spec, store, limit = task.spec, self.store, self.config.result_max_bytes
-            workflow = task.workflow
-
-            def call() -> Any:
-                returned: list[Any] = [None]
-                with store.transaction(
-                    env.idempotency_key, task.attempts, result_of=lambda: returned[0], workflow=workflow
-                ) as conn:
-                    ctx.db = conn
-                    # Checked inside the transaction: a result that cannot be stored rolls the effect back.
-                    returned[0] = _checked_result(spec.fn(task.payload, ctx), limit)
-                task.recorded = True
-                return returned[0]
-
-        timeout = task.spec.timeout or env.timeout
-        task.ctx = ctx
-        self._running[id(task)] = task
-        self._emit(
-            AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts, task.suspect)
-        )
-        trace = None
-        if self._tracer.active():
-            task.span, trace = self._attempt_span(task)
-        self.executor.submit(
-            Job(spec=task.spec, payload=task.payload, ctx=ctx, timeout=timeout, call=call, trace=trace),
-            lambda outcome: self._outcomes.put((task, outcome)),
-        )
-
-    def _attempt_span(self, task: _Task) -> tuple[Any, contextvars.Context]:
-        record = task.record
-        return self._tracer.attempt(
-            task.envelope, record.topic, task.attempts, self.group, record.partition, record.offset
-        )
-
-    def _end_span(self, task: _Task, outcome: str, error: str | None = None) -> None:
-        if task.span is not None:
-            self._tracer.finish(task.span, outcome, error)
-            task.span = None
-
-    def _context(self, task: _Task) -> TaskContext:
-        env = task.envelope
-        workflow = task.workflow
-        return TaskContext(
-            task_id=env.task_id,
-            task_type=env.task_type,
-            attempt=task.attempts,
-            max_attempts=env.max_attempts or task.spec.policy.max_attempts,
-            idempotency_key=env.idempotency_key,
-            priority=env.priority,
-            headers=dict(task.record.headers),
-            logger=_task_logger(env.task_type),
-            workflow_inputs=None
-            if workflow is None
-            else functools.partial(self.store.workflow_inputs, workflow),
-        )
-
-    def _start_group(self, tasks: list[_Task]) -> None:
-        """Run transactional tasks one after another in one transaction on one slot (group commit)."""
-        contexts = [self._context(t) for t in tasks]
-
-        def member(task: _Task, ctx: TaskContext) -> Member:
-            timeout = task.spec.timeout or task.envelope.timeout
-
-            def call(conn: Any) -> Any:
-                ctx.db = conn
-                ctx.deadline = time.monotonic() + timeout if timeout else None
-                if self._tracer.active():
-                    task.span, trace = self._attempt_span(task)
-                    returned = trace.run(task.spec.fn, task.payload, ctx)
-                else:
-                    returned = task.spec.fn(task.payload, ctx)
-                # Checked under the member's savepoint: a result that cannot be stored rolls it back alone.
-                return _checked_result(returned, self.config.result_max_bytes)
-
-            tp = task.record.tp
-            # A member whose turn comes after SIGTERM or its partition's revocation is not started: the
-            # group commits what ran, and shutdown and revoke wait for one attempt, not a whole group.
-            # Nor one whose turn comes after the group's window: it goes back to the buffer, still
-            # claimed, and a group's effects are never held back for long.
-            return Member(
-                task.envelope.idempotency_key,
-                task.attempts,
-                call,
-                skip=lambda: self._stop.is_set() or tp in self._revoking or window_passed(),
-            )
-
-        began: list[float] = []
-
-        def window_passed() -> bool:
-            if not began:
-                began.append(time.monotonic())
-            return time.monotonic() - began[0] > GROUP_WINDOW
-
-        members = [member(t, c) for t, c in zip(tasks, contexts, strict=True)]
-        store = self.store
-
-        def run() -> list[Member]:
-            store.run_group(members)
-            return members
-
-        def report(outcome: Outcome) -> None:
-            # One outcome per task: its own when the group committed; the group's when it did not (a
-            # failed commit records nothing, so every task of the group runs again).
-            for task, m in zip(tasks, members, strict=True):
-                if isinstance(m.error, NotStarted):
-                    self._outcomes.put((task, failure(m.error, 0.0)))
-                elif not outcome.ok:
-                    error = outcome.error
-                    lost = isinstance(error, LeaseLostError) and m.idempotency_key in error.keys
-                    if isinstance(error, LeaseLostError) and not lost:
-                        error = GroupRolledBack(f"rolled back with its group: {error}")
-                        self._outcomes.put((task, failure(error, m.seconds)))
-                    else:
-                        self._outcomes.put((task, outcome))
-                elif m.error is not None:
-                    self._outcomes.put((task, failure(m.error, m.seconds)))
-                else:
-                    task.recorded = True
-                    self._outcomes.put((task, Outcome(ok=True, result=m.result, seconds=m.seconds)))
-
-        timeouts = [t.spec.timeout or t.envelope.timeout for t in tasks]
-        for task, ctx in zip(tasks, contexts, strict=True):
-            task.ctx = ctx
-            self._running[id(task)] = task
-            task.grouped = True  # AttemptStarted is emitted when it reports: a member may never start
-        self._members_running += len(tasks)
-        self.executor.submit(
-            Job(
-                spec=tasks[0].spec,
-                payload=None,
-                ctx=contexts[0],
-                timeout=None if None in timeouts else sum(t or 0.0 for t in timeouts),
-                call=run,
-            ),
-            report,
-        )
-
     def _collect(self, block: float) -> None:
-        """Turn reported outcomes into records for the completer (written in batches)."""
-        deadline = self._clock() + block
+        """Take the outcomes reported so far (waiting up to `block` for the first) as one batch, and hand it
+        to the outcomes stage; group members past their group's window go back to the buffer instead."""
+        try:
+            first = self._outcomes.get(timeout=block) if block > 0 else self._outcomes.get_nowait()
+        except queue.Empty:
+            return
+        reported = [first]
         while True:
             try:
-                remaining = deadline - self._clock()
-                task, outcome = (
-                    self._outcomes.get(timeout=remaining) if remaining > 0 else self._outcomes.get_nowait()
-                )
+                reported.append(self._outcomes.get_nowait())
             except queue.Empty:
-                return
-            self._running.pop(id(task), None)
-            self._outcome(task, outcome)
-            block = 0.0
-            deadline = self._clock()
-            if self._unstarted:
-                unstarted, self._unstarted = self._unstarted, []
-                self._release(unstarted)
-
-    def _outcome(self, task: _Task, outcome: Outcome) -> None:
-        env, spec = task.envelope, task.spec
-        if task.gate is not None:
-            self._limits.release(env.idempotency_key)  # the attempt ended (or never started): its slot frees
-        if task.grouped:
-            task.grouped = False
-            self._members_running -= 1
-            if isinstance(outcome.error, NotStarted):
-                tp = task.record.tp
-                current = tp in self._assigned and self._generation.get(tp) == task.generation
-                if current and not self._stop.is_set() and tp not in self._revoking:
-                    self._scheduler.push_front(task.tier, task)  # past its group's window: still claimed
-                else:
-                    self._unstarted.append(task)  # its claim is given back; its offset stays uncommitted
-                return
-            self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
-            self._member_seconds += (outcome.seconds - self._member_seconds) / 8
-        if outcome.ok and not task.recorded and outcome.result is not None:
-            try:
-                _checked_result(outcome.result, self.config.result_max_bytes)
-            except ResultError as exc:
-                outcome = failure(exc, outcome.seconds)  # never stored cut short, nor dropped silently
-        if outcome.ok:
-            self._end_span(task, "completed")
-            self._emit(
-                AttemptSucceeded(
-                    env.task_type, env.task_id, env.idempotency_key, outcome.seconds, env.enqueued_at
-                )
-            )
-            if task.recorded:
-                self._completed(task)
-            else:
-                self._completer.record(
-                    Finished(
-                        env.idempotency_key,
-                        task.attempts,
-                        "completed",
-                        result=outcome.result,
-                        workflow=task.workflow,
-                    ),
-                    lambda: self._completed(task),
-                )
-            return
-        error = outcome.error or Exception(outcome.message)
-        if isinstance(error, TaskFailed) and isinstance(error.__cause__, Exception):
-            error = error.__cause__  # a process-isolated handler's own exception, when it survived pickling
-        if isinstance(error, LeaseLostError):
-            log.warning("task %s: %s", env.task_id, error, extra=_fields(task))
-            self._end_span(task, "lease_lost", str(error))
-            self._done(task)  # the worker that took the lease over decides this key
-            return
-        if isinstance(error, Retry) and error.delay is not None and task.gate is not None:
-            # Told to back off (an HTTP 429's Retry-After, say): the key's bucket pauses for every worker.
-            self._limits.pause(task.gate, error.delay.total_seconds())
-        message = f"{outcome.error_type}: {outcome.message}"
-        self._emit(AttemptFailed(env.task_type, env.task_id, env.idempotency_key, outcome.seconds, message))
-        policy = spec.policy
-        if env.max_attempts is not None:
-            policy = replace(policy, max_attempts=env.max_attempts)
-        # A result that cannot be stored would be the same on the next attempt: to the DLQ at once.
-        final = isinstance(error, Reject | ResultError)
-        delay = None if final else policy.next_delay(task.attempts, error)
-        if delay is None:
-            reason = (
-                "result refused"
-                if isinstance(error, ResultError)
-                else "rejected by handler"
-                if isinstance(error, Reject)
-                else f"failed {task.attempts} attempt(s)"
-            )
-            self._end_span(task, "dead_lettered", message)
-            self._finish_dead(task, f"{reason}: {message}", outcome.error_type, outcome.traceback)
-            return
-        self._end_span(task, "retried", message)
-        log.info(
-            "task %s: attempt %d failed, retrying in %.1fs: %s",
-            env.task_id,
-            task.attempts,
-            delay.total_seconds(),
-            message,
-            extra=_fields(task),
-        )
-        if spec.ordered:
-            # Retried in place: its offset stays pending and its key stays held, so the key's later tasks
-            # wait for it (what ordering means); a restart or rebalance redelivers it first.
-            self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
-            self._completer.record(
-                Finished(
-                    env.idempotency_key, task.attempts, "failed", error=message, workflow=task.workflow
-                ),
-                lambda: self._lift_quarantine(task),
-            )
-            self._held.append(_Held(task, self._clock() + delay.total_seconds()))
-            return
-        now = datetime.now(UTC)
-        out = retry_record(
-            task.record,
-            replace(env, attempt=task.attempts),
-            delay,
-            self.topics,
-            self.settings.delay_tiers,
-            now,
-        )
-        self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
-        self._completer.record(
-            Finished(env.idempotency_key, task.attempts, "failed", error=message, workflow=task.workflow)
-        )
-        # Delivery guarantee: the offset is done only when the broker acknowledged the retry record.
-        # One too large to send again cannot be retried: a bounded DLQ record takes its place.
-        self._completer.publish(
-            out,
-            lambda: self._done(task),
-            too_large=lambda: bounded(
-                dead_letter_record(
-                    task.record,
-                    reason=f"failed {task.attempts} attempt(s), too large to retry: {message}",
-                    error_type=outcome.error_type,
-                    traceback=outcome.traceback,
-                    attempts=task.attempts,
-                    worker_id=self.worker_id,
-                    topics=self.topics,
-                )
-            ),
-        )
-
-    def _finish_dead(self, task: _Task, reason: str, error_type: str, traceback: str = "") -> None:
-        out = dead_letter_record(
-            task.record,
-            reason=reason,
-            error_type=error_type,
-            traceback=traceback,
-            attempts=task.attempts,
-            worker_id=self.worker_id,
-            topics=self.topics,
-        )
-        env, record = task.envelope, task.record
-        log.warning("task %s dead-lettered: %s", env.task_id, reason, extra=_fields(task))
-        self._emit(
-            DeadLettered(reason, error_type, env.task_id, env.idempotency_key, record.topic, record.offset)
-        )
-        # Delivery guarantee: the key is recorded dead only once the broker acknowledged its DLQ record (a
-        # dead key's redelivery is skipped, so recording it first could lose the record), and the offset is
-        # done only once both are durable. The record says where the DLQ record is, for result().
-        self._completer.publish(
-            out,
-            lambda: None,
-            too_large=lambda: bounded(out),
-            on_record=lambda at: self._completer.record(
-                Finished(
-                    env.idempotency_key,
-                    task.attempts,
-                    "dead",
-                    error=reason,
-                    dlq=None if at is None else (at.partition, at.offset),
-                    workflow=task.workflow,
-                ),
-                lambda: self._done(task, dead=True),
-            ),
-        )
-
-    def _dead_letter_raw(self, record: Record, reason: str, error_type: str, attempts: int) -> None:
-        """Input that never becomes a task: straight to the DLQ, offset done once the broker has it."""
-        log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
-        self._emit(DeadLettered(reason, error_type, None, None, record.topic, record.offset))
-        out = dead_letter_record(
-            record,
-            reason=reason,
-            error_type=error_type,
-            traceback="",
-            attempts=attempts,
-            worker_id=self.worker_id,
-            topics=self.topics,
-        )
-        generation = self._generation.get(record.tp, 0)
-        self._completer.publish(
-            out, lambda: self._offset_done(record, generation, dead=True), too_large=lambda: bounded(out)
-        )
-
-    def _completed(self, task: _Task) -> None:
-        """The completion is recorded: the offset may be released."""
-        self._done(task)
-        env = task.envelope
-        self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
-
-    def _done(self, task: _Task, *, dead: bool = False) -> None:
-        self._free_key(task)
-        self._lift_quarantine(task)
-        self._offset_done(task.record, task.generation, dead=dead)
-
-    def _lift_quarantine(self, task: _Task) -> None:
-        """The suspect running alone has its outcome recorded: other tasks may start again. (Until then,
-        its run is still marked started, and a death would be charged to it.)"""
-        if self._quarantine is task:
-            self._quarantine = None
-
-    def _hold_key(self, task: _Task) -> None:
-        if task.spec.ordered:
-            self._key_holder[_key(task)] = id(task)
-
-    def _free_key(self, task: _Task) -> None:
-        if task.spec.ordered and self._key_holder.get(_key(task)) == id(task):
-            del self._key_holder[_key(task)]
-
-    def _offset_done(self, record: Record, generation: int, *, dead: bool = False) -> None:
-        """The record's outcome is durable (`dead`: in the DLQ): its offset may be committed, or in share
-        mode, the record is acknowledged."""
-        if self._shares is not None:
-            (self._shares.reject if dead else self._shares.accept)(record)
-        elif self._generation.get(record.tp) == generation and record.tp in self._assigned:
-            self._tracker.done(record.tp, record.offset)
-
-    def _deliver_again(self, record: Record) -> None:
-        """Share mode: a record handed out `send_again_at` times is near the delivery after which the group
-        archives it unrun: it is sent again as a new record, and accepted once that is acknowledged. Its
-        key stays one effect: the copy is claimed like any redelivery."""
-        assert self._shares is not None
-        shares = self._shares
-        log.warning(
-            "%s[%d]@%d handed out %d times: sent again as a new record",
-            record.topic,
-            record.partition,
-            record.offset,
-            record.delivery_count,
-        )
-        again = Outgoing(record.topic, record.key, record.value, list(record.headers))
-        self._completer.publish(again, lambda: shares.accept(record))
+                break
+        ended, unstarted = self._dispatcher.ended(reported)
+        again = self._outcome_stage.settle(ended, self._clock())
+        self._claims.held.extend(Held(task, due) for task, due in again)
+        self._claims.release(unstarted)
 
     def _commit(self, tps: set[TP] | None = None, *, asynchronous: bool = False) -> bool:
-        """Commit what is committable (of `tps`, if given); False if the commit failed.
-
-        `asynchronous` (the periodic commit): the loop goes on at once, and the outcome comes to
-        `_committed_cb` from a later poll. Revoke and shutdown commit synchronously: they must know.
-        """
+        """Commit what is committable (of `tps`, if given); False if the commit failed (`Offsets.commit`)."""
         assert self._source is not None
-        if self._shares is not None:
-            # Acknowledgements instead of offsets: sent as they are made, waited for when stopping.
-            self._last_commit = self._clock()
-            try:
-                self._shares.commit({}, asynchronous=asynchronous)
-            except TaskqError as exc:
-                log.warning("sending acknowledgements failed, will retry: %s", exc)
-                return False
-            return True
-        offsets = self._tracker.committable()
-        if tps is not None:
-            offsets = {tp: o for tp, o in offsets.items() if tp in tps}
         self._last_commit = self._clock()
-        if not offsets:
-            return True
-        try:
-            self._source.commit(offsets, asynchronous=asynchronous)
-        except TaskqError as exc:
-            log.warning("commit failed, will retry: %s", exc)
-            return False
-        if not asynchronous:
-            self._tracker.mark_committed(offsets)
-            self._emit(OffsetsCommitted(offsets))
-        return True
+        return self._offsets.commit(self._source, tps, asynchronous=asynchronous)
 
     def _committed_cb(self, offsets: dict[TP, int], error: str | None) -> None:
-        """An asynchronous commit's outcome: what the broker committed is marked so."""
-        if error is not None:
-            # Delivery guarantee: offsets not committed stay committable, and the next commit sends them.
-            log.warning("commit failed, will retry: %s", error)
-        if offsets:
-            self._tracker.mark_committed(offsets)
-            self._emit(OffsetsCommitted(offsets))
+        """An asynchronous commit's outcome (`Offsets.committed`)."""
+        self._offsets.committed(offsets, error)
 
     def _serve_group(self) -> None:
         """Poll while stopping: serves rebalance callbacks. Records fetched meanwhile (of partitions assigned
@@ -1833,11 +892,8 @@ class Worker:
     def _assigned_cb(self, tps: list[TP]) -> None:
         """Start newly assigned partitions from a clean slate; partitions kept through the rebalance are
         not in `tps` (incremental assignment) and keep their buffered, held and running work."""
-        self._tracker.forget(tps)  # the partition is read again from its committed offset
-        for tp in tps:
-            self._generation[tp] = self._generation.get(tp, 0) + 1
-            self._assigned.add(tp)
-            self._paused.discard(tp)
+        self._offsets.assign(tps)  # the partition is read again from its committed offset
+        self._paused.difference_update(tps)
         # librdkafka keeps a partition's pause across revoke and re-assign: one paused before it was revoked
         # (or lost) comes back paused. Flow control resumes fresh partitions explicitly, or they would stall.
         self._fresh |= set(tps)
@@ -1856,20 +912,17 @@ class Worker:
         # Only the revoked partitions' work is dropped: retained partitions keep their buffered, held,
         # undecoded and running tasks, their pending offsets and their pause state (invariant 8).
         revoked = set(tps)
-        self._revoking = revoked
+        self._dispatcher.revoking = revoked
         # Claims on their way land in the buffers first, so the claimed keys of revoked partitions are
-        # given back with the rest (one answered later is given back by `_claimed`).
+        # given back with the rest (one answered later is given back by the claims stage).
         self._completer.wait_claimed(5.0)
-        dropped = self._scheduler.remove_if(lambda t: t.record.tp in revoked)
-        dropped += [t for t in self._on_hold if t.record.tp in revoked]
-        self._on_hold = [t for t in self._on_hold if t.record.tp not in revoked]
+        dropped = self._dispatcher.drop(revoked)
         # Claimed ahead and never started: the partition's new owner claims them at once, same attempt.
-        self._release(dropped)
-        self._held = [h for h in self._held if h.task.record.tp not in revoked]
-        self._undecoded = [r for r in self._undecoded if r.tp not in revoked]
-        self._key_holder = {k: v for k, v in self._key_holder.items() if k[0] not in revoked}
+        self._claims.release(dropped)
+        self._claims.forget(revoked)
+        self._intake.forget(revoked)
         self._drain(
-            lambda: any(t.record.tp in revoked for t in self._running.values()),
+            lambda: any(t.record.tp in revoked for t in self._dispatcher.running.values()),
             timeout=self.config.revoke_timeout,
             ack_timeout=5.0,
         )
@@ -1877,12 +930,9 @@ class Worker:
             self._commit(revoked)
         except Exception as exc:  # a lost partition cannot be committed; its new owner redoes the rest
             log.warning("commit on revoke failed: %s", exc)
-        self._tracker.forget(revoked)
-        for tp in revoked:
-            self._assigned.discard(tp)
-            self._paused.discard(tp)
-            self._generation[tp] = self._generation.get(tp, 0) + 1
-        self._revoking = set()
+        self._offsets.revoke(revoked)
+        self._paused -= revoked
+        self._dispatcher.revoking = set()
         log.info(
             "revoked %s (%d buffered task(s) dropped)", ", ".join(f"{t}[{p}]" for t, p in tps), len(dropped)
         )
@@ -1916,15 +966,14 @@ class Worker:
     def _shutdown(self) -> None:
         """Stop fetching, let in-flight tasks finish up to the timeout, record, commit, leave the group."""
         assert self._source is not None
-        self._source.pause(list(self._assigned))
+        self._source.pause(list(self._offsets.assigned))
         self._completer.wait_claimed(5.0)
         # Claimed ahead and never started: whoever reads these partitions next claims them at once.
-        self._release(self._scheduler.remove_if(lambda t: True) + self._on_hold)
-        self._on_hold = []
-        if self._running:
-            log.info("stopping: waiting for %d running task(s)", len(self._running))
+        self._claims.release(self._dispatcher.drop_all())
+        if self._dispatcher.running:
+            log.info("stopping: waiting for %d running task(s)", len(self._dispatcher.running))
         self._drain(
-            lambda: bool(self._running),
+            lambda: bool(self._dispatcher.running),
             timeout=self.config.shutdown_timeout,
             ack_timeout=10.0,
             serve_group=True,
@@ -1938,9 +987,8 @@ class Worker:
         # Delivery guarantee: what is still running is abandoned here, and its keys freed below. A late
         # outcome (a lease lost to that freeing, say) must never mark its offset done: closing the consumer
         # serves a last revocation, whose commit would then skip the task for good.
-        for tp in self._assigned:
-            self._generation[tp] = self._generation.get(tp, 0) + 1
-        abandoned = list(self._running.values())
+        self._offsets.abandon()
+        abandoned = list(self._dispatcher.running.values())
         if abandoned:
             # Their attempts end with this process: free the keys now rather than at lease expiry.
             log.warning(

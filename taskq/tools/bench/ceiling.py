@@ -25,7 +25,8 @@ from taskq._core.kafka import consumer_config, producer_config
 from taskq._core.kafka_admin import Admin
 from taskq._core.settings import Settings
 from taskq._core.store import Finished, Store
-from taskq.consumer.worker import GROUP_MAX, WorkerConfig
+from taskq.consumer.dispatch import GROUP_MAX
+from taskq.consumer.worker import WorkerConfig
 from taskq.tools.bench.run import (
     _EFFECTS_TABLE,
     _enqueue,

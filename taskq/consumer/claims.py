@@ -1,0 +1,291 @@
+"""Claims, the worker's second stage: a batch of decoded tasks in, the tasks whose keys this worker now
+holds out, ready for dispatch.
+
+A batch's keys are claimed in Postgres in one round trip, sent with the outcomes queued so far while the
+loop goes on (invariant 2). From each answer a task is ready to run, skipped (completed, dead or cancelled
+already: its offset moves on), held to look again (leased elsewhere, or Postgres away), or a poison pill
+for the DLQ. The leases of tasks that wait long are renewed here, and the keys of tasks that will not
+start here are given back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from taskq._core.broker import TP
+from taskq._core.envelope import Priority
+from taskq._core.errors import StoreUnavailableError
+from taskq.consumer.completer import Completer
+from taskq.consumer.events import CancelledSkipped, DuplicateSkipped, Event
+from taskq.consumer.intake import Task, fields
+from taskq.consumer.offsets import Offsets
+from taskq.consumer.outcomes import Outcomes
+from taskq.consumer.store import Claim, ClaimRequest, TaskStore
+
+__all__ = ["Claims", "Held", "max_worker_deaths", "worker_deaths"]
+
+log = logging.getLogger("taskq.worker")
+
+
+def max_worker_deaths(max_attempts: int) -> int:
+    """Deaths of its own after which a key is dead-lettered as a poison pill, unrun.
+
+    A task merely in flight (or claimed ahead) on a worker that died is not charged an attempt; but a task
+    that kills every worker running it must still end in the DLQ: after max_attempts deaths of its own,
+    and never after one alone, so a single crash never dead-letters a task with max_attempts=1.
+    """
+    return max(max_attempts, 2)
+
+
+def worker_deaths(claim: Claim) -> int:
+    """Deaths charged to a key: interruptions of its runs in quarantine (invariant 10).
+
+    A key taken over from a dead worker is a suspect: it runs alone in its process, outside group commit,
+    marked started just before it runs. Only such a run's death is an interruption. The death that made it
+    a suspect is charged to nobody: whatever ran, was buffered or was claimed ahead beside the task that
+    killed the worker cannot be told apart from it.
+    """
+    return claim.interruptions
+
+
+@dataclass(slots=True)
+class Held:
+    """A task held out of the buffer until `due` (clock time), then claimed again."""
+
+    task: Task
+    due: float
+
+
+class Claims:
+    """Claims tasks' keys in batches and sorts the tasks by the answers."""
+
+    def __init__(
+        self,
+        store: TaskStore,
+        completer: Completer,
+        outcomes: Outcomes,
+        offsets: Offsets,
+        *,
+        claim_wait: float,
+        default_lease: float,
+        emit: Callable[[Event], None],
+        clock: Callable[[], float],
+        done: Callable[[Task], None],
+        ready: Callable[[list[Task]], None],
+    ) -> None:
+        """`done(task)`: its key is decided here for good (skipped, or taken over): its offset moves on.
+        `ready(tasks)`: a batch's claimed tasks, in order, for dispatch."""
+        self.store = store
+        self._completer = completer
+        self._outcomes = outcomes
+        self._offsets = offsets
+        self._claim_wait = claim_wait
+        self._default_lease = default_lease
+        self._emit = emit
+        self._clock = clock
+        self._done = done
+        self._ready = ready
+        #: Tasks held out of the buffer to be claimed again later.
+        self.held: list[Held] = []
+        #: Tasks per tier whose claims are on their way: buffered as far as flow control is concerned.
+        self.claiming: Counter[Priority] = Counter()
+        self._step_ends: list[tuple[Task, str, str]] = []  # workflow steps the claims skipped
+
+    def lease(self, task: Task) -> float:
+        """Seconds a key is leased for the task's run."""
+        timeout = task.spec.timeout or task.envelope.timeout
+        # A lease outlives the attempt it covers; past it another worker may take the key over.
+        return timeout * 1.5 + 5 if timeout else self._default_lease
+
+    def claim(self, batch: list[Task]) -> None:
+        """Claim the batch's keys in one round trip, sent with the outcomes queued so far, while the loop
+        goes on; the answers sort the tasks when they come back (on the loop's thread)."""
+        requests = [
+            ClaimRequest(
+                t.envelope.idempotency_key,
+                t.envelope.task_id,
+                t.envelope.task_type,
+                # Claimed as it arrives, the key is leased for its wait in the buffer as well.
+                self.lease(t) + self._claim_wait,
+            )
+            for t in batch
+        ]
+        for task in batch:
+            self.claiming[task.tier] += 1
+        self._completer.claim(requests, functools.partial(self._claimed, batch))
+
+    def release_due(self) -> None:
+        """Claim again the held tasks whose time has come."""
+        now = self._clock()
+        due = [h for h in self.held if h.due <= now]
+        if not due:
+            return
+        self.held = [h for h in self.held if h.due > now]
+        self.claim([h.task for h in due])
+
+    def hold(self, tasks: Iterable[Task], seconds: float) -> None:
+        """Hold tasks out of the buffer for `seconds`, then claim them again."""
+        due = self._clock() + seconds
+        self.held.extend(Held(t, due) for t in tasks)
+
+    def forget(self, revoked: set[TP]) -> None:
+        """Drop the held tasks of revoked partitions: their new owner claims them."""
+        self.held = [h for h in self.held if h.task.record.tp not in revoked]
+
+    def _claimed(self, batch: list[Task], claims: list[Claim] | StoreUnavailableError) -> None:
+        """A batch's claims came back (on the loop's thread)."""
+        for task in batch:
+            self.claiming[task.tier] -= 1
+        if isinstance(claims, StoreUnavailableError):
+            log.warning("store unavailable, holding %d task(s): %s", len(batch), claims)
+            self.hold(batch, 1.0)
+            return
+        now = self._clock()
+        gone: list[Task] = []
+        ready: list[Task] = []
+        generation = self._offsets.generation
+        for task, claim in zip(batch, claims, strict=True):
+            task.claimed_at = now
+            if generation.get(task.record.tp, 0) != task.generation:
+                # Its partition was revoked while the claim was on its way (a revoke waits for claims in
+                # flight, but only so long): its new owner runs it. A key claimed here is given back.
+                if claim.outcome == "claimed":
+                    task.attempts = claim.attempts
+                    gone.append(task)
+                continue
+            if self._sort(task, claim):
+                ready.append(task)
+        if ready:
+            self._ready(ready)
+        self.release(gone)
+        if self._step_ends:
+            self._end_steps()
+
+    def _sort(self, task: Task, claim: Claim) -> bool:
+        """Act on one claim's answer; True if the task is claimed and may run."""
+        workflow = task.workflow
+        if workflow is not None and claim.outcome in ("completed", "dead", "cancelled"):
+            # A workflow's step skipped here still ends its node (once: a node ended already stays so),
+            # before its offset moves on.
+            self._step_ends.append((task, workflow, claim.outcome))
+            return False
+        if claim.outcome == "cancelled":
+            # Cancelled before it started: it never runs, and never reaches the DLQ; its offset moves on.
+            env = task.envelope
+            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._done(task)
+            return False
+        if claim.outcome in ("completed", "dead"):
+            # Completed, or this very task was dead-lettered already (its offset was not committed before
+            # its worker died): the DLQ holds it once, so its redelivery is skipped and committed.
+            env = task.envelope
+            self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._done(task)
+            return False
+        if claim.outcome in ("running", "duplicate"):
+            # Leased by a live worker (or a copy in this batch): look again soon, at latest when it expires.
+            self.held.append(Held(task, self._clock() + max(0.2, min(claim.lease_left, 1.0))))
+            return False
+        task.attempts = claim.attempts
+        max_attempts = task.envelope.max_attempts or task.spec.policy.max_attempts
+        if task.attempts > max_attempts:
+            # A poison pill: earlier attempts never reported (they killed their worker). Never run it again.
+            self._outcomes.dead_letter(
+                task, f"gave up after {max_attempts} attempt(s) that never finished", "taskq.PoisonPill"
+            )
+            return False
+        deaths = worker_deaths(claim)
+        if deaths >= max_worker_deaths(max_attempts):
+            # A poison pill too: its runs keep killing their workers (each taken over from a dead worker).
+            self._outcomes.dead_letter(
+                task, f"gave up after {deaths} run(s) ended with their worker's death", "taskq.PoisonPill"
+            )
+            return False
+        task.suspect = claim.takeovers > 0
+        return True
+
+    def _end_steps(self) -> None:
+        """Record the ends of the workflow steps the claims skipped, then let their offsets move on; with
+        Postgres away they are held and claimed again."""
+        ends, self._step_ends = self._step_ends, []
+        try:
+            self.store.workflow_ended([(wf, t.envelope.idempotency_key, state) for t, wf, state in ends])
+        except StoreUnavailableError as exc:
+            log.warning("store unavailable, holding %d workflow step(s): %s", len(ends), exc)
+            self.hold([t for t, _, _ in ends], 1.0)
+            return
+        for task, _, state in ends:
+            env = task.envelope
+            if state == "cancelled":
+                self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+            else:
+                self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._done(task)
+
+    def renew(self, waited: Sequence[Task], parked: Sequence[Task] = ()) -> list[Task]:
+        """Extend the leases of tasks that waited long for a slot (about to start: leased for their run) and
+        of `parked` ones (still waiting for their key: leased for a wait more); those lost are dropped."""
+        leases = [(t.envelope.idempotency_key, t.attempts, self.lease(t)) for t in waited]
+        wait = self._claim_wait
+        leases += [(t.envelope.idempotency_key, t.attempts, self.lease(t) + wait) for t in parked]
+        try:
+            renewed = self.store.renew(leases)
+        except StoreUnavailableError as exc:
+            log.warning("store unavailable, holding %d task(s): %s", len(leases), exc)
+            # Held tasks are claimed again: their own lease answers 'running' until it expires.
+            self.hold([*waited, *parked], 1.0)
+            return []
+        now = self._clock()
+        kept = []
+        for task in [*waited, *parked]:
+            if task.envelope.idempotency_key in renewed:
+                task.claimed_at = now
+                kept.append(task)
+            else:
+                # Taken over while it waited: the worker holding the lease now decides this key.
+                log.warning(
+                    "task %s: lease taken over while it waited for a slot",
+                    task.envelope.task_id,
+                    extra=fields(task),
+                )
+                self._done(task)
+        return kept
+
+    def mark_started(self, tasks: list[Task]) -> list[Task]:
+        """Mark the runs of these tasks started before they start; those whose lease was lost are dropped
+        (all are kept, unmarked, if the store is unavailable)."""
+        try:
+            marked = self.store.mark_started([(t.envelope.idempotency_key, t.attempts) for t in tasks])
+        except StoreUnavailableError as exc:
+            # Run unmarked rather than held: held, they would wait out their own lease and then be charged
+            # an attempt. A poison pill may kill one more worker before the DLQ, during an outage only.
+            log.warning("could not mark %d run(s) started, they run unmarked: %s", len(tasks), exc)
+            return tasks
+        kept = []
+        for task in tasks:
+            if task.envelope.idempotency_key in marked:
+                kept.append(task)
+            else:
+                # Taken over before it started: the worker holding the lease now decides this key.
+                log.warning(
+                    "task %s: lease taken over before it started", task.envelope.task_id, extra=fields(task)
+                )
+                self._done(task)
+        return kept
+
+    def release(self, tasks: list[Task]) -> None:
+        """Give back the claims of buffered tasks that will not start here: their keys are free at once."""
+        if not tasks:
+            return
+        try:
+            self.store.release([(t.envelope.idempotency_key, t.attempts) for t in tasks])
+        except StoreUnavailableError as exc:
+            log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
+        shares = self._offsets.shares
+        if shares is not None:
+            for task in tasks:
+                shares.release(task.record)  # another member gets it at once
