@@ -19,12 +19,14 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from taskq._core.errors import ConfigurationError, KafkaAuthenticationError, TaskqError
@@ -335,7 +337,28 @@ def _status(exitcode: int | None) -> str:
 # -- the worker process -----------------------------------------------------------------------------------
 
 
-def _worker_process(
+def _worker_process(*args: Any) -> None:
+    """Entry point of a worker process (see `_serve`), which ends it at once with its code, without the
+    interpreter's finalization, as the taskq command ends a worker's process: by then it has closed its
+    clients, or it failed and said why. Kafka client objects left to finalization (threads of theirs still
+    calling back into Python) crashed a refused worker with SIGSEGV on its way out (2 of 86 runs), and its
+    supervisor restarted it instead of giving up."""
+    code = 1
+    try:
+        _serve(*args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve(
     index: int,
     handlers_path: str,
     settings: Settings,
@@ -344,7 +367,7 @@ def _worker_process(
     setup: Callable[[], None] | None,
     refusals: multiprocessing.SimpleQueue[str],
 ) -> None:
-    """Entry point of a worker process: one Worker, stopped gracefully by the supervisor's SIGTERM."""
+    """One Worker, stopped gracefully by the supervisor's SIGTERM."""
     die_with_parent(parent_pid)
     worker: Worker | None = None
     stop_requested = False
