@@ -391,7 +391,7 @@ class Dispatch:
     def _short_of_wave(self, wave: int, free: int) -> bool:
         """A wave of `wave` picks is due, and a tier whose records are being claimed holds less than its
         weighted share of it."""
-        if wave <= free or not self._completer.claiming():
+        if wave <= free:
             return False
         capacity, claiming = self._config.buffer_capacity, self._claims.claiming
         return any(

@@ -67,9 +67,8 @@ class TierShares:
         self._on_assign = on_assign
         self._lock_duration_ms = lock_duration_ms
         self._sources: dict[str, ShareSource] = {}
-        #: The groups' delivery limit as read back at subscribe, and the delivery a record is sent again at.
+        #: The groups' delivery limit, as read back at subscribe.
         self.delivery_limit = DELIVERY_LIMIT
-        self.send_again_at = DELIVERY_LIMIT - SEND_AGAIN_BEFORE
         self._paused: set[str] = set()
         self._turn = 0
 
@@ -87,7 +86,6 @@ class TierShares:
         self.delivery_limit = min(
             int(c.get("share.delivery.count.limit") or DELIVERY_LIMIT) for c in configs.values()
         )
-        self.send_again_at = max(2, self.delivery_limit - SEND_AGAIN_BEFORE)
         partitions = admin.partitions(topics)
         for topic in topics:
             self._sources[topic] = self._broker.share_source(
@@ -97,6 +95,11 @@ class TierShares:
                 max_poll_records=self._max_poll_records,
             )
         self._on_assign([(t, p) for t in topics for p in range(partitions.get(t, 0))])
+
+    @property
+    def send_again_at(self) -> int:
+        """The delivery at which a record is sent again as a new record."""
+        return max(2, self.delivery_limit - SEND_AGAIN_BEFORE)
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
         """Up to `max_records` records of the tiers not paused, each tier asked in turn."""
