@@ -603,8 +603,7 @@ class Worker:
     def _tick(self) -> None:
         self.heartbeat.beat()
         assert self._source is not None
-        waiting = len(self._scheduler) + len(self._claims.held) + len(self._dispatcher.on_hold)
-        waiting += len(self._undecoded) + self._completer.claiming()
+        waiting = self._waiting()
         busy = bool(self._dispatcher.running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
         if self._shares is not None:
@@ -657,6 +656,11 @@ class Worker:
                 # Nothing new from Kafka: sleep until a running task reports (wakes at once), not a tick.
                 self._collect(block=0.005 if self.executor.free_slots() else 0.05)
 
+    def _waiting(self) -> int:
+        """Records in the buffer: waiting for a slot, held, undecoded or being claimed."""
+        waiting = len(self._scheduler) + len(self._claims.held) + len(self._dispatcher.on_hold)
+        return waiting + len(self._undecoded) + self._completer.claiming()
+
     def _take(self, room: int, taken: Sequence[Record] = ()) -> list[Record]:
         """Up to `room` records that Kafka has fetched already, without waiting.
 
@@ -690,7 +694,7 @@ class Worker:
     def _settled(self) -> bool:
         """Before the first dispatch: whether partitions of every tier are assigned (or SETTLE passed since
         the first assignment), and every assigned partition with records to read has delivered one (or
-        waited SETTLE seconds for it).
+        waited SETTLE seconds for it, or the buffer is full).
 
         Until then nothing starts: a worker that starts on a backlog would otherwise run the first tier
         fetched (librdkafka may even assign a group's partitions topic by topic) alone, before the others'
@@ -704,6 +708,11 @@ class Worker:
             tiers = {self.topics.priority_of(t) for t, _ in self._offsets.assigned} - {None}
             if len(tiers) < len(PRIORITIES) and now - self._first_assigned < SETTLE:
                 return False
+        if self._settling and self._waiting() >= self.config.buffer_capacity:
+            # The buffer is full: nothing more is taken until something runs, so whatever has not come
+            # could only be waited for until SETTLE (a worker started on a backlog stood still for it,
+            # the first tiers fetched having filled the buffer). Start on what is buffered.
+            self._settling = {}
         if self._settling:
             # Nor for a partition that flow control paused: its tier's share is buffered already, and it
             # delivers nothing while paused (librdkafka fills a tier from its first partitions).

@@ -490,3 +490,37 @@ def test_a_starting_worker_waits_for_no_partition_that_flow_control_paused() -> 
     w._dispatched, w._settling = False, {undelivered: parts.clock.monotonic()}
     assert not w._settled()
     w.close()
+
+
+def test_a_starting_worker_with_a_full_buffer_waits_for_no_partition() -> None:
+    # The buffer filled before every partition delivered (one tier's records came first): nothing more is
+    # taken until something runs, so a partition whose records have not come can only be waited for until
+    # SETTLE, however long that is. It used to be, and a worker started on a backlog stood still for SETTLE.
+    handlers = Handlers()
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        pass
+
+    parts = Parts(handlers, partitions=6)
+    for n in range(300):
+        tier = ("high", "normal", "low")[n % 3]
+        parts.producer.enqueue("unit.Job", {"n": n}, priority=tier, idempotency_key=f"k{n}")
+    parts.producer.flush()
+    w = parts.worker("a", buffer_capacity=16, concurrency=4)
+    w.step()  # assigned, fetched, claimed
+    w._source.resume(sorted(w._paused))  # type: ignore[union-attr]
+    for record in w._source.poll(16 - len(w._scheduler), 0.0):  # type: ignore[union-attr]
+        w._accept(record)  # as a take larger than flow control's headroom leaves it: full
+    w._claim_arrived()
+    w._completer.settle()
+    assert len(w._scheduler) == 16
+    for n in range(12):  # critical's records, on their way
+        parts.producer.enqueue("unit.Job", {"n": n}, priority="critical", idempotency_key=f"c{n}")
+    parts.producer.flush()
+    critical = [tp for tp in sorted(w._assigned) if tp[0].endswith(".critical")]
+    undelivered = next(tp for tp, end in w._source.high_watermarks(critical).items() if end)  # type: ignore[union-attr]
+    w._dispatched, w._settling = False, {undelivered: parts.clock.monotonic()}
+    w._paused.discard(undelivered)  # still fetched, and it has records (high watermark below)
+    assert w._settled()
+    w.close()
