@@ -135,6 +135,8 @@ class Offsets:
         #: moves the offset only if the partition is still in that assignment.
         self.generation: dict[TopicPartition, int] = {}
         self.assigned: set[TopicPartition] = set()
+        #: Counts the changes to `assigned`: what is derived from it is derived again when this moves.
+        self.changes = 0
         #: The share groups' member, in share mode (set when the worker starts).
         self.shares: TierShares | None = None
         self._emit = emit
@@ -183,6 +185,7 @@ class Offsets:
         """Newly assigned partitions start a new assignment, read again from their committed offsets."""
         tps = list(tps)
         self.tracker.forget(tps)
+        self.changes += 1
         for tp in tps:
             self.generation[tp] = self.generation.get(tp, 0) + 1
             self.assigned.add(tp)
@@ -191,6 +194,7 @@ class Offsets:
         """Revoked partitions' offsets are forgotten; outcomes that arrive later move nothing."""
         tps = list(tps)
         self.tracker.forget(tps)
+        self.changes += 1
         for tp in tps:
             self.assigned.discard(tp)
             self.generation[tp] = self.generation.get(tp, 0) + 1

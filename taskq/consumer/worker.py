@@ -92,6 +92,10 @@ POLL_CHUNK = 16
 SETTLE = 0.5
 #: Share mode: records acquired beyond what can start are released after this long (seconds).
 SHED_AFTER = 5.0
+#: How often the loop's state is sampled (LoopSampled: the in-flight, slot and buffer gauges). Once per
+#: tick, the sample and its gauges cost more than the tick's own bookkeeping in a burn-down (a tick per
+#: 8 tasks); a scrape every few seconds sees no difference.
+SAMPLE_EVERY = 0.1
 class ServiceStoppedError(TaskqError):
     """A service the worker runs beside its loop (the delay forwarder, say) stopped on its own."""
 
@@ -218,7 +222,12 @@ class Worker:
         self._dispatched = False  # nothing started yet: the first dispatch waits for every tier's partitions
         self._first_assigned: float | None = None
         self._fed: dict[Priority, float] = dict.fromkeys(PRIORITIES, -float("inf"))  # last record taken
-        self._fetching: set[Priority | None] = set()  # tiers with a partition assigned and not paused
+        self._fetching: set[Priority] = set()  # tiers with a partition assigned and not paused
+        # Flow control's view of the assignment: each tier's partitions (as of the assignment's nth change),
+        # and how many of them are not paused.
+        self._partitions_of: tuple[int, dict[Priority, list[TP]]] = (-1, {})
+        self._sampled_at = float("-inf")
+        self._unpaused: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)
         self.heartbeat = metrics.Heartbeat()
         self._clock = clock
         self.broker: Broker = broker or KafkaBroker(self.settings)
@@ -810,30 +819,50 @@ class Worker:
             over = full and held[tier] + depth >= self._scheduler.reserve(tier)
             paused = tier in self._dispatcher.pauses.tiers  # by an operator: nothing more is fetched
             halt[tier] = heavy or over or paused or self._scheduler.saturated(tier, incoming)
-        for tp in self._offsets.assigned:
-            of = self.topics.priority_of(tp[0])
-            if of is None:
-                continue
-            depth = depths[of]
-            if halt[of]:
-                if tp not in self._paused:
-                    to_pause.append(tp)
-                    self._resume_at[of] = depth * 3 // 4
-            elif tp in self._fresh or (tp in self._paused and depth <= self._resume_at[of]):
+        fresh, stopped = self._fresh, self._paused
+        for tier, tps in self._tier_partitions().items():
+            depth = depths[tier]
+            if halt[tier]:
+                if self._unpaused[tier]:
+                    to_pause += [tp for tp in tps if tp not in stopped]
+                    self._resume_at[tier] = depth * 3 // 4
+            elif fresh or (self._unpaused[tier] < len(tps) and depth <= self._resume_at[tier]):
                 # Hysteresis: a paused tier resumes once a quarter of what it held has run, early enough
                 # for the refetch to arrive before it runs dry. Pausing drops the partition's prefetched
                 # records, so resuming at the first free place made every poll a pause and a refetch; at
                 # half, one dispatch of group commits (a wave of 8 groups: about critical's whole half) left
                 # critical or high empty until the refetch came, in 3 of 24 runs of the weights test on a
                 # quiet machine (0 of 24 at three quarters).
-                to_resume.append(tp)
-        self._source.pause(to_pause)
-        self._source.resume(to_resume)
-        self._paused |= set(to_pause)
-        self._paused -= set(to_resume)
-        fetching = self._offsets.assigned - self._paused
-        self._fetching = {self.topics.priority_of(tp[0]) for tp in fetching} - {None}
-        self._fresh.clear()
+                resume_all = depth <= self._resume_at[tier]
+                to_resume += [tp for tp in tps if tp in fresh or (resume_all and tp in stopped)]
+        if to_pause or to_resume or fresh:
+            self._source.pause(to_pause)
+            self._source.resume(to_resume)
+            self._paused |= set(to_pause)
+            self._paused -= set(to_resume)
+            self._count_unpaused()
+        fresh.clear()
+
+    def _tier_partitions(self) -> dict[Priority, list[TP]]:
+        """The assigned partitions of each tier (of priority topics only), derived again when they change."""
+        if self._partitions_of[0] != self._offsets.changes:
+            by_tier: dict[Priority, list[TP]] = {tier: [] for tier in PRIORITIES}
+            for tp in sorted(self._offsets.assigned):
+                tier = self.topics.priority_of(tp[0])
+                if tier is not None:
+                    by_tier[tier].append(tp)
+            self._partitions_of = (self._offsets.changes, {t: tps for t, tps in by_tier.items() if tps})
+            self._count_unpaused()
+        return self._partitions_of[1]
+
+    def _count_unpaused(self) -> None:
+        """Each tier's partitions being fetched (not paused), and the tiers that have any (`_fetching`)."""
+        paused = self._paused
+        self._unpaused = {
+            tier: sum(tp not in paused for tp in tps) for tier, tps in self._partitions_of[1].items()
+        }
+        self._unpaused.update({tier: 0 for tier in PRIORITIES if tier not in self._unpaused})
+        self._fetching = {tier for tier, n in self._unpaused.items() if n}
 
     def _over_bytes(self) -> bool:
         """Whether the buffered records (waiting, held, undecoded) take more than `buffer_bytes`."""
@@ -880,8 +909,12 @@ class Worker:
         self._source.poll(500, 0.0)
 
     def _observe(self) -> None:
-        lag: dict[Priority, int] | None = None
+        """Sample the loop's state for the gauges (LoopSampled), every SAMPLE_EVERY seconds at most."""
         now = self._clock()
+        if now - self._sampled_at < SAMPLE_EVERY:
+            return
+        self._sampled_at = now
+        lag: dict[Priority, int] | None = None
         if self._source is not None and now - self._last_lag >= 5.0:
             self._last_lag = now
             lag = dict.fromkeys(PRIORITIES, 0)

@@ -13,9 +13,9 @@ from taskq import Handlers, TaskContext
 from taskq._core.envelope import Envelope
 from taskq._core.errors import StoreUnavailableError
 from taskq._core.settings import Settings
-from taskq.consumer.events import Event, TaskCompleted
+from taskq.consumer.events import Event, LoopSampled, TaskCompleted
 from taskq.consumer.store import ClaimRequest, WorkerRecord
-from taskq.consumer.worker import Worker, WorkerConfig
+from taskq.consumer.worker import SAMPLE_EVERY, Worker, WorkerConfig
 from taskq.producer.admin import topic_specs
 from taskq.producer.producer import TaskProducer
 from taskq.schemas import avro
@@ -523,4 +523,25 @@ def test_a_starting_worker_with_a_full_buffer_waits_for_no_partition() -> None:
     w._dispatched, w._settling = False, {undelivered: parts.clock.monotonic()}
     w._paused.discard(undelivered)  # still fetched, and it has records (high watermark below)
     assert w._settled()
+    w.close()
+
+
+def test_the_loop_is_sampled_for_the_gauges_every_sample_interval_not_every_tick() -> None:
+    # A sample (and the gauges it sets) per tick cost more than a burn-down's tick did, one tick per few tasks.
+    handlers = Handlers()
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        pass
+
+    parts = Parts(handlers, partitions=2)
+    samples: list[LoopSampled] = []
+    w = parts.worker("a")
+    w._hooks = (*w._hooks, lambda event: samples.append(event) if isinstance(event, LoopSampled) else None)
+    for _ in range(5):
+        w._observe()  # as five ticks in a row do (an idle step waits for Kafka: real time passes)
+    assert len(samples) == 1
+    parts.clock.advance(SAMPLE_EVERY)
+    w._observe()
+    assert len(samples) == 2
     w.close()
