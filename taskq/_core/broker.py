@@ -22,7 +22,7 @@ BatchCallback = Callable[[int, str | None, "Record | None"], None]
 OutRecord = tuple[str, bytes | None, bytes | None, Headers]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Record:
     """One Kafka record as the rest of the code sees it."""
 

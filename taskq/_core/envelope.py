@@ -146,7 +146,7 @@ TIMEOUT: Final = H + "timeout"
 WORKFLOW_HEADER: Final = H + "workflow"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class Envelope:
     """Everything about a task except its payload; travels as Kafka headers."""
 

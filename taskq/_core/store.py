@@ -33,7 +33,7 @@ def pause_target(kind: str, name: str) -> tuple[PauseKind, str]:
     raise ConfigurationError(f"pause kind must be tier or task_type, got {kind!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class ClaimRequest:
     """A task asking to run: its idempotency key and how long its lease must last."""
 
@@ -43,7 +43,7 @@ class ClaimRequest:
     lease_seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Claim:
     """The store's answer: run it (claimed, with its attempt number), skip it (completed, or dead-lettered
     already as this very task), or hold it.
@@ -92,7 +92,7 @@ class Pauses:
     task_types: frozenset[str] = frozenset()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Finished:
     """An attempt's end, to record: completed (with its result, a JSON value checked against the worker's
     limit) or failed/dead (with its error; a dead one with the (partition, offset) of its DLQ record)."""

@@ -48,7 +48,7 @@ class TaskFailed(TaskqError):
         return (type(self), (self.error_type, self.message, self.traceback))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
     """How one attempt ended."""
 
@@ -68,7 +68,7 @@ class Outcome:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Job:
     """One attempt to run: the handler, its input, and its timeout."""
 
