@@ -7,9 +7,10 @@ Hooks are called on the worker's loop thread and must return quickly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 from taskq._core.broker import TP
 from taskq._core.envelope import Priority
@@ -194,6 +195,39 @@ Event = (
     | LoopSampled
     | ShareRedelivered
 )
+
+
+def _lists() -> defaultdict[str, list[Any]]:
+    return defaultdict(list)
+
+
+@dataclass(slots=True)
+class Tally:
+    """A loop pass's per-task events as the worker's own metrics need them: counted by task type
+    (dead-letterings by error type), taken once per pass instead of one metric update per event."""
+
+    started: Counter[str] = field(default_factory=Counter)
+    #: Of those, suspects' runs alone.
+    quarantined: Counter[str] = field(default_factory=Counter)
+    #: How long each attempt that ended ran, succeeded or failed.
+    ran: defaultdict[str, list[float]] = field(default_factory=_lists)
+    #: When the task of each attempt that succeeded was enqueued.
+    succeeded: defaultdict[str, list[datetime]] = field(default_factory=_lists)
+    failed: Counter[str] = field(default_factory=Counter)
+    retried: Counter[str] = field(default_factory=Counter)
+    duplicates: Counter[str] = field(default_factory=Counter)
+    dead_lettered: Counter[str] = field(default_factory=Counter)
+
+    def __bool__(self) -> bool:
+        return bool(self.started or self.ran or self.retried or self.duplicates or self.dead_lettered)
+
+    def clear(self) -> None:
+        """Empty, for the next pass (cheaper than a new one each pass)."""
+        self.ran.clear()
+        self.succeeded.clear()
+        for counts in (self.started, self.quarantined, self.failed, self.retried, self.duplicates):
+            counts.clear()
+        self.dead_lettered.clear()
 
 
 class Hook(Protocol):

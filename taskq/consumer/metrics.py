@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -21,12 +23,15 @@ from taskq.consumer.events import (
     Event,
     LoopSampled,
     ShareRedelivered,
+    Tally,
     TaskRetried,
     WorkerStarted,
     WorkerStopped,
 )
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+#: The latency histograms' buckets' upper bounds, as prometheus_client keeps them (+Inf last).
+_BOUNDS = (*map(float, _LATENCY), math.inf)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,7 @@ class PrometheusHook:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._bound: dict[str, _Bound] = {}
+        self._tally = Tally()
         r = self.registry
         self.started = Counter("taskq_tasks_started_total", "Attempts started", ["task_type"], registry=r)
         self.quarantined = Counter(
@@ -153,28 +159,26 @@ class PrometheusHook:
         return bound
 
     def __call__(self, event: Event) -> None:
-        """Count and time what the event says."""
+        """Count and time what the event says: per-task events into the pass's tally (`flush` applies
+        it), the worker's state at once."""
+        tally = self._tally
         match event:
             case AttemptStarted(task_type=t, quarantined=quarantined):
-                self._of(t).started.inc()
+                tally.started[t] += 1
                 if quarantined:
-                    self.quarantined.labels(t).inc()
+                    tally.quarantined[t] += 1
             case AttemptSucceeded(task_type=t, seconds=seconds, enqueued_at=enqueued_at):
-                bound = self._of(t)
-                bound.processing.observe(seconds)
-                bound.succeeded.inc()
-                age = (datetime.now(UTC) - enqueued_at).total_seconds()
-                bound.end_to_end.observe(max(0.0, age))
+                tally.ran[t].append(seconds)
+                tally.succeeded[t].append(enqueued_at)
             case AttemptFailed(task_type=t, seconds=seconds):
-                bound = self._of(t)
-                bound.processing.observe(seconds)
-                bound.failed.inc()
+                tally.ran[t].append(seconds)
+                tally.failed[t] += 1
             case TaskRetried(task_type=t):
-                self._of(t).retried.inc()
+                tally.retried[t] += 1
             case DuplicateSkipped(task_type=t):
-                self._of(t).duplicates.inc()
+                tally.duplicates[t] += 1
             case DeadLettered(error_type=error_type):
-                self.dead_lettered.labels(error_type.rsplit(".", 1)[-1][:40]).inc()
+                tally.dead_lettered[error_type] += 1
             case LoopSampled() as sample:
                 self.in_flight.set(sample.in_flight)
                 self.slots.set(sample.busy_slots / sample.concurrency)
@@ -192,6 +196,52 @@ class PrometheusHook:
                 self.workers.set(0)
             case _:
                 pass
+
+    def flush(self) -> None:
+        """Apply the per-task events counted since the last flush (the worker flushes once per loop pass)."""
+        if self._tally:
+            self.apply(self._tally)
+            self._tally.clear()
+
+    def apply(self, tally: Tally) -> None:
+        """Add a pass's per-task counts: one update per counter and label set, one per bucket of a histogram,
+        instead of one per event (each takes a lock, and an observation walks the buckets)."""
+        for t, n in tally.started.items():
+            self._of(t).started.inc(n)
+        for t, n in tally.quarantined.items():
+            self.quarantined.labels(t).inc(n)
+        for t, seconds in tally.ran.items():
+            _observe_all(self._of(t).processing, seconds)
+        # Timed when the pass's counts are applied, not when each attempt reported: later by at most a pass.
+        now = datetime.now(UTC)
+        for t, enqueued in tally.succeeded.items():
+            bound = self._of(t)
+            bound.succeeded.inc(len(enqueued))
+            _observe_all(bound.end_to_end, [max(0.0, (now - at).total_seconds()) for at in enqueued])
+        for t, n in tally.failed.items():
+            self._of(t).failed.inc(n)
+        for t, n in tally.retried.items():
+            self._of(t).retried.inc(n)
+        for t, n in tally.duplicates.items():
+            self._of(t).duplicates.inc(n)
+        for error_type, n in tally.dead_lettered.items():
+            self.dead_lettered.labels(error_type.rsplit(".", 1)[-1][:40]).inc(n)
+
+
+def _observe_all(histogram: Any, amounts: Sequence[float]) -> None:
+    """`histogram.observe(a)` for each of `amounts`, with one update of each bucket that gets any and of the
+    sum. prometheus_client has no bulk observe, so this reaches into what `observe` itself updates: one
+    value per bucket (not cumulative; its le ≥ the amount, first match) and the sum. Those values are
+    mmapped ones with PROMETHEUS_MULTIPROC_DIR set (`taskq worker --processes N`), kept per bucket there
+    too, where inc(n) is one write as inc(1) is."""
+    counts: dict[int, int] = {}
+    for amount in amounts:
+        i = bisect_left(_BOUNDS, amount)
+        counts[i] = counts.get(i, 0) + 1
+    buckets = histogram._buckets
+    for i, n in counts.items():
+        buckets[i].inc(n)
+    histogram._sum.inc(sum(amounts))
 
 
 class _Quiet(WSGIRequestHandler):

@@ -602,6 +602,7 @@ class Worker:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        self.metrics.flush()
         self._emit(WorkerStopped(self.worker_id))
 
     def _emit(self, event: Event) -> None:
@@ -664,6 +665,8 @@ class Worker:
             else:
                 # Nothing new from Kafka: sleep until a running task reports (wakes at once), not a tick.
                 self._collect(block=0.005 if self.executor.free_slots() else 0.05)
+        # The pass's per-task counts go to Prometheus once, not an update per event: /metrics lags a pass.
+        self.metrics.flush()
 
     def _waiting(self) -> int:
         """Records in the buffer: waiting for a slot, held, undecoded or being claimed."""
@@ -999,6 +1002,7 @@ class Worker:
             self._completer.flush()
             self._completer.serve(0.01)
             self.heartbeat.beat()
+            self.metrics.flush()
         self._completer.wait_recorded(ack_timeout)
         self._completer.wait_acked(ack_timeout)
         # A DLQ record acknowledged just now has queued its key's dead record: written before the commit.
