@@ -20,7 +20,7 @@ from taskq._core.broker import TP
 from taskq._core.envelope import Priority
 from taskq._core.errors import StoreUnavailableError
 from taskq.consumer.completer import Completer
-from taskq.consumer.events import CancelledSkipped, DuplicateSkipped, Event
+from taskq.consumer.events import Reporter
 from taskq.consumer.intake import Task, fields
 from taskq.consumer.offsets import Offsets
 from taskq.consumer.outcomes import Outcomes
@@ -72,7 +72,7 @@ class Claims:
         *,
         claim_wait: float,
         default_lease: float,
-        emit: Callable[[Event], None],
+        report: Reporter,
         clock: Callable[[], float],
         done: Callable[[Task], None],
         ready: Callable[[list[Task]], None],
@@ -85,7 +85,7 @@ class Claims:
         self._offsets = offsets
         self._claim_wait = claim_wait
         self._default_lease = default_lease
-        self._emit = emit
+        self._report = report
         self._clock = clock
         self._done = done
         self._ready = ready
@@ -175,15 +175,13 @@ class Claims:
             return False
         if claim.outcome == "cancelled":
             # Cancelled before it started: it never runs, and never reaches the DLQ; its offset moves on.
-            env = task.envelope
-            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._report.cancelled_skipped(task.envelope)
             self._done(task)
             return False
         if claim.outcome in ("completed", "dead"):
             # Completed, or this very task was dead-lettered already (its offset was not committed before
             # its worker died): the DLQ holds it once, so its redelivery is skipped and committed.
-            env = task.envelope
-            self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._report.duplicate_skipped(task.envelope)
             self._done(task)
             return False
         if claim.outcome in ("running", "duplicate"):
@@ -219,11 +217,10 @@ class Claims:
             self.hold([t for t, _, _ in ends], 1.0)
             return
         for task, _, state in ends:
-            env = task.envelope
             if state == "cancelled":
-                self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+                self._report.cancelled_skipped(task.envelope)
             else:
-                self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
+                self._report.duplicate_skipped(task.envelope)
             self._done(task)
 
     def renew(self, waited: Sequence[Task], parked: Sequence[Task] = ()) -> list[Task]:

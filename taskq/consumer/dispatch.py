@@ -25,7 +25,7 @@ from taskq._core.errors import StoreUnavailableError, TaskqError
 from taskq._core.tracing import Tracer
 from taskq.consumer.claims import Claims
 from taskq.consumer.completer import Completer
-from taskq.consumer.events import AttemptStarted, CancelledSkipped, Event
+from taskq.consumer.events import Reporter
 from taskq.consumer.executor import Executor, Job, Outcome, failure
 from taskq.consumer.handlers import TaskContext
 from taskq.consumer.intake import Task
@@ -86,7 +86,7 @@ class Dispatch:
         group: str,
         group_commits: bool,
         stop: threading.Event,
-        emit: Callable[[Event], None],
+        report: Reporter,
         clock: Callable[[], float],
     ) -> None:
         """`reported`: where attempts put their outcomes; `group_commits`: whether any handler's attempts
@@ -104,7 +104,7 @@ class Dispatch:
         self._group = group
         self._groups = group_commits
         self._stop = stop
-        self._emit = emit
+        self._report = report
         self._clock = clock
         self.running: dict[int, Task] = {}
         # Tasks of a paused task type, claimed and held out of the scheduler until the type is resumed.
@@ -247,7 +247,7 @@ class Dispatch:
         self.on_hold = [t for t in self.on_hold if id(t) not in dropped]
         for task in dropped.values():
             env = task.envelope
-            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+            self._report.cancelled_skipped(env)
             self._completer.record(
                 Finished(
                     env.idempotency_key,
@@ -426,9 +426,7 @@ class Dispatch:
         timeout = task.spec.timeout or env.timeout
         task.ctx = ctx
         self.running[id(task)] = task
-        self._emit(
-            AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts, task.suspect)
-        )
+        self._report.attempt_started(env, task.attempts, task.suspect)
         trace = None
         if self._tracer.active():
             task.span, trace = self._attempt_span(task)
@@ -528,7 +526,7 @@ class Dispatch:
         for task, ctx in zip(tasks, contexts, strict=True):
             task.ctx = ctx
             self.running[id(task)] = task
-            task.grouped = True  # AttemptStarted is emitted when it reports: a member may never start
+            task.grouped = True  # its start is reported when it reports: a member may never start
         self._members_running += len(tasks)
         self._executor.submit(
             Job(

@@ -1,19 +1,22 @@
 """What a worker reports as it runs: typed events, and the hooks that receive them.
 
-Cross-cutting concerns hook in here instead of crowding the loop: Prometheus is one hook
-(`taskq.consumer.metrics.PrometheusHook`), a test's recorder another (`taskq.testing.RecordingHook`).
-Hooks are called on the worker's loop thread and must return quickly.
+Cross-cutting concerns hook in here instead of crowding the loop: a test's recorder is a hook
+(`taskq.testing.RecordingHook`), the worker's Prometheus metrics another
+(`taskq.consumer.metrics.PrometheusHook`). Hooks are called on the worker's loop thread and must return
+quickly. The stages report each task's events through a `Reporter`, which tallies them for the metrics
+(applied once per loop pass) and builds the events only when the worker has hooks besides its metrics.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
 from taskq._core.broker import TP
-from taskq._core.envelope import Priority
+from taskq._core.envelope import Envelope, Priority
 
 __all__ = [
     "AttemptFailed",
@@ -234,3 +237,74 @@ class Hook(Protocol):
     """Receives every event of a worker, on its loop thread."""
 
     def __call__(self, event: Event) -> None: ...
+
+
+class Reporter:
+    """Where the stages report what happens to each task. Always into the pass's tally, which the worker's
+    Prometheus metrics apply once per pass; as an event only when the worker was given hooks: a per-task
+    event costs an object and a call per hook, and a production worker usually has no hook but its metrics.
+    """
+
+    def __init__(self, tally: Tally, hooks: Sequence[Hook] = ()) -> None:
+        self.tally = tally
+        #: The worker's hooks (not its metrics): every per-task event goes to them, as it happens.
+        self.hooks = tuple(hooks)
+
+    def _emit(self, event: Event) -> None:
+        for hook in self.hooks:
+            hook(event)
+
+    def attempt_started(self, env: Envelope, attempt: int, quarantined: bool = False) -> None:
+        """An attempt started (AttemptStarted)."""
+        self.tally.started[env.task_type] += 1
+        if quarantined:
+            self.tally.quarantined[env.task_type] += 1
+        if self.hooks:
+            self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, attempt, quarantined))
+
+    def attempt_succeeded(self, env: Envelope, seconds: float) -> None:
+        """An attempt returned (AttemptSucceeded)."""
+        self.tally.ran[env.task_type].append(seconds)
+        self.tally.succeeded[env.task_type].append(env.enqueued_at)
+        if self.hooks:
+            self._emit(
+                AttemptSucceeded(env.task_type, env.task_id, env.idempotency_key, seconds, env.enqueued_at)
+            )
+
+    def attempt_failed(self, env: Envelope, seconds: float, error: str) -> None:
+        """An attempt raised, timed out or crashed (AttemptFailed)."""
+        self.tally.ran[env.task_type].append(seconds)
+        self.tally.failed[env.task_type] += 1
+        if self.hooks:
+            self._emit(AttemptFailed(env.task_type, env.task_id, env.idempotency_key, seconds, error))
+
+    def task_completed(self, env: Envelope) -> None:
+        """A task's completion is durable (TaskCompleted)."""
+        if self.hooks:
+            self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
+
+    def task_retried(self, env: Envelope) -> None:
+        """A failed attempt will be tried again (TaskRetried)."""
+        self.tally.retried[env.task_type] += 1
+        if self.hooks:
+            self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
+
+    def duplicate_skipped(self, env: Envelope) -> None:
+        """A delivery of a key already completed was skipped (DuplicateSkipped)."""
+        self.tally.duplicates[env.task_type] += 1
+        if self.hooks:
+            self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
+
+    def cancelled_skipped(self, env: Envelope) -> None:
+        """A task cancelled before it started was skipped (CancelledSkipped)."""
+        if self.hooks:
+            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+
+    def dead_lettered(
+        self, reason: str, error_type: str, env: Envelope | None, topic: str, offset: int
+    ) -> None:
+        """A task, or input that never became one (no envelope), was sent to the DLQ (DeadLettered)."""
+        self.tally.dead_lettered[error_type] += 1
+        if self.hooks:
+            task_id, key = (env.task_id, env.idempotency_key) if env is not None else (None, None)
+            self._emit(DeadLettered(reason, error_type, task_id, key, topic, offset))

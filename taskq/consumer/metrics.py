@@ -15,16 +15,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from taskq.consumer.events import (
-    AttemptFailed,
-    AttemptStarted,
-    AttemptSucceeded,
-    DeadLettered,
-    DuplicateSkipped,
     Event,
     LoopSampled,
     ShareRedelivered,
     Tally,
-    TaskRetried,
     WorkerStarted,
     WorkerStopped,
 )
@@ -54,7 +48,8 @@ class PrometheusHook:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._bound: dict[str, _Bound] = {}
-        self._tally = Tally()
+        #: Where the worker's stages count per-task events (through a Reporter) between flushes.
+        self.tally = Tally()
         r = self.registry
         self.started = Counter("taskq_tasks_started_total", "Attempts started", ["task_type"], registry=r)
         self.quarantined = Counter(
@@ -159,26 +154,9 @@ class PrometheusHook:
         return bound
 
     def __call__(self, event: Event) -> None:
-        """Count and time what the event says: per-task events into the pass's tally (`flush` applies
-        it), the worker's state at once."""
-        tally = self._tally
+        """Set what the event says of the worker's state. Per-task counts come through `tally`, not as
+        events (taskq.consumer.events.Reporter), and go to the metrics once per loop pass (`flush`)."""
         match event:
-            case AttemptStarted(task_type=t, quarantined=quarantined):
-                tally.started[t] += 1
-                if quarantined:
-                    tally.quarantined[t] += 1
-            case AttemptSucceeded(task_type=t, seconds=seconds, enqueued_at=enqueued_at):
-                tally.ran[t].append(seconds)
-                tally.succeeded[t].append(enqueued_at)
-            case AttemptFailed(task_type=t, seconds=seconds):
-                tally.ran[t].append(seconds)
-                tally.failed[t] += 1
-            case TaskRetried(task_type=t):
-                tally.retried[t] += 1
-            case DuplicateSkipped(task_type=t):
-                tally.duplicates[t] += 1
-            case DeadLettered(error_type=error_type):
-                tally.dead_lettered[error_type] += 1
             case LoopSampled() as sample:
                 self.in_flight.set(sample.in_flight)
                 self.slots.set(sample.busy_slots / sample.concurrency)
@@ -198,10 +176,10 @@ class PrometheusHook:
                 pass
 
     def flush(self) -> None:
-        """Apply the per-task events counted since the last flush (the worker flushes once per loop pass)."""
-        if self._tally:
-            self.apply(self._tally)
-            self._tally.clear()
+        """Apply what was counted into `tally` since the last flush (the worker flushes once a loop pass)."""
+        if self.tally:
+            self.apply(self.tally)
+            self.tally.clear()
 
     def apply(self, tally: Tally) -> None:
         """Add a pass's per-task counts: one update per counter and label set, one per bucket of a histogram,

@@ -20,15 +20,7 @@ from taskq._core.errors import ResultError
 from taskq._core.store import encode_result
 from taskq._core.tracing import Tracer
 from taskq.consumer.completer import Completer
-from taskq.consumer.events import (
-    AttemptFailed,
-    AttemptStarted,
-    AttemptSucceeded,
-    DeadLettered,
-    Event,
-    TaskCompleted,
-    TaskRetried,
-)
+from taskq.consumer.events import Reporter
 from taskq.consumer.executor import Outcome, TaskFailed, failure
 from taskq.consumer.intake import Rejected, Task, fields
 from taskq.consumer.limits import Limits
@@ -64,7 +56,7 @@ class Outcomes:
         delay_tiers: tuple[timedelta, ...],
         worker_id: str,
         result_max_bytes: int,
-        emit: Callable[[Event], None],
+        report: Reporter,
         done: Callable[[Task, bool], None],
         lift: Callable[[Task], None],
     ) -> None:
@@ -78,7 +70,7 @@ class Outcomes:
         self._delay_tiers = delay_tiers
         self._worker_id = worker_id
         self._result_max_bytes = result_max_bytes
-        self._emit = emit
+        self._report = report
         self._done = done
         self._lift = lift
 
@@ -96,7 +88,7 @@ class Outcomes:
         env, spec = task.envelope, task.spec
         if task.grouped:
             task.grouped = False
-            self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, task.attempts))
+            self._report.attempt_started(env, task.attempts)
         if outcome.ok and not task.recorded and outcome.result is not None:
             try:
                 checked_result(outcome.result, self._result_max_bytes)
@@ -104,11 +96,7 @@ class Outcomes:
                 outcome = failure(exc, outcome.seconds)  # never stored cut short, nor dropped silently
         if outcome.ok:
             self._end_span(task, "completed")
-            self._emit(
-                AttemptSucceeded(
-                    env.task_type, env.task_id, env.idempotency_key, outcome.seconds, env.enqueued_at
-                )
-            )
+            self._report.attempt_succeeded(env, outcome.seconds)
             if task.recorded:
                 self._completed(task)
             else:
@@ -135,7 +123,7 @@ class Outcomes:
             # Told to back off (an HTTP 429's Retry-After, say): the key's bucket pauses for every worker.
             self._limits.pause(task.gate, error.delay.total_seconds())
         message = f"{outcome.error_type}: {outcome.message}"
-        self._emit(AttemptFailed(env.task_type, env.task_id, env.idempotency_key, outcome.seconds, message))
+        self._report.attempt_failed(env, outcome.seconds, message)
         policy = spec.policy
         if env.max_attempts is not None:
             policy = replace(policy, max_attempts=env.max_attempts)
@@ -165,7 +153,7 @@ class Outcomes:
         if spec.ordered:
             # Retried in place: its offset stays pending and its key stays held, so the key's later tasks
             # wait for it (what ordering means); a restart or rebalance redelivers it first.
-            self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
+            self._report.task_retried(env)
             self._completer.record(
                 Finished(
                     env.idempotency_key, task.attempts, "failed", error=message, workflow=task.workflow
@@ -182,7 +170,7 @@ class Outcomes:
             self._delay_tiers,
             now,
         )
-        self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
+        self._report.task_retried(env)
         self._completer.record(
             Finished(env.idempotency_key, task.attempts, "failed", error=message, workflow=task.workflow)
         )
@@ -218,9 +206,7 @@ class Outcomes:
         )
         env, record = task.envelope, task.record
         log.warning("task %s dead-lettered: %s", env.task_id, reason, extra=fields(task))
-        self._emit(
-            DeadLettered(reason, error_type, env.task_id, env.idempotency_key, record.topic, record.offset)
-        )
+        self._report.dead_lettered(reason, error_type, env, record.topic, record.offset)
         # Delivery guarantee: the key is recorded dead only once the broker acknowledged its DLQ record (a
         # dead key's redelivery is skipped, so recording it first could lose the record), and the offset is
         # done only once both are durable. The record says where the DLQ record is, for result().
@@ -248,7 +234,7 @@ class Outcomes:
 
     def _reject(self, record: Record, reason: str, error_type: str, generation: int) -> None:
         log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
-        self._emit(DeadLettered(reason, error_type, None, None, record.topic, record.offset))
+        self._report.dead_lettered(reason, error_type, None, record.topic, record.offset)
         out = dead_letter_record(
             record,
             reason=reason,
@@ -282,8 +268,7 @@ class Outcomes:
     def _completed(self, task: Task) -> None:
         """The completion is recorded: the offset may be released."""
         self._done(task, False)
-        env = task.envelope
-        self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
+        self._report.task_completed(task.envelope)
 
     def _end_span(self, task: Task, outcome: str, error: str | None = None) -> None:
         if task.span is not None:

@@ -58,6 +58,7 @@ from taskq.consumer.events import (
     LoopSampled,
     PartitionsAssigned,
     PartitionsRevoked,
+    Reporter,
     WorkerStarted,
     WorkerStopped,
 )
@@ -197,7 +198,9 @@ class Worker:
         not given, a Postgres store on a connection of its own; with `store` given, none unless given
         (everything is written from the loop's thread).
 
-        Every event goes to the worker's Prometheus hook (`self.metrics`) and then to `hooks`.
+        Every event goes to `hooks`, each as it happens. The worker's Prometheus metrics (`self.metrics`) take
+        the worker's events as a hook and count per-task ones without an event, applied once per loop pass;
+        with no `hooks`, no per-task event is built.
         """
         self.handlers = handlers
         self.settings = settings or Settings.from_env()
@@ -207,6 +210,8 @@ class Worker:
         self.worker_id = self.config.worker_id
         self.metrics = metrics.PrometheusHook()
         self._hooks: tuple[Hook, ...] = (self.metrics, *hooks)
+        # Per-task events are built only for `hooks`; the metrics count them into their tally instead.
+        self._report = Reporter(self.metrics.tally, hooks)
         self._tracer = Tracer()
         self._stop = threading.Event()
         self._outcomes: queue.SimpleQueue[tuple[Task, Outcome]] = queue.SimpleQueue()
@@ -290,7 +295,7 @@ class Worker:
             delay_tiers=self.settings.delay_tiers,
             worker_id=self.worker_id,
             result_max_bytes=self.config.result_max_bytes,
-            emit=self._emit,
+            report=self._report,
             done=lambda task, dead: self._dispatcher.done(task, dead=dead),
             lift=lambda task: self._dispatcher.lift_quarantine(task),
         )
@@ -301,7 +306,7 @@ class Worker:
             self._offsets,
             claim_wait=self.config.claim_wait,
             default_lease=self.config.default_lease,
-            emit=self._emit,
+            report=self._report,
             clock=clock,
             done=lambda task: self._dispatcher.done(task),
             ready=lambda tasks: self._dispatcher.ready(tasks),
@@ -320,7 +325,7 @@ class Worker:
             group=self.group,
             group_commits=any(s.transactional and s.group_commit for s in handlers),
             stop=self._stop,
-            emit=self._emit,
+            report=self._report,
             clock=clock,
         )
         self._source: RecordSource | TierShares | None = None

@@ -17,11 +17,15 @@ from taskq.consumer.events import (
     AttemptFailed,
     AttemptStarted,
     AttemptSucceeded,
+    CancelledSkipped,
+    DeadLettered,
     DuplicateSkipped,
     Tally,
+    TaskCompleted,
     TaskRetried,
 )
 from taskq.consumer.metrics import _LATENCY, PrometheusHook
+from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.testing import InMemoryQueue
 
 SEND = {"type": "record", "name": "Send", "namespace": "shop", "fields": [{"name": "to", "type": "string"}]}
@@ -48,6 +52,18 @@ def _enqueue(q: InMemoryQueue) -> None:
     q.producer.enqueue("shop.Send", {"to": "0@example.com"}, idempotency_key="welcome:0")  # a duplicate
     q.producer.enqueue("shop.Send", {"to": "flaky"}, idempotency_key="welcome:flaky")
     q.producer.enqueue("shop.Send", {"to": "nobody"}, idempotency_key="welcome:nobody")
+
+
+PER_TASK = (
+    AttemptStarted,
+    AttemptSucceeded,
+    AttemptFailed,
+    TaskCompleted,
+    TaskRetried,
+    DuplicateSkipped,
+    CancelledSkipped,
+    DeadLettered,
+)
 
 
 def _value(hook: PrometheusHook, name: str, **labels: str) -> float:
@@ -175,3 +191,60 @@ def test_counters_take_a_pass_as_many_increments_and_the_age_is_from_enqueue() -
     assert _value(hook, end_to_end, task_type="a", le="+Inf") == 6
     # A task type seen only in a pass's other counts still shows every series of its own, at 0.
     assert hook.registry.get_sample_value("taskq_tasks_failed_total", {"task_type": "b"}) == 0
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Every per-task event built from now on, counted by type (wherever the code that builds it lives)."""
+    built: Counter[str] = Counter()
+    for kind in PER_TASK:
+
+        def counting(self: Any, *args: Any, __init: Any = kind.__init__, **kwargs: Any) -> None:
+            built[type(self).__name__] += 1
+            __init(self, *args, **kwargs)
+
+        monkeypatch.setattr(kind, "__init__", counting)
+    return built
+
+
+def test_a_worker_without_hooks_builds_no_per_task_event_and_one_with_a_hook_hands_it_every_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built = _counted(monkeypatch)
+    expected = {
+        "AttemptStarted": 23,  # 21 keys, the flaky one twice
+        "AttemptSucceeded": 21,
+        "AttemptFailed": 2,
+        "TaskCompleted": 21,
+        "TaskRetried": 1,
+        "DuplicateSkipped": 1,
+        "DeadLettered": 1,
+    }
+    with InMemoryQueue(_handlers()) as q:
+        # The queue's worker again, without the queue's RecordingHook: production's usual worker.
+        q.worker = Worker(
+            q.worker.handlers,
+            q.settings,
+            WorkerConfig(forwarder=False, commit_interval=0.001, worker_id="in-memory"),
+            broker=q.broker,
+            store=q.store,
+            registry=q.registry,
+            clock=q.clock.monotonic,
+        )
+        _enqueue(q)
+        q.run_until_idle()
+        assert built == Counter()
+        # The metrics counted every task all the same.
+        hook, t = q.worker.metrics, {"task_type": "shop.Send"}
+        assert _value(hook, "taskq_tasks_started_total", **t) == expected["AttemptStarted"]
+        assert _value(hook, "taskq_tasks_succeeded_total", **t) == expected["AttemptSucceeded"]
+        assert _value(hook, "taskq_tasks_failed_total", **t) == expected["AttemptFailed"]
+        assert _value(hook, "taskq_tasks_retried_total", **t) == expected["TaskRetried"]
+        assert _value(hook, "taskq_duplicates_skipped_total", **t) == expected["DuplicateSkipped"]
+        assert _value(hook, "taskq_tasks_dead_lettered_total", reason="Reject") == expected["DeadLettered"]
+        assert _value(hook, "taskq_enqueue_to_completion_seconds_count", **t) == expected["AttemptSucceeded"]
+
+    with InMemoryQueue(_handlers()) as q:  # its worker has a hook: every per-task event, as before
+        _enqueue(q)
+        q.run_until_idle()
+        delivered = Counter(type(e).__name__ for e in q.events.events if isinstance(e, PER_TASK))
+        assert delivered == built == expected
