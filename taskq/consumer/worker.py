@@ -603,11 +603,11 @@ class Worker:
             self._beats.close()
         self.store.close()
         self.registry.close()
+        self.metrics.flush()  # what the last passes counted (under --processes, its supervisor serves it)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        self.metrics.flush()
         self._emit(WorkerStopped(self.worker_id))
 
     def _emit(self, event: Event) -> None:
