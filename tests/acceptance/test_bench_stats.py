@@ -86,6 +86,7 @@ def test_bench_worker_runs_every_task_and_removes_its_namespace(
     assert data["completed"] == 300 and data["processes"] == 1
     assert data["tasks_per_s"] > 0 and data["tasks_per_s_from_first_enqueue"] > 0
     assert data["worker_cpu_ms_per_task"] > 0 and data["wal_bytes_per_task"] > 0
+    assert 0 < data["machine_busy"] <= 1  # the workers at least ran on it
     assert data["enqueue_to_completion_ms"]["p50"] > 0
     assert _percentiles(data["enqueue_to_start_ms"])
     # Each task's claim inserted its key's row and its completion updated it, in batches: at least two rows

@@ -62,6 +62,31 @@ def _wal_bytes_since(settings: Settings, start: str) -> int:
     return int(row["n"]) if row else 0
 
 
+def machine_cpu(stat: str | None = None) -> tuple[int, int] | None:
+    """The machine's CPU time so far, all cores, in clock ticks: (busy, total), from /proc/stat's `cpu`
+    line (busy: all but idle and iowait). None where there is no /proc/stat (not Linux)."""
+    if stat is None:
+        try:
+            with open("/proc/stat") as f:
+                stat = f.readline()
+        except OSError:
+            return None
+    fields = stat.split()
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    total = sum(ticks)
+    return total - ticks[3] - ticks[4], total
+
+
+def machine_busy_since(start: tuple[int, int] | None, now: tuple[int, int] | None = None) -> float | None:
+    """The fraction of the machine's CPU (all cores) busy since `start` (from `machine_cpu`)."""
+    now = now or machine_cpu()
+    if start is None or now is None or now[1] <= start[1]:
+        return None
+    return (now[0] - start[0]) / (now[1] - start[1])
+
+
 @dataclass(frozen=True)
 class _Run:
     """One benchmark's namespace: its settings and its one task type."""

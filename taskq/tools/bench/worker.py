@@ -24,6 +24,8 @@ from taskq.tools.bench.run import (
     _Run,
     _wal_bytes_since,
     _wal_position,
+    machine_busy_since,
+    machine_cpu,
 )
 from taskq.tools.bench.runners import _Workers, _WorkerSpec
 
@@ -72,9 +74,11 @@ def bench_worker(
         wal_start = _wal_position(run.settings)
         counters_start, table_start = _pg_counters(run.settings), _table_bytes(run.settings)
         with workers:
+            cpu_start = machine_cpu()
             workers.wait(
                 lambda: len(workers.completed) >= tasks, timeout, f"not every one of {tasks} tasks ran"
             )
+            busy = machine_busy_since(cpu_start)
             wal_bytes = _wal_bytes_since(run.settings, wal_start)
         time.sleep(_STATS_DELAY)  # the workers' backends have exited or are idle: their counts are reported
         counters = _pg_counters(run.settings).since(counters_start)
@@ -122,6 +126,10 @@ def bench_worker(
         "tasks_per_s_from_first_enqueue": done / (t_end - t_first),
         # Process CPU of the worker(s) from Worker.run() to the last completion, per task.
         "worker_cpu_ms_per_task": workers.cpu_s / done * 1e3,
+        # The whole machine's CPU, all cores, busy from the launch to the last completion (within a report
+        # interval of it): the workers, the broker, Postgres, this process and anything else running. Below
+        # 1, a burn-down waits on round trips rather than on the CPU. None off Linux.
+        "machine_busy": busy,
         # All tasks are enqueued before the worker starts, so these include waiting behind the backlog.
         "enqueue_to_start_ms": _ms([started[k] - enqueued[k] for k in completed if k in started]),
         "enqueue_to_completion_ms": _ms([completed[k] - enqueued[k] for k in completed]),
