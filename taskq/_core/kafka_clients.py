@@ -93,6 +93,8 @@ def start_positions(committed: list[TopicPartition], reset: int | None) -> list[
     could not be read (an error on it, e.g. a transaction's offsets not yet stable)."""
     out = []
     for p in committed:
+        # Delivery guarantee: a partition the group committed starts at that offset, as librdkafka would
+        # start it (everything below it is done), never past it.
         if p.error is None and p.offset == OFFSET_INVALID and reset is not None:
             p = TopicPartition(p.topic, p.partition, reset)
         elif p.error is not None:

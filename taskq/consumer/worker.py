@@ -97,6 +97,8 @@ SHED_AFTER = 5.0
 #: tick, the sample and its gauges cost more than the tick's own bookkeeping in a burn-down (a tick per
 #: 8 tasks); a scrape every few seconds sees no difference.
 SAMPLE_EVERY = 0.1
+
+
 class ServiceStoppedError(TaskqError):
     """A service the worker runs beside its loop (the delay forwarder, say) stopped on its own."""
 
@@ -231,8 +233,8 @@ class Worker:
         # Flow control's view of the assignment: each tier's partitions (as of the assignment's nth change),
         # and how many of them are not paused.
         self._partitions_of: tuple[int, dict[Priority, list[TP]]] = (-1, {})
-        self._sampled_at = float("-inf")
         self._unpaused: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)
+        self._sampled_at = float("-inf")  # when the loop was last sampled for its gauges (LoopSampled)
         self.heartbeat = metrics.Heartbeat()
         self._clock = clock
         self.broker: Broker = broker or KafkaBroker(self.settings)
