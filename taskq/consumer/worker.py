@@ -867,11 +867,10 @@ class Worker:
 
     def _count_unpaused(self) -> None:
         """Each tier's partitions being fetched (not paused), and the tiers that have any (`_fetching`)."""
-        paused = self._paused
+        paused, partitions = self._paused, self._partitions_of[1]
         self._unpaused = {
-            tier: sum(tp not in paused for tp in tps) for tier, tps in self._partitions_of[1].items()
+            tier: sum(tp not in paused for tp in partitions.get(tier, ())) for tier in PRIORITIES
         }
-        self._unpaused.update({tier: 0 for tier in PRIORITIES if tier not in self._unpaused})
         self._fetching = {tier for tier, n in self._unpaused.items() if n}
 
     def _over_bytes(self) -> bool:
