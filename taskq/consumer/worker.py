@@ -623,6 +623,11 @@ class Worker:
         waiting = self._waiting()
         busy = bool(self._dispatcher.running or waiting or self._completer.pending())
         room = max(1, min(500, self.config.buffer_capacity - waiting))
+        starting = not self._dispatched and bool(self._settling)
+        if starting:
+            # Before the first dispatch, tiers short of their reserve are fetched at once even with the
+            # buffer full (the full tiers are paused, so only theirs come): the first dispatch waits for them.
+            room = max(room, POLL_CHUNK)
         if self._shares is not None:
             # Share mode takes only what can start now: a record buffered here is locked from the other
             # members, and one acquired beyond that (a whole producer batch comes at once) is let go soon.
@@ -636,7 +641,7 @@ class Worker:
         # not a slot's worth; and at least every 50 ms, which serves rebalance callbacks and keeps the group
         # membership alive even when the buffer is full.
         due = now - self._last_poll >= 0.05
-        if room >= self.config.buffer_capacity // 4 or not busy or due or self._short():
+        if room >= self.config.buffer_capacity // 4 or not busy or due or starting or self._short():
             self._last_poll = now
             # consume(n, timeout) waits for all n records or the timeout: take what is there, and block only
             # for one record (then the rest that came with it), never on a timeout. Block while idle, and
@@ -728,10 +733,18 @@ class Worker:
             if len(tiers) < len(PRIORITIES) and now - self._first_assigned < SETTLE:
                 return False
         if self._settling and self._waiting() >= self.config.buffer_capacity:
-            # The buffer is full: nothing more is taken until something runs, so whatever has not come
-            # could only be waited for until SETTLE (a worker started on a backlog stood still for it,
-            # the first tiers fetched having filled the buffer). Start on what is buffered.
-            self._settling = {}
+            # The buffer is full (the first tiers fetched filled it): a partition is waited for only while
+            # its tier holds less than its reserve, and the loop takes such tiers' records at once while it
+            # starts (`_starting`). A worker started on a backlog stood still for SETTLE waiting for tiers
+            # that had their share; started without waiting at all, it ran a short tier below its weight
+            # for the first hundreds of tasks.
+            scheduler = self._scheduler
+            self._settling = {
+                tp: at
+                for tp, at in self._settling.items()
+                if (tier := self.topics.priority_of(tp[0])) is not None
+                and scheduler.depth(tier) < scheduler.reserve(tier)
+            }
         if self._settling:
             # Nor for a partition that flow control paused: its tier's share is buffered already, and it
             # delivers nothing while paused (librdkafka fills a tier from its first partitions).

@@ -492,10 +492,11 @@ def test_a_starting_worker_waits_for_no_partition_that_flow_control_paused() -> 
     w.close()
 
 
-def test_a_starting_worker_with_a_full_buffer_waits_for_no_partition() -> None:
-    # The buffer filled before every partition delivered (one tier's records came first): nothing more is
-    # taken until something runs, so a partition whose records have not come can only be waited for until
-    # SETTLE, however long that is. It used to be, and a worker started on a backlog stood still for SETTLE.
+def test_a_starting_worker_with_a_full_buffer_waits_only_for_tiers_short_of_their_reserve() -> None:
+    # The buffer filled before every partition delivered (the first tiers fetched came first). A partition
+    # of a tier that holds its reserve is not waited for (a worker started on a backlog stood still for
+    # SETTLE); one of a short tier is, and its records are taken at once though the buffer is full (started
+    # without them, the first hundreds of tasks ran that tier below its weight).
     handlers = Handlers()
 
     @handlers.task("unit.Job", schema=JOB)
@@ -520,9 +521,15 @@ def test_a_starting_worker_with_a_full_buffer_waits_for_no_partition() -> None:
     parts.producer.flush()
     critical = [tp for tp in sorted(w._assigned) if tp[0].endswith(".critical")]
     undelivered = next(tp for tp, end in w._source.high_watermarks(critical).items() if end)  # type: ignore[union-attr]
+    full = next(tp for tp in sorted(w._assigned) if tp[0].endswith(".high"))
+    w._dispatched, w._settling = False, {full: parts.clock.monotonic()}
+    assert w._settled()  # high holds its reserve: nothing to wait for
     w._dispatched, w._settling = False, {undelivered: parts.clock.monotonic()}
     w._paused.discard(undelivered)  # still fetched, and it has records (high watermark below)
-    assert w._settled()
+    assert not w._settled()  # critical holds none of its reserve
+    w.step()  # takes critical's records though the buffer is full, and starts
+    assert w._dispatched
+    assert any(t.envelope.priority == "critical" for t in [*w._scheduler, *w._running.values()])
     w.close()
 
 
