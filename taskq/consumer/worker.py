@@ -228,6 +228,7 @@ class Worker:
         self._settling: dict[TP, float] = {}  # assigned, not fetched yet: when they were assigned
         self._dispatched = False  # nothing started yet: the first dispatch waits for every tier's partitions
         self._first_assigned: float | None = None
+        self._slots_ready: threading.Event | None = None  # set once every pool thread is prepared (start)
         self._fed: dict[Priority, float] = dict.fromkeys(PRIORITIES, -float("inf"))  # last record taken
         self._fetching: set[Priority] = set()  # tiers with a partition assigned and not paused
         # Flow control's view of the assignment: each tier's partitions (as of the assignment's nth change),
@@ -474,6 +475,11 @@ class Worker:
             self._source.subscribe(self.topics.priority_topics)
             if self._database is not None:
                 self._database.migrate(namespace=self.settings.namespace)
+            if any(spec.transactional for spec in self.handlers):
+                # Every slot's connection for transactional attempts is opened now, on its pool thread,
+                # while the group is joined: opened at each thread's first attempt, the connects held the
+                # first wave's groups back by different amounts, and their effects left the weighted order.
+                self._slots_ready = self.executor.prepare_threads(self.store.prepare_thread)
             self._liveness.start()
         except BaseException:
             # `run` closes nothing when `start` fails: leave the group and free the port now.
@@ -517,9 +523,7 @@ class Worker:
             lock_duration_ms=self.config.share_lock_ms,
         )
 
-    def _start_periodic(
-        self, database: Database
-    ) -> tuple[PeriodicScheduler, threading.Thread, TaskProducer]:
+    def _start_periodic(self, database: Database) -> tuple[PeriodicScheduler, threading.Thread, TaskProducer]:
         # Slots are staged in the outbox, in the transaction that advances the schedule: the relay publishes.
         producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
 
@@ -729,6 +733,9 @@ class Worker:
         assert self._source is not None
         now = self._clock()
         if not self._dispatched:
+            ready = self._slots_ready
+            if ready is not None and not ready.is_set() and now - self._first_assigned < SETTLE:
+                return False  # the slots' connections are being opened (start): the first wave waits for them
             tiers = {self.topics.priority_of(t) for t, _ in self._offsets.assigned} - {None}
             if len(tiers) < len(PRIORITIES) and now - self._first_assigned < SETTLE:
                 return False

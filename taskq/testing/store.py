@@ -495,6 +495,9 @@ class InMemoryStore:
         row.state, row.result, row.completed_at, row.updated_at = "completed", _stored(result), now, now
         row.lease_owner, row.lease_expires_at, row.last_error = None, None, None
 
+    def prepare_thread(self) -> None:
+        """Nothing to open ahead: the fake's connections are made per transaction."""
+
     def run_group(self, members: Sequence[Member]) -> None:
         """Run transactional attempts together and record the completions of those that returned, all or
         nothing (as IdempotencyStore; a fake connection from `connect` has no savepoints)."""

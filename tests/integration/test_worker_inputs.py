@@ -40,9 +40,11 @@ ID_FIELDS = [{"name": "id", "type": "string"}]
 
 
 @contextmanager
-def running(handlers: Handlers, settings: Settings, **config: Any) -> Iterator[tuple[Worker, RecordingHook]]:
+def running(
+    handlers: Handlers, settings: Settings, *, events: RecordingHook | None = None, **config: Any
+) -> Iterator[tuple[Worker, RecordingHook]]:
     """A Worker in a background thread; stopped gracefully (and joined) at the end."""
-    events = RecordingHook()
+    events = events or RecordingHook()
     config = {"concurrency": 2, "commit_interval": 0.2, **config}
     w = Worker(handlers, settings, WorkerConfig(**config), hooks=[events])
     failure: list[BaseException] = []
@@ -298,6 +300,52 @@ def test_a_transactional_handler_that_raises_leaves_no_write_and_no_completion(
     assert [r["id"] for r in _query(settings, "SELECT id FROM effects")] == ["commits"]
     states = {r["idempotency_key"]: r["state"] for r in _query(settings, "SELECT * FROM taskq_tasks")}
     assert states == {"w:raises": "dead", "w:commits": "completed"}
+
+
+class _Dispatched(RecordingHook):
+    """Notes when the worker's loop dispatched each attempt (it emits AttemptStarted as it submits it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: list[datetime] = []
+
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, AttemptStarted):
+            self.at.append(datetime.now(UTC))
+        super().__call__(event)
+
+
+def test_every_slot_has_its_connection_open_before_the_first_transactional_attempt(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    # Each pool thread runs transactional attempts on a connection of its own. Opened at the thread's first
+    # attempt, the connects came between the dispatch of the first wave of group commits and their start,
+    # so the groups began tens of ms apart, and the tiers' effects landed out of their weighted order.
+    ns = settings.namespace
+    schema = task_schema("Note", ID_FIELDS)
+    _register(settings, schema)
+    with TaskProducer(settings) as producer:
+        for i in range(8):
+            producer.enqueue(f"{ns}.Note", {"id": f"n{i}"}, idempotency_key=f"note:{i}")
+    h = Handlers()
+    opened: dict[int, datetime] = {}
+
+    @h.task(f"{ns}.Note", schema=schema, transactional=True, group_commit=False)
+    def note(payload: dict[str, Any], ctx: Any) -> None:
+        row = ctx.db.execute(
+            "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+        ).fetchone()
+        pid, start = row.values() if isinstance(row, dict) else row
+        opened[pid] = start
+        time.sleep(0.2)  # every slot gets an attempt at once
+
+    dispatched = _Dispatched()
+    with running(h, settings, events=dispatched, concurrency=4):
+        dispatched.count(TaskCompleted, 8)
+    assert len(opened) == 4, opened  # one connection per slot, kept between attempts
+    first = min(dispatched.at)
+    late = {pid: (at - first).total_seconds() for pid, at in opened.items() if at > first}
+    assert not late, f"connections opened after the first dispatch (seconds after it): {late}"
 
 
 # ----------------------------------------------------------------------------------------- contiguous commits

@@ -100,6 +100,12 @@ class Executor:
         else:
             self._threads.put(attempt)
 
+    def prepare_threads(self, init: Callable[[], None]) -> threading.Event:
+        """Start all `concurrency` pool threads now, each calling `init` first (e.g. opening its database
+        connection), rather than one at each of the first submits; the event is set once all have."""
+        with self._cond:
+            return self._threads.start_all(init)
+
     def free_slots(self) -> int:
         """Concurrency minus attempts still running, timed-out threads included."""
         with self._cond:

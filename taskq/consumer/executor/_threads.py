@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -9,6 +10,8 @@ from collections.abc import Callable
 
 from taskq.consumer.executor._outcomes import Attempt, Outcome, Release, Report, failure, timeout_expired
 from taskq.consumer.executor._watchdog import Watchdog
+
+_log = logging.getLogger("taskq.executor")
 
 
 class ThreadPool:
@@ -26,6 +29,32 @@ class ThreadPool:
             thread = threading.Thread(target=self._loop, name="taskq-executor", daemon=True)
             self._threads.append(thread)
             thread.start()
+
+    def start_all(self, init: Callable[[], None]) -> threading.Event:
+        """Start every thread now, each calling `init` before it takes an attempt (one that raises is
+        logged and the thread goes on); the event is set once each of them has. Called before any submit."""
+        ready = threading.Event()
+        left = [self._size - len(self._threads)]
+        lock = threading.Lock()
+
+        def prepared() -> None:
+            try:
+                init()
+            except Exception:
+                _log.warning("preparing a pool thread failed; it goes on unprepared", exc_info=True)
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    ready.set()
+            self._loop()
+
+        if not left[0]:
+            ready.set()
+        while len(self._threads) < self._size:
+            thread = threading.Thread(target=prepared, name="taskq-executor", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        return ready
 
     def put(self, attempt: Attempt) -> None:
         self._jobs.put(attempt)
