@@ -26,7 +26,6 @@ from taskq.consumer.executor import (
     TaskTimeout,
     bound_traceback,
 )
-from taskq.consumer.executor._watchdog import Watchdog
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
 
 HANDLERS_PATH = f"{executor_handlers.__name__}:handlers"
@@ -526,41 +525,6 @@ def test_a_child_process_loads_the_handlers_not_the_worker_loop_or_its_drivers(p
     assert "taskq.consumer.handlers" in loaded  # it did run in a child that loaded the handlers
     for module in ("taskq.consumer.worker", "taskq.cli", "psycopg", "confluent_kafka", "prometheus_client"):
         assert module not in loaded, f"a handler's child imported {module}: {sorted(loaded)}"
-
-
-class _CountedWaits(threading.Condition):
-    """A condition that counts its waits: each is one more time its waiter woke and looked."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.waits = 0
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self.waits += 1
-        return super().wait(timeout)
-
-
-def test_the_watchdog_sleeps_through_timers_due_after_its_next_one() -> None:
-    # Each thread attempt with a timeout schedules a timer. Waking the watchdog's thread for each one, only
-    # for it to find the same next deadline, cost a thread switch per attempt.
-    watchdog = Watchdog()
-    cond = watchdog._cond = _CountedWaits()
-    try:
-        now = time.monotonic()
-        watchdog.schedule(now + 60, lambda: None)
-        deadline = time.monotonic() + WAIT
-        while not cond.waits and time.monotonic() < deadline:
-            time.sleep(0.001)
-        before = cond.waits
-        for i in range(20):
-            watchdog.schedule(now + 61 + i, lambda: None)
-            time.sleep(0.002)  # room for the watchdog's thread to wake, were it told to
-        assert cond.waits - before <= 1, f"the watchdog woke {cond.waits - before} times for later timers"
-        fired = threading.Event()
-        watchdog.schedule(time.monotonic() + 0.01, fired.set)  # an earlier one does wake it, and fires
-        assert fired.wait(WAIT)
-    finally:
-        watchdog.close(WAIT)
 
 
 def test_prepared_pool_threads_each_run_the_preparation_once_and_go_on_if_it_fails(

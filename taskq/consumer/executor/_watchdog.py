@@ -41,10 +41,7 @@ class Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="taskq-watchdog", daemon=True)
                 self._thread.start()
-            if self._heap[0] is timer:
-                # Due before every other: the thread, asleep until the one before, must look again. A later
-                # timer (the usual case: attempts' deadlines come in the order they started) wakes nothing.
-                self._cond.notify()
+            self._cond.notify()
             return timer
 
     def cancel(self, timer: Timer | None) -> None:
