@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIServer
 
 from taskq._core.db import Database
@@ -81,8 +81,10 @@ from taskq.consumer.store import (
     WorkerRecord,
 )
 from taskq.producer.outbox import OutboxRelay
-from taskq.producer.producer import TaskProducer
 from taskq.schemas.registry import PendingRegistry, Registry, SchemaRegistry, client_config
+
+if TYPE_CHECKING:
+    from taskq.producer.producer import TaskProducer
 
 log = logging.getLogger("taskq.worker")
 
@@ -525,6 +527,10 @@ class Worker:
 
     def _start_periodic(self, database: Database) -> tuple[PeriodicScheduler, threading.Thread, TaskProducer]:
         # Slots are staged in the outbox, in the transaction that advances the schedule: the relay publishes.
+        from taskq.producer.producer import (
+            TaskProducer,
+        )  # only for periodic tasks: not on every worker's start
+
         producer = TaskProducer(self.settings, registry=self.registry, broker=self.broker)
 
         def stage(spec: PeriodicSpec, slot: datetime, conn: Any) -> None:
