@@ -60,6 +60,14 @@ def test_a_handler_module_loads_no_worker_loop_and_no_drivers() -> None:
         assert module not in loaded, sorted(loaded)
 
 
+def test_a_worker_without_periodic_tasks_loads_no_task_producer() -> None:
+    # The producer is the periodic scheduler's, imported when a worker has periodic tasks: not on the way
+    # to every worker's first task.
+    loaded = loaded_after("import taskq.consumer.worker")
+    assert "taskq.consumer.worker" in loaded
+    assert "taskq.producer.producer" not in loaded, sorted(loaded)
+
+
 def test_the_enqueue_command_loads_no_worker_code() -> None:
     loaded = loaded_after("import taskq.cli")
     assert not {m for m in loaded if m.startswith("taskq.consumer")}, sorted(loaded)
