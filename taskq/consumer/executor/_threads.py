@@ -40,8 +40,8 @@ class ThreadPool:
         def prepared() -> None:
             try:
                 init()
-            except Exception:
-                _log.warning("preparing a pool thread failed; it goes on unprepared", exc_info=True)
+            except Exception as exc:  # e.g. Postgres not answering yet: the first attempt connects instead
+                _log.warning("preparing a pool thread failed (it goes on unprepared): %s", exc)
             with lock:
                 left[0] -= 1
                 if not left[0]:
