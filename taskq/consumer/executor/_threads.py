@@ -26,9 +26,7 @@ class ThreadPool:
     def grow(self) -> None:
         """Start one more thread, unless there are `size`; called under the executor's lock, once a submit."""
         if len(self._threads) < self._size:
-            thread = threading.Thread(target=self._loop, name="taskq-executor", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+            self._spawn(self._loop)
 
     def start_all(self, init: Callable[[], None]) -> threading.Event:
         """Start every thread now, each calling `init` before it takes an attempt (one that raises is
@@ -51,10 +49,13 @@ class ThreadPool:
         if not left[0]:
             ready.set()
         while len(self._threads) < self._size:
-            thread = threading.Thread(target=prepared, name="taskq-executor", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+            self._spawn(prepared)
         return ready
+
+    def _spawn(self, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name="taskq-executor", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def put(self, attempt: Attempt) -> None:
         self._jobs.put(attempt)
