@@ -1350,16 +1350,18 @@ class Stack:
             (self.cfg.state / "kafka.brokers").write_text(f"{len(self.kafkas)}\n")
         t0 = time.monotonic()
         todo: list[Service] = []
+        # Ours but not answering: still starting from an earlier `up`, or waiting for a dependency that was
+        # stopped (the registry without Postgres). Each gets the timeout, once what it depends on is up.
+        pending: list[Service] = []
         for n in names:
             svc = self.by_name[n]
             pid = svc.ours_alive()
             if pid is not None:
                 if svc.answering():
                     log(f"{n}: already running (pid {pid}, port {svc.recorded_port()})")
-                    continue
-                # ours but not answering: maybe still starting from an earlier `up`; give it the timeout
-                log(f"{n}: pid {pid} is ours but not answering yet; waiting")
-                self.wait(svc, launched=False)
+                else:
+                    log(f"{n}: pid {pid} is ours but not answering yet; waiting")
+                    pending.append(svc)
                 continue
             svc.clear_record()
             for port in svc.ports():
@@ -1384,6 +1386,8 @@ class Stack:
         ]
         for t in threads:
             t.start()
+        if self.postgres in pending:
+            self.wait(self.postgres, launched=False)
         if self.postgres in todo:
             self.postgres.prepare()
             log(f"postgres: starting on 127.0.0.1:{self.postgres.port}")
@@ -1407,6 +1411,9 @@ class Stack:
             s.launch()
         for s in started:
             self.wait(s, launched=True)
+        for s in pending:
+            if s is not self.postgres:
+                self.wait(s, launched=False)
         for n in names:
             if n != "postgres":
                 self.by_name[n].after_ready()

@@ -459,3 +459,43 @@ def test_the_registrys_first_write_is_tried_again_while_a_loaded_machine_keeps_i
     with pytest.raises(stack.StackError, match="HTTP 422"):
         registry.after_ready()
     assert len(asked) == 1
+
+
+def test_up_starts_a_stopped_postgres_before_waiting_on_a_registry_that_needs_it(
+    tmp_path: Path, stack: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After `stop postgres`, the registry runs on but cannot answer: `up` waited for it (its whole timeout)
+    # before it started Postgres, the one thing the registry was waiting for, and failed.
+    cfg = stack.StackConfig.from_env(
+        {**PORTS, "HOME": str(tmp_path), "TASKQ_STACK_DIR": str(tmp_path), "TASKQ_STACK_TIMEOUT": "2"}
+    )
+    s = stack.Stack(cfg)
+    started: list[str] = []
+    running = {"postgres": False, "kafka": True, "registry": True}
+
+    def service(svc: object) -> None:
+        name = svc.name  # type: ignore[attr-defined]
+        monkeypatch.setattr(svc, "ours_alive", lambda: 4242 if running[name] else None)
+        monkeypatch.setattr(svc, "exited", lambda: not running[name])
+        monkeypatch.setattr(svc, "prepare", lambda: None)
+        monkeypatch.setattr(svc, "after_ready", lambda: None)
+        monkeypatch.setattr(svc, "write_record", lambda **extra: None)
+        monkeypatch.setattr(svc, "ports", lambda: [])
+        monkeypatch.setattr(svc, "stop", lambda: running.__setitem__(name, False))  # never a real pid
+
+        def launch() -> None:
+            started.append(name)
+            running[name] = True
+
+        monkeypatch.setattr(svc, "launch", launch)
+
+    for svc in (s.postgres, *s.kafkas, s.registry):
+        service(svc)
+    monkeypatch.setattr(s.postgres, "answering", lambda: running["postgres"])
+    monkeypatch.setattr(s.kafkas[0], "answering", lambda: True)
+    # The registry answers only while its database does.
+    monkeypatch.setattr(s.registry, "answering", lambda: running["postgres"])
+    monkeypatch.setattr(stack.time, "sleep", lambda seconds: None)
+
+    s.up(["registry"])
+    assert started == ["postgres"]
