@@ -180,6 +180,10 @@ def _logged(app: App, *needles: str, every_worker: bool = False) -> bool:
     return all(seen) if every_worker else any(seen)
 
 
+#: What a worker logs when Postgres is away: its claims or records, its heartbeat, its read of the pauses.
+_NOTICED_OUTAGE = ("store unavailable", "heartbeat not written", "cannot read pauses")
+
+
 def _postgres_down(app: App) -> bool:
     try:
         app.db.connect().close()
@@ -225,9 +229,11 @@ def test_workers_ride_out_a_postgres_restart_and_each_key_takes_effect_once(
     keys = _start_run(app, "pg")
     private_stack.run("stop", "postgres")
     assert _postgres_down(app)
-    # The outage lasts until every worker noticed it (a claim or a record failed), and a moment longer.
+    # The outage lasts until the workers' claims or records failed, every worker noticed it, and a moment
+    # longer. A worker notices through its tasks when it has some in flight; one that drained its
+    # partitions notices through its heartbeat (a second or two), and must not hold the outage forever.
     wait_until(
-        lambda: _logged(app, "store unavailable", every_worker=True),
+        lambda: _logged(app, "store unavailable") and _logged(app, *_NOTICED_OUTAGE, every_worker=True),
         timeout=60,
         what="the workers to notice the outage",
     )
