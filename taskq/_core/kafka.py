@@ -215,6 +215,15 @@ def consumer_config(settings: Settings, *, group: str) -> dict[str, Any]:
     tuning: dict[str, Any] = {
         "max.poll.interval.ms": 300000,
         "queued.max.messages.kbytes": 16384,
+        # Flow control pauses a tier whose share is buffered, and a pause drops every record librdkafka
+        # fetched ahead for its partitions; the resume fetches them again. By default librdkafka fetches
+        # ahead up to 100,000 records a partition (queued.min.messages), 1 MB at a time, and waits a second
+        # once it has: a worker on a backlog of 100,000 no-op tasks fetched each record several times, and
+        # spent half its CPU on it. So it fetches ahead about a buffer's worth (the count is the consumer's,
+        # over its partitions), 64 KB a partition at a time, and tops that up within milliseconds.
+        "queued.min.messages": 500,
+        "max.partition.fetch.bytes": 65536,
+        "fetch.queue.backoff.ms": 5,
         # A resumed partition joins the next fetch request, which waits for the one in flight: by default
         # up to 500 ms when the other partitions have nothing new. A short wait keeps the worker's buffer
         # from running dry after flow control resumes a tier.
