@@ -600,11 +600,14 @@ class Worker:
             self._relay = None
         if self._source is not None:
             log.info("stopping: leaving the group")
-            source, self._source = self._source, None
+            # Leaving serves a last revocation, whose callback commits through the consumer: it is let go
+            # only once closed.
             try:
-                source.close()
+                self._source.close()
             except TaskqError as exc:  # refused or away: what finished is committed; the rest is released
                 log.warning("leaving the group: %s", exc)
+            finally:
+                self._source = None
         self.executor.shutdown(timeout=1.0)
         self._completer.close()
         # A clean stop completed, failed or released every key: the record goes. After a crash it stays,

@@ -274,6 +274,30 @@ def test_one_idempotency_key_enqueued_three_times_runs_once(
     assert rows == [{"state": "completed", "attempts": 1}]
 
 
+def test_a_clean_stop_leaves_the_group_without_a_warning(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Leaving the group serves a last revocation. Its commit ran with the consumer already let go, failed
+    # on that (an assertion, with no message), and every stop logged "commit on revoke failed: " and nothing
+    # more, a warning that names nothing.
+    ns = settings.namespace
+    schema = task_schema("Note", ID_FIELDS)
+    _register(settings, schema)
+    with TaskProducer(settings) as producer:
+        producer.enqueue(f"{ns}.Note", {"id": "n1"})
+    h = Handlers()
+
+    @h.task(f"{ns}.Note", schema=schema)
+    def note(payload: dict[str, Any], ctx: Any) -> None:
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="taskq"), running(h, settings) as (_, events):
+        events.wait(lambda: events.of(TaskCompleted), timeout=60, what="the task")
+    assert events.of(PartitionsRevoked), "leaving the group revoked the partitions"
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("taskq")]
+    assert not warnings, warnings
+
+
 # ----------------------------------------------------------------------------------------------- transactions
 def test_a_transactional_handler_that_raises_leaves_no_write_and_no_completion(
     settings: Settings, task_schema: Callable[..., dict[str, Any]]
