@@ -1351,7 +1351,8 @@ class Stack:
         t0 = time.monotonic()
         todo: list[Service] = []
         # Ours but not answering: still starting from an earlier `up`, or waiting for a dependency that was
-        # stopped (the registry without Postgres). Each gets the timeout, once what it depends on is up.
+        # stopped (the registry without Postgres). Each gets the timeout; one with dependencies once they
+        # are up.
         pending: list[Service] = []
         for n in names:
             svc = self.by_name[n]
@@ -1361,7 +1362,10 @@ class Stack:
                     log(f"{n}: already running (pid {pid}, port {svc.recorded_port()})")
                 else:
                     log(f"{n}: pid {pid} is ours but not answering yet; waiting")
-                    pending.append(svc)
+                    if DEPENDS.get(n):
+                        pending.append(svc)
+                    else:
+                        self.wait(svc, launched=False)
                 continue
             svc.clear_record()
             for port in svc.ports():
@@ -1386,8 +1390,6 @@ class Stack:
         ]
         for t in threads:
             t.start()
-        if self.postgres in pending:
-            self.wait(self.postgres, launched=False)
         if self.postgres in todo:
             self.postgres.prepare()
             log(f"postgres: starting on 127.0.0.1:{self.postgres.port}")
@@ -1412,8 +1414,7 @@ class Stack:
         for s in started:
             self.wait(s, launched=True)
         for s in pending:
-            if s is not self.postgres:
-                self.wait(s, launched=False)
+            self.wait(s, launched=False)
         for n in names:
             if n != "postgres":
                 self.by_name[n].after_ready()
