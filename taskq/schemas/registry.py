@@ -160,11 +160,18 @@ class Registry:
     def _ensure_compatibility(self, subject: str, level: str) -> None:
         # Only a subject with no level of its own gets ours: one an operator set (BACKWARD_TRANSITIVE,
         # FULL, ...) is kept, so registering never weakens the checks that protect old tasks.
-        if self._level(subject) is None:
+        if self._level(subject) is not None:
+            return
+        try:
             self._call(
                 f"setting compatibility of {subject}",
                 lambda: self._rest.put(f"config/{_path(subject)}", {"compatibility": level.upper()}),
             )
+        except IncompatibleSchemaError:
+            # Another process registering the subject at the same time set it first: the registry refuses
+            # the second setting of a level (a rule that already exists), and the first one stands.
+            if self._level(subject) is None:
+                raise
 
     def check(self, schema: Mapping[str, Any]) -> bool:
         """Whether the schema may become the next version of its subject (True for a new subject): against

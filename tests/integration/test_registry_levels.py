@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -31,3 +32,36 @@ def test_an_operators_transitive_level_is_kept_and_enforced_against_every_versio
             registry.register(v3)
         assert operator.get(f"config/{subject}")["compatibilityLevel"] == "BACKWARD_TRANSITIVE"
         assert registry.versions(subject) == [1, 2]
+
+
+
+
+def _register_at_once(url: str, schema: dict[str, Any], processes: int) -> list[BaseException]:
+    """Registers the schema from that many clients released together; what they raised."""
+    start = threading.Barrier(processes)
+    failures: list[BaseException] = []
+
+    def register() -> None:
+        with Registry(url) as registry:
+            start.wait()
+            try:
+                registry.register(schema)
+            except BaseException as exc:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=register) for _ in range(processes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return failures
+
+
+def test_processes_registering_a_new_subject_at_once_all_succeed(settings: Settings) -> None:
+    # Each reads "no level of its own" and sets one; the registry refuses all but the first of those
+    # settings ("a rule named 'COMPATIBILITY' already exists"). Workers of one deploy start together.
+    operator = RestClient(settings.schema_registry_url, {})
+    for n in range(5):
+        schema = {"type": "record", "name": f"Order{n}", "namespace": settings.namespace, "fields": []}
+        assert _register_at_once(settings.schema_registry_url, schema, 4) == []
+        assert operator.get(f"config/{settings.namespace}.Order{n}")["compatibilityLevel"] == "BACKWARD"
