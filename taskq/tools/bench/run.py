@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from taskq._core.db import Database
 from taskq._core.envelope import PRIORITIES, Topics
@@ -17,8 +17,10 @@ from taskq._core.errors import ConfigurationError, KafkaUnavailableError, TaskqE
 from taskq._core.kafka_admin import Admin
 from taskq._core.settings import Settings
 from taskq.producer.admin import create_topics
-from taskq.producer.producer import TaskProducer
 from taskq.schemas import Registry
+
+if TYPE_CHECKING:
+    from taskq.producer.producer import TaskProducer
 
 log = logging.getLogger("taskq.bench")
 
@@ -186,6 +188,8 @@ def _warm_up(producer: TaskProducer, run: _Run) -> None:
 def _enqueue(run: _Run, count: int) -> tuple[dict[str, float], float, float]:
     """`count` tasks over the four tiers by TaskProducer: (enqueue time of each key, seconds to all acked,
     process CPU seconds meanwhile, the Kafka client's threads included)."""
+    from taskq.producer.producer import TaskProducer  # the parent's alone: not in a spawned worker's start
+
     enqueued: dict[str, float] = {}
     with TaskProducer(run.settings) as producer:
         _warm_up(producer, run)
@@ -203,6 +207,8 @@ def _enqueue(run: _Run, count: int) -> tuple[dict[str, float], float, float]:
 def _enqueue_many(run: _Run, count: int, batch: int = 500) -> tuple[float, float]:
     """The tasks of _enqueue again, by enqueue_many in batches of `batch` per tier: (seconds to all acked,
     process CPU seconds meanwhile)."""
+    from taskq.producer.producer import TaskProducer
+
     with TaskProducer(run.settings) as producer:
         _warm_up(producer, run)
         t0, cpu0 = time.monotonic(), time.process_time()
