@@ -300,9 +300,9 @@ def _spawned_bare(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, pa
 
 def cache_bytecode(package: str | None = None) -> None:
     """Write the bytecode of a package's modules (taskq's by default) where it is missing or stale, as
-    installing from a wheel does. Without it, an editable install under PYTHONDONTWRITEBYTECODE (set in the
-    image and in many shells) compiles every module again at each start, which a deployed worker does not:
-    a spawned bench worker's launch would count some 90 ms of compiling. Quiet where it cannot write."""
+    installing from a wheel does. Without it, an editable install under PYTHONDONTWRITEBYTECODE (which many
+    shells set) compiles every module again at each start, which an installed worker does not: a spawned
+    bench worker's launch would count some 90 ms of compiling. Quiet where it cannot write."""
     import compileall
 
     import taskq
