@@ -234,77 +234,103 @@ class Tally:
 
 
 class Hook(Protocol):
-    """Receives every event of a worker, on its loop thread."""
+    """Receives the events of a worker, on its loop thread: every one, unless the hook has an
+    `event_types` attribute naming the kinds it takes (a tuple or set of event classes). A worker builds no
+    per-task event that none of its hooks takes."""
 
     def __call__(self, event: Event) -> None: ...
 
 
+def wanted(hook: Hook, kind: type[Any]) -> bool:
+    """Whether `hook` takes events of `kind` (see `Hook`)."""
+    kinds = getattr(hook, "event_types", None)
+    return kinds is None or kind in kinds
+
+
+def _send(hooks: tuple[Hook, ...], event: Event) -> None:
+    for hook in hooks:
+        hook(event)
+
+
 class Reporter:
     """Where the stages report what happens to each task. Always into the pass's tally, which the worker's
-    Prometheus metrics apply once per pass; as an event only when the worker was given hooks: a per-task
+    Prometheus metrics apply once per pass; as an event only for the hooks that take its kind: a per-task
     event costs an object and a call per hook, and a production worker usually has no hook but its metrics.
     """
 
     def __init__(self, tally: Tally, hooks: Sequence[Hook] = ()) -> None:
         self.tally = tally
-        #: The worker's hooks (not its metrics): every per-task event goes to them, as it happens.
+        #: The worker's hooks (not its metrics); each per-task event goes, as it happens, to those taking it.
         self.hooks = tuple(hooks)
 
-    def _emit(self, event: Event) -> None:
-        for hook in self.hooks:
-            hook(event)
+        def taking(kind: type[Any]) -> tuple[Hook, ...]:
+            return tuple(hook for hook in self.hooks if wanted(hook, kind))
+
+        self._started, self._succeeded = taking(AttemptStarted), taking(AttemptSucceeded)
+        self._failed, self._completed, self._retried = (
+            taking(AttemptFailed),
+            taking(TaskCompleted),
+            taking(TaskRetried),
+        )
+        self._duplicates, self._cancelled = taking(DuplicateSkipped), taking(CancelledSkipped)
+        self._dead_lettered = taking(DeadLettered)
 
     def attempt_started(self, env: Envelope, attempt: int, quarantined: bool = False) -> None:
         """An attempt started (AttemptStarted)."""
         self.tally.started[env.task_type] += 1
         if quarantined:
             self.tally.quarantined[env.task_type] += 1
-        if self.hooks:
-            self._emit(AttemptStarted(env.task_type, env.task_id, env.idempotency_key, attempt, quarantined))
+        if self._started:
+            _send(
+                self._started,
+                AttemptStarted(env.task_type, env.task_id, env.idempotency_key, attempt, quarantined),
+            )
 
     def attempt_succeeded(self, env: Envelope, seconds: float) -> None:
         """An attempt returned (AttemptSucceeded)."""
         self.tally.ran[env.task_type].append(seconds)
         self.tally.succeeded[env.task_type].append(env.enqueued_at)
-        if self.hooks:
-            self._emit(
-                AttemptSucceeded(env.task_type, env.task_id, env.idempotency_key, seconds, env.enqueued_at)
+        if self._succeeded:
+            _send(
+                self._succeeded,
+                AttemptSucceeded(env.task_type, env.task_id, env.idempotency_key, seconds, env.enqueued_at),
             )
 
     def attempt_failed(self, env: Envelope, seconds: float, error: str) -> None:
         """An attempt raised, timed out or crashed (AttemptFailed)."""
         self.tally.ran[env.task_type].append(seconds)
         self.tally.failed[env.task_type] += 1
-        if self.hooks:
-            self._emit(AttemptFailed(env.task_type, env.task_id, env.idempotency_key, seconds, error))
+        if self._failed:
+            failed = AttemptFailed(env.task_type, env.task_id, env.idempotency_key, seconds, error)
+            _send(self._failed, failed)
 
     def task_completed(self, env: Envelope) -> None:
         """A task's completion is durable (TaskCompleted)."""
-        if self.hooks:
-            self._emit(TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
+        if self._completed:
+            _send(self._completed, TaskCompleted(env.task_type, env.task_id, env.idempotency_key))
 
     def task_retried(self, env: Envelope) -> None:
         """A failed attempt will be tried again (TaskRetried)."""
         self.tally.retried[env.task_type] += 1
-        if self.hooks:
-            self._emit(TaskRetried(env.task_type, env.task_id, env.idempotency_key))
+        if self._retried:
+            _send(self._retried, TaskRetried(env.task_type, env.task_id, env.idempotency_key))
 
     def duplicate_skipped(self, env: Envelope) -> None:
         """A delivery of a key already completed was skipped (DuplicateSkipped)."""
         self.tally.duplicates[env.task_type] += 1
-        if self.hooks:
-            self._emit(DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
+        if self._duplicates:
+            _send(self._duplicates, DuplicateSkipped(env.task_type, env.task_id, env.idempotency_key))
 
     def cancelled_skipped(self, env: Envelope) -> None:
         """A task cancelled before it started was skipped (CancelledSkipped)."""
-        if self.hooks:
-            self._emit(CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
+        if self._cancelled:
+            _send(self._cancelled, CancelledSkipped(env.task_type, env.task_id, env.idempotency_key))
 
     def dead_lettered(
         self, reason: str, error_type: str, env: Envelope | None, topic: str, offset: int
     ) -> None:
         """A task, or input that never became one (no envelope), was sent to the DLQ (DeadLettered)."""
         self.tally.dead_lettered[error_type] += 1
-        if self.hooks:
+        if self._dead_lettered:
             task_id, key = (env.task_id, env.idempotency_key) if env is not None else (None, None)
-            self._emit(DeadLettered(reason, error_type, task_id, key, topic, offset))
+            _send(self._dead_lettered, DeadLettered(reason, error_type, task_id, key, topic, offset))

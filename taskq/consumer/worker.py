@@ -62,6 +62,7 @@ from taskq.consumer.events import (
     Reporter,
     WorkerStarted,
     WorkerStopped,
+    wanted,
 )
 from taskq.consumer.executor import Executor, Outcome
 from taskq.consumer.forwarder import Forwarder
@@ -215,6 +216,7 @@ class Worker:
         self.worker_id = self.config.worker_id
         self.metrics = metrics.PrometheusHook()
         self._hooks: tuple[Hook, ...] = (self.metrics, *hooks)
+        self._hooks_of: dict[type[Any], tuple[Hook, ...]] = {}  # of each kind of event, those taking it
         # Per-task events are built only for `hooks`; the metrics count them into their tally instead.
         self._report = Reporter(self.metrics.tally, hooks)
         self._tracer = Tracer()
@@ -627,7 +629,11 @@ class Worker:
         self._emit(WorkerStopped(self.worker_id))
 
     def _emit(self, event: Event) -> None:
-        for hook in self._hooks:
+        kind = type(event)
+        hooks = self._hooks_of.get(kind)
+        if hooks is None:
+            hooks = self._hooks_of[kind] = tuple(hook for hook in self._hooks if wanted(hook, kind))
+        for hook in hooks:
             hook(event)
 
     # ------------------------------------------------------------------------------------------------ loop

@@ -13,6 +13,7 @@ from taskq import Handlers, TaskContext
 from taskq._core.envelope import Envelope
 from taskq._core.errors import StoreUnavailableError
 from taskq._core.settings import Settings
+from taskq.consumer import events
 from taskq.consumer.events import Event, LoopSampled, TaskCompleted
 from taskq.consumer.store import ClaimRequest, WorkerRecord
 from taskq.consumer.worker import SAMPLE_EVERY, Worker, WorkerConfig
@@ -552,3 +553,59 @@ def test_the_loop_is_sampled_for_the_gauges_every_sample_interval_not_every_tick
     w._observe()
     assert len(samples) == 2
     w.close()
+
+
+
+class _Only:
+    """A hook that takes the kinds of event it names and records them."""
+
+    def __init__(self, *kinds: type[Any]) -> None:
+        self.event_types = kinds
+        self.seen: list[Event] = []
+
+    def __call__(self, event: Event) -> None:
+        self.seen.append(event)
+
+
+def test_a_hook_naming_its_event_types_gets_only_those_and_the_worker_builds_no_other_per_task_event(
+    monkeypatch: Any,
+) -> None:
+    built: Counter[str] = Counter()
+    for name in ("AttemptStarted", "AttemptSucceeded", "TaskCompleted"):
+        kind = getattr(events, name)
+
+        class Counted(kind):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, name: str = name, **kwargs: Any) -> None:
+                built[name] += 1
+                super().__init__(*args, **kwargs)
+
+        monkeypatch.setattr(events, name, Counted)  # as the worker's stages build them
+    handlers = Handlers()
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        pass
+
+    parts = Parts(handlers)
+    hook = _Only(events.TaskCompleted, events.PartitionsAssigned)
+    worker = Worker(
+        handlers,
+        parts.settings,
+        WorkerConfig(worker_id="a", forwarder=False, commit_interval=0.001),
+        broker=parts.broker,
+        store=InMemoryStore(owner="a", clock=parts.clock.time, rows=parts.rows),
+        registry=parts.registry,
+        clock=parts.clock.monotonic,
+        hooks=[hook],
+    )
+    worker.start()
+    for n in range(5):
+        parts.producer.enqueue("unit.Job", {"n": n}, idempotency_key=f"k{n}")
+    parts.producer.flush()
+    run(worker, lambda: built["TaskCompleted"] == 5, "5 completions")
+
+    kinds = Counter(type(e).__mro__[1 if type(e).__name__ == "Counted" else 0].__name__ for e in hook.seen)
+    assert kinds["TaskCompleted"] == 5 and kinds["PartitionsAssigned"] >= 1
+    assert set(kinds) == {"TaskCompleted", "PartitionsAssigned"}  # no start, commit or loop sample
+    assert built == Counter({"TaskCompleted": 5})  # nor a start or a success built for no hook
+    worker.close()

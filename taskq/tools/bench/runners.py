@@ -129,6 +129,9 @@ class _Report:
 class _Recorder:
     """A worker hook keeping when each key's attempt started and its completion was recorded."""
 
+    #: The only events it reads: the worker builds no other per-task event for it.
+    event_types = (AttemptStarted, TaskCompleted, PartitionsAssigned, PartitionsRevoked)
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._started: list[tuple[str, float]] = []
