@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from taskq._core.envelope import Topics
 from taskq._core.errors import TaskqError
 from taskq._core.settings import Settings
 from taskq.consumer.dlq import DeadLetters, DlqRecord, parse_record
-from taskq.consumer.events import TaskCompleted
+from taskq.consumer.events import Hook, TaskCompleted
 from taskq.consumer.forwarder import Forwarder
 from taskq.consumer.handlers import Handlers
 from taskq.consumer.worker import Worker, WorkerConfig
@@ -28,6 +28,7 @@ class InMemoryQueue:
 
     `run_until_idle()` runs until every task is done: completed, skipped as a duplicate, or dead-lettered,
     retries included; delays and backoff are fast-forwarded on `clock`, so nothing waits for real.
+    `hooks` get the worker's events as a real worker's hooks do, beside `events`, which records them all.
     """
 
     def __init__(
@@ -37,6 +38,7 @@ class InMemoryQueue:
         namespace: str = "taskq",
         concurrency: int = 4,
         connect: Callable[[], Any] | None = None,
+        hooks: Sequence[Hook] = (),
     ) -> None:
         self.clock = Clock()
         self.settings = Settings(namespace=namespace)
@@ -63,7 +65,7 @@ class InMemoryQueue:
             broker=self.broker,
             store=self.store,
             registry=self.registry,
-            hooks=[self.events],
+            hooks=[self.events, *hooks],
             clock=self.clock.monotonic,
         )
         self.forwarder = Forwarder(

@@ -13,4 +13,4 @@ def test_the_testing_page_runs_as_written(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "TASKQ_"))}
     page = PageRun("how-to/testing.md", tmp_path, env)
     page.run_rest()
-    assert "3 passed" in page.outputs["pytest"], page.outputs["pytest"]
+    assert "4 passed" in page.outputs["pytest"], page.outputs["pytest"]
