@@ -241,8 +241,26 @@ class Hook(Protocol):
     def __call__(self, event: Event) -> None: ...
 
 
-def wanted(hook: Hook, kind: type[Any]) -> bool:
-    """Whether `hook` takes events of `kind` (see `Hook`)."""
+class Hooks:
+    """A worker's hooks: each event goes to those taking its kind (see `Hook`), found once per kind."""
+
+    def __init__(self, hooks: Sequence[Hook] = ()) -> None:
+        self.all = tuple(hooks)
+        self._of: dict[type[Any], tuple[Hook, ...]] = {}
+
+    def taking(self, kind: type[Any]) -> tuple[Hook, ...]:
+        """The hooks that take events of `kind`."""
+        hooks = self._of.get(kind)
+        if hooks is None:
+            hooks = self._of[kind] = tuple(hook for hook in self.all if _takes(hook, kind))
+        return hooks
+
+    def emit(self, event: Event) -> None:
+        """Send `event` to the hooks taking its kind."""
+        _send(self.taking(type(event)), event)
+
+
+def _takes(hook: Hook, kind: type[Any]) -> bool:
     kinds = getattr(hook, "event_types", None)
     return kinds is None or kind in kinds
 
@@ -260,12 +278,8 @@ class Reporter:
 
     def __init__(self, tally: Tally, hooks: Sequence[Hook] = ()) -> None:
         self.tally = tally
-        #: The worker's hooks (not its metrics); each per-task event goes, as it happens, to those taking it.
-        self.hooks = tuple(hooks)
-
-        def taking(kind: type[Any]) -> tuple[Hook, ...]:
-            return tuple(hook for hook in self.hooks if wanted(hook, kind))
-
+        # The worker's hooks (not its metrics): each per-task event goes, as it happens, to those taking it.
+        taking = Hooks(hooks).taking
         self._started, self._succeeded = taking(AttemptStarted), taking(AttemptSucceeded)
         self._failed, self._completed, self._retried = (
             taking(AttemptFailed),

@@ -56,13 +56,13 @@ from taskq.consumer.dispatch import Dispatch
 from taskq.consumer.events import (
     Event,
     Hook,
+    Hooks,
     LoopSampled,
     PartitionsAssigned,
     PartitionsRevoked,
     Reporter,
     WorkerStarted,
     WorkerStopped,
-    wanted,
 )
 from taskq.consumer.executor import Executor, Outcome
 from taskq.consumer.forwarder import Forwarder
@@ -215,8 +215,7 @@ class Worker:
         self.group = self.config.group or self.settings.worker_group
         self.worker_id = self.config.worker_id
         self.metrics = metrics.PrometheusHook()
-        self._hooks: tuple[Hook, ...] = (self.metrics, *hooks)
-        self._hooks_of: dict[type[Any], tuple[Hook, ...]] = {}  # of each kind of event, those taking it
+        self._hooks = Hooks((self.metrics, *hooks))
         # Per-task events are built only for `hooks`; the metrics count them into their tally instead.
         self._report = Reporter(self.metrics.tally, hooks)
         self._tracer = Tracer()
@@ -629,12 +628,7 @@ class Worker:
         self._emit(WorkerStopped(self.worker_id))
 
     def _emit(self, event: Event) -> None:
-        kind = type(event)
-        hooks = self._hooks_of.get(kind)
-        if hooks is None:
-            hooks = self._hooks_of[kind] = tuple(hook for hook in self._hooks if wanted(hook, kind))
-        for hook in hooks:
-            hook(event)
+        self._hooks.emit(event)
 
     # ------------------------------------------------------------------------------------------------ loop
     def _tick(self) -> None:

@@ -14,7 +14,7 @@ from taskq._core.envelope import Envelope
 from taskq._core.errors import StoreUnavailableError
 from taskq._core.settings import Settings
 from taskq.consumer import events
-from taskq.consumer.events import Event, LoopSampled, TaskCompleted
+from taskq.consumer.events import Event, Hooks, LoopSampled, TaskCompleted
 from taskq.consumer.store import ClaimRequest, WorkerRecord
 from taskq.consumer.worker import SAMPLE_EVERY, Worker, WorkerConfig
 from taskq.producer.admin import topic_specs
@@ -545,7 +545,9 @@ def test_the_loop_is_sampled_for_the_gauges_every_sample_interval_not_every_tick
     parts = Parts(handlers, partitions=2)
     samples: list[LoopSampled] = []
     w = parts.worker("a")
-    w._hooks = (*w._hooks, lambda event: samples.append(event) if isinstance(event, LoopSampled) else None)
+    w._hooks = Hooks(
+        (*w._hooks.all, lambda event: samples.append(event) if isinstance(event, LoopSampled) else None)
+    )
     for _ in range(5):
         w._observe()  # as five ticks in a row do (an idle step waits for Kafka: real time passes)
     assert len(samples) == 1
