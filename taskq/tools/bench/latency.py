@@ -158,18 +158,19 @@ def _windows(
     t0: float,
     duration: float,
     window: float,
+    due: Mapping[str, float],
     enqueued: Mapping[str, float],
     started: Mapping[str, float],
     completed: Mapping[str, float],
 ) -> list[dict[str, Any]]:
-    """Per `window` seconds of the schedule: tasks enqueued in it, completions recorded in it per second,
-    and the enqueue->start times of the tasks enqueued in it. A send late past the schedule's end counts in
-    the last window."""
+    """Per `window` seconds of the schedule: the tasks whose send was due in it (`due`: seconds from `t0`),
+    completions recorded in it per second, and the enqueue->start times (from the send actually made) of its
+    tasks. A send made late counts in the window it was due in, so each window holds rate x window tasks."""
     n = max(1, math.ceil(duration / window - 1e-9))
     starts: list[list[float]] = [[] for _ in range(n)]
     sent, done = [0] * n, [0] * n
     for key, t in enqueued.items():
-        k = min(n - 1, int((t - t0) // window))
+        k = min(n - 1, int(due[key] // window))
         sent[k] += 1
         if key in started:
             starts[k].append(started[key] - t)
@@ -226,6 +227,7 @@ def bench_latency(
     if not window > 0:
         raise ConfigurationError(f"window must be > 0, got {window}")
     count = max(1, round(rate * duration))
+    scheduled: dict[str, float] = {}
     enqueued: dict[str, float] = {}
     behind: list[float] = []
     seeded, seeded_s = 0, None
@@ -266,6 +268,7 @@ def bench_latency(
                         if seed_history and i == count // 2:
                             purge.start(time.monotonic() - t0)
                         key = f"bench:{i}"
+                        scheduled[key] = i / rate  # not due - t0: exact where a window starts
                         enqueued[key] = time.monotonic()
                         producer.enqueue(
                             run.task_type, {"i": i}, priority=PRIORITIES[i % 4], idempotency_key=key
@@ -291,7 +294,7 @@ def bench_latency(
         samples = [*sampler.samples, {"at_s": round(time.monotonic() - t0, 1), **_sample(db)}]
 
     keys = [k for k in enqueued if k in completed]
-    windows = _windows(t0, duration, window, enqueued, started, completed)
+    windows = _windows(t0, duration, window, scheduled, enqueued, started, completed)
     first, last = windows[0], windows[-1]
     return {
         "rate": rate,
