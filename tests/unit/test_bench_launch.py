@@ -1,19 +1,22 @@
-"""A spawned bench worker's launch counts what a deployed worker's does: cached bytecode, as a wheel's
-install writes, and the worker's modules without the bench's others."""
+"""A bench worker's launch counts what a deployed worker's does: a program's start, cached bytecode, as a
+wheel's install writes, and the worker's modules without the bench's others."""
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from taskq.tools.bench.runners import cache_bytecode
+from taskq.tools.bench.runners import _RUNNER_IMPORTS, _read_frame, _Report, _write_frame, cache_bytecode
 
 
-def test_bytecode_is_written_even_where_python_writes_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bytecode_is_written_even_where_python_writes_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     package = tmp_path / "handlers"
     (package / "sub").mkdir(parents=True)
     modules = [package / "__init__.py", package / "sub" / "tasks.py"]
@@ -35,11 +38,33 @@ def test_bytecode_is_written_even_where_python_writes_none(tmp_path: Path, monke
     subprocess.run([sys.executable, "-B", "-c", probe, str(tmp_path)], check=True)
 
 
-def test_a_spawned_bench_worker_imports_neither_the_producer_nor_the_other_benches() -> None:
-    probe = (
-        "import sys, taskq.tools.bench.runners; "
-        "print(' '.join(m for m in ('taskq.producer.producer', 'taskq.tools.bench.ceiling', "
-        "'taskq.tools.bench.latency', 'taskq.tools.bench.worker') if m in sys.modules))"
-    )
-    loaded = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
-    assert loaded.split() == []
+def _modules(statement: str) -> set[str]:
+    probe = f"import sys; {statement}; print(' '.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    return set(out.split())
+
+
+def test_a_bench_runner_process_imports_only_what_taskq_worker_does_and_its_own_modules() -> None:
+    # Its entry, as `taskq worker`'s, is an interpreter's start and these imports: not the producer, the
+    # other benches, their admin client and statistics, nor the profiler (nor, as when multiprocessing
+    # spawned it, its bootstrap and the parent's main module imported again: some 25 ms of launch).
+    worker = _modules("import taskq.cli, taskq.consumer.worker")
+    runner = _modules(_RUNNER_IMPORTS)
+    own = {"taskq.tools", "taskq.tools.bench", "taskq.tools.bench.effects", "taskq.tools.bench.runners"}
+    assert runner - worker == own
+
+
+def test_a_runners_reports_cross_its_pipe_whole_and_a_cut_one_ends_the_stream() -> None:
+    report = _Report(3, started=[("k", 1.5)], partitions=4, final=True)
+    pipe = io.BytesIO()
+    _write_frame(pipe, report)
+    _write_frame(pipe, ("next", 1))
+    data = pipe.getvalue()
+    stream = io.BytesIO(data)
+    assert _read_frame(stream) == report and _read_frame(stream) == ("next", 1)
+    with pytest.raises(EOFError):
+        _read_frame(stream)
+    first = io.BytesIO()
+    _write_frame(first, report)
+    with pytest.raises(EOFError):  # the runner died mid-frame
+        _read_frame(io.BytesIO(first.getvalue()[:-3]))

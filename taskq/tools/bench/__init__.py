@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from taskq.tools.bench.ceiling import bench_ceiling
+    from taskq.tools.bench.effects import BENCH_HANDLERS
     from taskq.tools.bench.latency import bench_latency
-    from taskq.tools.bench.run import BENCH_HANDLERS, scratch_namespace
+    from taskq.tools.bench.run import scratch_namespace
     from taskq.tools.bench.worker import bench_worker
 
 __all__ = ["BENCH_HANDLERS", "bench_ceiling", "bench_latency", "bench_worker", "scratch_namespace"]
@@ -23,7 +24,7 @@ __all__ = ["BENCH_HANDLERS", "bench_ceiling", "bench_latency", "bench_worker", "
 # Imported when first named: a spawned bench worker imports its runner from this package, and its launch,
 # which the bench reports, should not include the ceiling's, the latency run's and the producer's modules.
 _HOMES = {
-    "BENCH_HANDLERS": "run",
+    "BENCH_HANDLERS": "effects",
     "bench_ceiling": "ceiling",
     "bench_latency": "latency",
     "bench_worker": "worker",

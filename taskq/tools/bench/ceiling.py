@@ -27,8 +27,8 @@ from taskq._core.settings import Settings
 from taskq._core.store import Finished, Store
 from taskq.consumer.dispatch import GROUP_MAX
 from taskq.consumer.worker import WorkerConfig
+from taskq.tools.bench.effects import EFFECTS_TABLE
 from taskq.tools.bench.run import (
-    _EFFECTS_TABLE,
     _enqueue,
     _enqueue_many,
     _namespace,
@@ -176,7 +176,7 @@ def _transactional_loop(
     conn = store.database.connect(autocommit=False)
     tx = Transaction(store.database, conn)
     owner = f"bench-ceiling:{os.getpid()}"
-    insert = f"INSERT INTO {_EFFECTS_TABLE} (key, i) VALUES (%s, %s)"
+    insert = f"INSERT INTO {EFFECTS_TABLE} (key, i) VALUES (%s, %s)"
     consumer = Consumer(consumer_config(s, group=f"{s.namespace}.ceiling-transactional"))
     offsets = _Offsets(consumer)
     assigned: list[float] = []
@@ -246,7 +246,7 @@ def _transactional_pass(run: _Run, count: int, timeout: float, processes: int) -
     end = max(r[1] for r in results if r[1] is not None)
     db = Database(run.settings.database_url, schema=run.settings.database_schema)
     with db.connection() as conn:
-        row = conn.execute(f"SELECT count(*) AS n FROM {_EFFECTS_TABLE}").fetchone()
+        row = conn.execute(f"SELECT count(*) AS n FROM {EFFECTS_TABLE}").fetchone()
     completed = Store(db).counts(run.settings.namespace).get("completed", 0)
     db.close()
     return {

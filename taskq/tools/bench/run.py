@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from taskq._core.db import Database
 from taskq._core.envelope import PRIORITIES, Topics
@@ -18,16 +18,13 @@ from taskq._core.kafka_admin import Admin
 from taskq._core.settings import Settings
 from taskq.producer.admin import create_topics
 from taskq.schemas import Registry
+from taskq.tools.bench.effects import EFFECTS_TABLE, BenchHandler
 
 if TYPE_CHECKING:
     from taskq.producer.producer import TaskProducer
 
 log = logging.getLogger("taskq.bench")
 
-BenchHandler = Literal["noop", "plain", "transactional"]
-BENCH_HANDLERS: tuple[BenchHandler, ...] = ("noop", "plain", "transactional")
-
-_EFFECTS_TABLE = "bench_effects"
 #: The ceiling's consuming passes, each in a group of its own (`<namespace>.ceiling-<pass>`).
 _CEILING_PASSES = ("commit", "claim", "lean", "transactional")
 
@@ -164,7 +161,7 @@ def _namespace(settings: Settings, *, partitions: int, handler: BenchHandler = "
             if handler != "noop":
                 db = Database(s.database_url, schema=s.database_schema)
                 with db.connection() as conn:
-                    conn.execute(f"CREATE TABLE {_EFFECTS_TABLE} (key text PRIMARY KEY, i int NOT NULL)")
+                    conn.execute(f"CREATE TABLE {EFFECTS_TABLE} (key text PRIMARY KEY, i int NOT NULL)")
             with Registry.from_settings(s) as registry:
                 registry.register(schema)
             yield run

@@ -3,16 +3,18 @@ processes of one group, reporting when each key's attempt started and its comple
 
 from __future__ import annotations
 
-import cProfile
 import logging
-import multiprocessing
 import os
+import pickle
 import queue
+import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 # The bare loop measures librdkafka itself, so this module and the ceiling's are the only ones besides
 # taskq._core's Kafka adapter that hold its clients; their settings are the adapter's own (consumer_config).
@@ -28,7 +30,10 @@ from taskq._core.store import ClaimRequest, Finished, Store
 from taskq.consumer.events import AttemptStarted, Event, PartitionsAssigned, PartitionsRevoked, TaskCompleted
 from taskq.consumer.handlers import Handlers, TaskContext
 from taskq.consumer.worker import Worker, WorkerConfig
-from taskq.tools.bench.run import _EFFECTS_TABLE, BenchHandler, _Run
+from taskq.tools.bench.effects import EFFECTS_TABLE, BenchHandler
+
+if TYPE_CHECKING:
+    from taskq.tools.bench.run import _Run
 
 #: The lease a bench task's claim asks for: the worker's default for a task type without a timeout.
 _LEASE_SECONDS = WorkerConfig.default_lease
@@ -47,7 +52,7 @@ def _handlers(
         @handlers.task(task_type, schema=schema, transactional=True)
         def write_one_row(payload: dict[str, Any], ctx: TaskContext) -> None:
             ctx.db.execute(
-                f"INSERT INTO {_EFFECTS_TABLE} (key, i) VALUES (%s, %s)", (ctx.idempotency_key, payload["i"])
+                f"INSERT INTO {EFFECTS_TABLE} (key, i) VALUES (%s, %s)", (ctx.idempotency_key, payload["i"])
             )
 
     elif handler == "plain":
@@ -62,7 +67,7 @@ def _handlers(
                 conn = local.conn = database.connect(autocommit=True)
                 opened.append(conn)
             conn.execute(
-                f"INSERT INTO {_EFFECTS_TABLE} (key, i) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING",
+                f"INSERT INTO {EFFECTS_TABLE} (key, i) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING",
                 (ctx.idempotency_key, payload["i"]),
             )
 
@@ -103,7 +108,6 @@ def _picklable(settings: Settings) -> dict[str, Any]:
 
 class _Channel(Protocol):
     def put(self, obj: Any) -> None: ...
-    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
 
 
 class _Flag(Protocol):
@@ -179,7 +183,11 @@ def _run_worker(
         ),
         hooks=[recorder],
     )
-    profiler = cProfile.Profile() if profile else None
+    profiler = None
+    if profile:
+        import cProfile  # only for --profile: a spawned worker's launch imports what a deployed one does
+
+        profiler = cProfile.Profile()
 
     def run() -> None:
         try:
@@ -209,8 +217,7 @@ def _run_worker(
 
 
 def _spawned_worker(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, parent: int) -> None:
-    """A spawned process's entry: one bench worker."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """A runner process's work: one bench worker."""
     _run_worker(runner, spec, out, stop, parent, None)
 
 
@@ -239,17 +246,17 @@ def _claim_requests(msgs: list[Message]) -> list[ClaimRequest]:
         )
     return requests
 
+
 def _headers(msg: Message) -> list[tuple[str, bytes]]:
     raw: Any = msg.headers() or []
     return [(str(k), v.encode() if isinstance(v, str) else (v or b"")) for k, v in raw]
 
 
 def _spawned_bare(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, parent: int) -> None:
-    """A spawned process's entry: the framework-free loop of `bench ceiling` in place of a worker, for as
+    """A runner process's work: the framework-free loop of `bench ceiling` in place of a worker, for as
     long as the bench runs. Per batch of records: claim every key, complete the claimed ones, commit (not
     waiting for the broker). A task counts as started when its claim answers and as completed when its
     completion does: what this design's floor is for a worker's enqueue->start and ->completion."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = Settings(**spec.settings)
     launched_at, cpu0 = time.monotonic(), time.process_time()
     partitions: set[TP] = set()
@@ -301,6 +308,117 @@ def _spawned_bare(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, pa
     out.put(report)
 
 
+# A spawned runner's pipes: the parent writes one frame (what to run) to its stdin and closes it to stop it;
+# the runner writes its reports to its stdout, each a frame: a 4-byte length, then the pickled object.
+_LENGTH = struct.Struct(">I")
+
+
+def _write_frame(stream: Any, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_LENGTH.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read_frame(stream: Any) -> Any:
+    """The next object of `stream`; EOFError at its end."""
+    head = stream.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        raise EOFError
+    (size,) = _LENGTH.unpack(head)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+class _PipeOut:
+    """A runner's reports to its parent, over its stdout (a _Channel of one writer)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._lock = stream, threading.Lock()
+
+    def put(self, obj: Any) -> None:
+        with self._lock:
+            _write_frame(self._stream, obj)
+
+
+def _runner_main() -> None:
+    """A runner process's entry (`python -c`, as the parent starts it): read what to run from stdin, run it
+    until stdin closes (the parent asked it to stop, or died), reporting on stdout."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The reports own the real stdout; anything else printed goes to stderr, as the worker's logs do.
+    out = _PipeOut(os.fdopen(os.dup(1), "wb"))
+    os.dup2(2, 1)
+    stdin = sys.stdin.buffer
+    bare, runner, spec, parent = _read_frame(stdin)
+    stop = threading.Event()
+
+    def watch() -> None:
+        stdin.read()  # returns at EOF
+        stop.set()
+
+    threading.Thread(target=watch, name="taskq-bench-stop", daemon=True).start()
+    (_spawned_bare if bare else _spawned_worker)(runner, spec, out, stop, parent)
+
+
+# How the parent starts a runner. taskq.cli first: a deployed worker starts through `taskq worker`, and the
+# launch the bench reports is its launch: an interpreter's start and these imports, nothing else (spawning
+# by multiprocessing would add its own bootstrap, some 25 ms, and import this process's main module).
+_RUNNER_IMPORTS = "import taskq.cli, taskq.tools.bench.runners as r"
+_RUNNER = f"{_RUNNER_IMPORTS}; r._runner_main()"
+
+
+class _Runner:
+    """A runner process: `python -c _RUNNER`, told what to run on its stdin; its reports go to `out`."""
+
+    def __init__(self, bare: bool, runner: int, spec: _WorkerSpec, out: queue.Queue[Any]) -> None:
+        self._job, self._out = (bare, runner, spec, os.getpid()), out
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._proc = proc = subprocess.Popen(
+            [sys.executable, "-c", _RUNNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert proc.stdin is not None
+        _write_frame(proc.stdin, self._job)
+        self._reader = threading.Thread(target=self._read, name="taskq-bench-reports", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        while True:
+            try:
+                self._out.put(_read_frame(self._proc.stdout))
+            except EOFError:
+                return
+
+    def stop(self) -> None:
+        """Close its stdin: the runner stops, reports a last time and exits."""
+        if self._proc is not None and self._proc.stdin is not None and not self._proc.stdin.closed:
+            try:
+                self._proc.stdin.close()
+            except BrokenPipeError:  # it exited already
+                pass
+
+    def is_alive(self) -> bool:
+        """Running, or its last reports not yet all read."""
+        return self._proc is not None and (
+            self._proc.poll() is None or (self._reader is not None and self._reader.is_alive())
+        )
+
+    def join(self, timeout: float) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout)
+
+
 def cache_bytecode(package: str | None = None) -> None:
     """Write the bytecode of a package's modules (taskq's by default) where it is missing or stale, as
     installing from a wheel does. Without it, an editable install under PYTHONDONTWRITEBYTECODE (which many
@@ -314,8 +432,8 @@ def cache_bytecode(package: str | None = None) -> None:
 
 
 class _Workers:
-    """N bench workers in one group: a thread of this process for one (unless `spawn`), spawned processes
-    for more; `bare`: spawned processes running the framework-free loop (`_spawned_bare`) instead."""
+    """N bench workers in one group: a thread of this process for one (unless `spawn`), processes of their
+    own for more (`_Runner`); `bare`: processes running the framework-free loop (`_spawned_bare`) instead."""
 
     def __init__(
         self,
@@ -340,10 +458,10 @@ class _Workers:
         self.spawned = processes > 1 or spawn or bare
         self.cpu_s = 0.0
         self._finals: list[_Report] = []
-        self._runners: list[threading.Thread | multiprocessing.process.BaseProcess] = []
+        self._out: queue.Queue[Any] = queue.Queue()
+        self._stop = threading.Event()
+        self._runners: list[threading.Thread | _Runner] = []
         if not self.spawned:
-            self._out: _Channel = queue.Queue()
-            self._stop: _Flag = threading.Event()
             self._runners.append(
                 threading.Thread(
                     target=_run_worker, args=(0, spec, self._out, self._stop, None, profile), daemon=True
@@ -351,14 +469,8 @@ class _Workers:
             )
         else:
             cache_bytecode()
-            # spawn, never fork: this process already runs librdkafka and psycopg threads.
-            ctx = multiprocessing.get_context("spawn")
-            self._out, self._stop = ctx.Queue(), ctx.Event()
-            target = _spawned_bare if bare else _spawned_worker
-            self._runners += [
-                ctx.Process(target=target, args=(i, spec, self._out, self._stop, os.getpid()), daemon=True)
-                for i in range(processes)
-            ]
+            # Started as programs (never forked: this process already runs librdkafka and psycopg threads).
+            self._runners += [_Runner(bare, i, spec, self._out) for i in range(processes)]
 
     def __enter__(self) -> _Workers:
         # The monotonic clock is the machine's: the spawned processes' times compare with this one.
@@ -400,6 +512,9 @@ class _Workers:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        for runner in self._runners:
+            if isinstance(runner, _Runner):
+                runner.stop()
         deadline = time.monotonic() + 90
         while len(self._finals) < len(self._runners) and time.monotonic() < deadline:
             if not any(r.is_alive() for r in self._runners):

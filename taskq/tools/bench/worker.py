@@ -14,10 +14,8 @@ from taskq._core.settings import Settings
 from taskq.producer.producer import TaskProducer
 from taskq.producer.tasks import TaskSpec
 from taskq.producer.workflows import group
+from taskq.tools.bench.effects import BENCH_HANDLERS, EFFECTS_TABLE, BenchHandler
 from taskq.tools.bench.run import (
-    _EFFECTS_TABLE,
-    BENCH_HANDLERS,
-    BenchHandler,
     _enqueue,
     _ms,
     _namespace,
@@ -88,7 +86,7 @@ def bench_worker(
         if handler != "noop":
             db = Database(run.settings.database_url, schema=run.settings.database_schema)
             with db.connection() as conn:
-                row = conn.execute(f"SELECT count(*) AS n FROM {_EFFECTS_TABLE}").fetchone()
+                row = conn.execute(f"SELECT count(*) AS n FROM {EFFECTS_TABLE}").fetchone()
                 effects = int(row["n"]) if row else 0
 
     done = len(completed)
