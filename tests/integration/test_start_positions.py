@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, OFFSET_INVALID, KafkaError, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from taskq._core.broker import Record
 from taskq._core.envelope import Topics
@@ -58,6 +59,26 @@ def test_a_new_group_starts_at_the_log_start_at_once_and_a_known_one_at_its_comm
         assert _first(again).offset == 2  # the committed offset, not the log's start
     finally:
         again.close()
+
+
+@pytest.mark.partitions(1)
+def test_a_new_group_starts_where_the_log_starts_once_its_first_records_are_deleted(settings: Settings) -> None:
+    # Retention (or DeleteRecords) moved the log's start past 0: a group that never committed starts where the
+    # log starts now, not at 0 (out of range) and not at its end.
+    topic = Topics(settings.namespace).priority_topics[0]
+    sink = Sink(settings)
+    for n in range(5):
+        sink.send(topic, b"%d" % n, key=None, headers=[], partition=0)
+    sink.flush()
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers, **settings.kafka})
+    admin.delete_records([TopicPartition(topic, 0, 3)])[TopicPartition(topic, 0, 3)].result(30)
+    source = Source(settings, group=f"{settings.namespace}.moved")
+    source.subscribe([topic])
+    try:
+        first = _first(source)
+        assert (first.offset, first.value) == (3, b"3")
+    finally:
+        source.close()
 
 
 @dataclass
