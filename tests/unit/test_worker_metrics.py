@@ -248,3 +248,15 @@ def test_a_worker_without_hooks_builds_no_per_task_event_and_one_with_a_hook_han
         q.run_until_idle()
         delivered = Counter(type(e).__name__ for e in q.events.events if isinstance(e, PER_TASK))
         assert delivered == built == expected
+
+
+def test_an_enqueue_time_ahead_of_this_hosts_clock_counts_as_no_wait() -> None:
+    # The sender's clock ahead of the worker's: the task's age is negative, and counts as 0 s.
+    hook = PrometheusHook(CollectorRegistry())
+    tally = Tally()
+    tally.succeeded["a"] += [datetime.now(UTC) + timedelta(seconds=5), datetime.now(UTC) - timedelta(seconds=2)]
+    hook.apply(tally)
+    assert _value(hook, "taskq_enqueue_to_completion_seconds_bucket", task_type="a", le="0.005") == 1
+    assert _value(hook, "taskq_enqueue_to_completion_seconds_bucket", task_type="a", le="+Inf") == 2
+    total = hook.registry.get_sample_value("taskq_enqueue_to_completion_seconds_sum", {"task_type": "a"})
+    assert total == pytest.approx(2.0, abs=0.5)
