@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from taskq.tools.bench.runners import _RUNNER_IMPORTS, _read_frame, _Report, _write_frame, cache_bytecode
+from taskq._core.errors import TaskqError
+from taskq.tools.bench import runners
+from taskq.tools.bench.runners import (
+    _RUNNER_IMPORTS,
+    _read_frame,
+    _Report,
+    _Workers,
+    _WorkerSpec,
+    _write_frame,
+    cache_bytecode,
+)
 
 
 def test_bytecode_is_written_even_where_python_writes_none(
@@ -68,3 +78,19 @@ def test_a_runners_reports_cross_its_pipe_whole_and_a_cut_one_ends_the_stream() 
     _write_frame(first, report)
     with pytest.raises(EOFError):  # the runner died mid-frame
         _read_frame(io.BytesIO(first.getvalue()[:-3]))
+
+
+def test_runner_processes_that_die_at_once_end_the_bench_with_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Whether a runner is gone before its parent writes what to run (a broken pipe) or after, the bench
+    # stops with its one line, not a traceback from the write, and closes the runners' pipes (an unclosed
+    # one is a ResourceWarning, an error under this suite's settings).
+    monkeypatch.setattr(runners, "_RUNNER", "import sys; sys.exit(3)")
+    monkeypatch.setattr(runners, "cache_bytecode", lambda: None)
+    spec = _WorkerSpec(settings={}, task_type="t.T", schema={}, handler="noop", concurrency=1)
+    with (
+        pytest.raises(TaskqError, match=r"^bench: every worker exited$"),
+        _Workers(spec, processes=3) as workers,
+    ):
+        workers.wait(lambda: False, 30, "nothing")

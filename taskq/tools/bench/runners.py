@@ -381,7 +381,10 @@ class _Runner:
             [sys.executable, "-c", _RUNNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         assert proc.stdin is not None
-        _write_frame(proc.stdin, self._job)
+        try:
+            _write_frame(proc.stdin, self._job)
+        except BrokenPipeError:  # it died at once (its error is on stderr): `_Workers.wait` reports it
+            pass
         self._reader = threading.Thread(target=self._read, name="taskq-bench-reports", daemon=True)
         self._reader.start()
 
@@ -417,6 +420,8 @@ class _Runner:
             self._proc.wait()
         if self._reader is not None:
             self._reader.join(timeout)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
 
 
 def cache_bytecode(package: str | None = None) -> None:
