@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pstats
 import re
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,6 +79,18 @@ def _assert_namespace_gone(settings: Settings, ns: str) -> None:
 
 def _percentiles(ms: dict[str, Any]) -> bool:
     return set(ms) == {"p50", "p90", "p99", "max"} and all(v >= 0 for v in ms.values())
+
+
+def test_bench_worker_profile_writes_the_loops_profile_and_reports_no_launch(
+    env_of: Callable[..., dict[str, str]], tmp_path: Path
+) -> None:
+    # --profile runs the worker in a thread of the bench's own process (the profiler is imported for it
+    # alone): its launch is not a process's, so none is reported.
+    path = tmp_path / "worker.prof"
+    data = _bench(env_of(), "worker", "-n", "100", "--concurrency", "2", "--profile", str(path))
+    assert data["completed"] == 100 and data["launch_to_first_task_s"] is None
+    profiled = {name for (_, _, name) in pstats.Stats(str(path)).stats}  # type: ignore[attr-defined]
+    assert "run" in profiled and "_tick" in profiled
 
 
 def test_bench_worker_runs_every_task_and_removes_its_namespace(
