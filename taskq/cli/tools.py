@@ -4,7 +4,7 @@ line."""
 from __future__ import annotations
 
 import argparse
-import statistics
+import math
 import time
 from typing import Any
 
@@ -67,7 +67,7 @@ def cmd_bench_produce(args: argparse.Namespace) -> int:
         "accept_rate_per_s": n / accepted,
         "acked_rate_per_s": n / acked,
         "enqueue_us": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": latencies[-1] * 1e6},
-        "mean_us": statistics.fmean(latencies) * 1e6,
+        "mean_us": math.fsum(latencies) / len(latencies) * 1e6,
     }
     print_result(
         args,

@@ -166,3 +166,10 @@ def test_the_registry_client_is_the_standard_librarys_http() -> None:
     assert "taskq.schemas.rest" in loaded and "urllib.request" in loaded
     assert not {m for m in loaded if m.split(".")[0] in ("httpx", "httpcore", "authlib", "requests")}, sorted(loaded)
     assert not {m for m in loaded if m.startswith("confluent_kafka.schema_registry")}, sorted(loaded)
+
+def test_the_cli_on_the_way_to_a_worker_loads_no_statistics() -> None:
+    # `taskq worker` imports the CLI first: a command's arithmetic module (statistics pulls in fractions,
+    # decimal and random, 4-5 ms) would count in every worker's launch.
+    probe = "import sys, taskq.cli, taskq.consumer.worker; print(sorted({'statistics', 'fractions'} & {*sys.modules}))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
