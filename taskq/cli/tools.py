@@ -19,6 +19,8 @@ def cmd_bench_produce(args: argparse.Namespace) -> int:
     from taskq.producer.producer import TaskProducer
     from taskq.schemas import Registry
 
+    if args.count < 1:
+        raise ConfigurationError(f"count must be >= 1, got {args.count}")  # as the other benches say it
     if args.batch < 1:
         raise ConfigurationError(f"--batch must be >= 1, got {args.batch}")
     settings = settings_of(args)

@@ -117,3 +117,17 @@ def test_the_forwarder_stops_on_refused_credentials_instead_of_restarting(
     stopped = [r for r in caplog.records if r.name == "taskq.forwarder" and "forwarder stopped" in r.message]
     assert len(stopped) == 1 and stopped[0].exc_info is None, caplog.text
     assert "Kafka refused the connection" in stopped[0].message
+
+
+@pytest.mark.parametrize("count", ["0", "-5"])
+@pytest.mark.parametrize("bench", ["produce", "worker", "ceiling"])
+def test_a_bench_of_no_tasks_is_one_line_before_any_service_is_reached(
+    bench: str, count: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Refused before Kafka, the registry or Postgres is reached: the settings point where nothing answers.
+    monkeypatch.setenv("TASKQ_BOOTSTRAP_SERVERS", "127.0.0.1:9")
+    monkeypatch.setenv("TASKQ_SCHEMA_REGISTRY_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("TASKQ_DATABASE_URL", "postgresql://nobody@127.0.0.1:9/none")
+    assert cli.main(["bench", bench, "-n", count]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"taskq: error: count must be >= 1, got {count}"
