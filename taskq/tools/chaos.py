@@ -20,6 +20,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 import os
 import random
 import shutil
@@ -616,9 +617,11 @@ def run_chaos(
         raise ConfigurationError(f"workers must be >= 1, got {workers}")
     if concurrency < 1:
         raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
-    for name, value in (("duration", duration), ("rate", rate), ("drain_timeout", drain_timeout)):
-        if not value > 0:
-            raise ConfigurationError(f"{name} must be > 0, got {value}")
+    for name, value in (("duration", duration), ("rate", rate)):  # their product is the task count
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigurationError(f"{name} must be a finite number > 0, got {value}")
+    if not drain_timeout > 0:
+        raise ConfigurationError(f"drain_timeout must be > 0, got {drain_timeout}")
     if kill_every < 0:
         raise ConfigurationError(f"kill_every must be >= 0 seconds (0: no kills), got {kill_every}")
     if not 0 <= pills <= 100:

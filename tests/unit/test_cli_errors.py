@@ -131,3 +131,26 @@ def test_a_bench_of_no_tasks_is_one_line_before_any_service_is_reached(
     assert cli.main(["bench", bench, "-n", count]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"taskq: error: count must be >= 1, got {count}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["bench", "latency", "--rate", "inf"], "taskq: error: rate must be a finite number > 0, got inf"),
+        (
+            ["bench", "latency", "--rate", "10", "--duration", "inf"],
+            "taskq: error: duration must be a finite number > 0, got inf",
+        ),
+        (["chaos", "--rate", "inf"], "taskq: error: rate must be a finite number > 0, got inf"),
+        (["chaos", "--duration", "inf"], "taskq: error: duration must be a finite number > 0, got inf"),
+    ],
+)
+def test_an_infinite_rate_or_duration_is_one_line(
+    argv: list[str], error: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An OverflowError traceback before: the schedule's task count was rate x duration.
+    monkeypatch.setenv("TASKQ_BOOTSTRAP_SERVERS", "127.0.0.1:9")
+    monkeypatch.setenv("TASKQ_SCHEMA_REGISTRY_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("TASKQ_DATABASE_URL", "postgresql://nobody@127.0.0.1:9/none")
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip() == error

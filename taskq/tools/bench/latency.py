@@ -216,10 +216,9 @@ def bench_latency(
     8 days, the 7-day purge runs half-way through the schedule, and the report gives the table's and its
     indexes' sizes and counters before and after, with samples of its dead tuples.
     `default_autovacuum`: the table's autovacuum settings are the server's, not migration 0013's."""
-    if not rate > 0:
-        raise ConfigurationError(f"rate must be > 0, got {rate}")
-    if not duration > 0:
-        raise ConfigurationError(f"duration must be > 0, got {duration}")
+    for name, value in (("rate", rate), ("duration", duration)):  # their product is the task count
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigurationError(f"{name} must be a finite number > 0, got {value}")
     if concurrency < 1:
         raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
     if seed_history < 0:
