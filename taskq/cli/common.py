@@ -19,6 +19,17 @@ Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 LONG_RUNNING = ("worker", "forwarder", "relay")
 
 
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 to 65535 (0: one the system picks)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text!r}")
+    return value
+
+
 def print_result(args: argparse.Namespace, data: Any, text: str) -> None:
     """Print a command's result: `data` as JSON with --json, else `text`."""
     print(json.dumps(data, default=str) if args.json else text, flush=True)

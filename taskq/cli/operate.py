@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError, TaskqError
 from taskq._core.settings import Settings
-from taskq.cli.common import Commands, leaf, print_result, progress_to, settings_of
+from taskq.cli.common import Commands, leaf, port, print_result, progress_to, settings_of
 
 if TYPE_CHECKING:
     from taskq.producer.status import TaskStatus
@@ -284,7 +284,7 @@ def add_console(sub: Commands) -> None:
         default="127.0.0.1",
         help="address to listen on (default: loopback; any other needs TASKQ_CONSOLE_TOKEN)",
     )
-    sp.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    sp.add_argument("--port", type=port, default=8080, help="port to listen on (default 8080)")
     sp.add_argument(
         "--session-hours",
         type=float,
@@ -298,7 +298,7 @@ def add_stats(sub: Commands) -> None:
     sp = leaf(sub, "stats", cmd_stats, "tier depths, DLQ depth and idempotency records by state")
     sp.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         help="instead of printing once, serve taskq_tier_depth and taskq_dlq_depth on /metrics until SIGTERM",
     )
     sp.add_argument(

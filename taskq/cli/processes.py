@@ -10,7 +10,7 @@ import sys
 
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError
-from taskq.cli.common import Commands, leaf, settings_of
+from taskq.cli.common import Commands, leaf, port, settings_of
 from taskq.cli.logs import configure_logging
 
 
@@ -110,7 +110,7 @@ def add_worker(sub: Commands) -> None:
     sp.add_argument("--concurrency", type=int, default=4)
     sp.add_argument("--group", help="consumer group (default: <namespace>.workers)")
     sp.add_argument("--weights", help="critical,high,normal,low weights (default 8,4,2,1)")
-    sp.add_argument("--metrics-port", type=int, help="serve /metrics and /healthz on this port")
+    sp.add_argument("--metrics-port", type=port, help="serve /metrics and /healthz on this port")
     sp.add_argument(
         "--metrics-host", default="127.0.0.1", help="address /metrics listens on (default: loopback)"
     )

@@ -173,6 +173,8 @@ class WorkerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigurationError(f"metrics_port must be a port from 0 to 65535, got {self.metrics_port}")
         if self.result_max_bytes < 16:
             raise ConfigurationError(f"result_max_bytes must be >= 16, got {self.result_max_bytes}")
         if not self.stale_after >= 2 * self.heartbeat_interval:

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from taskq import cli
-from taskq._core.errors import KafkaAuthenticationError
+from taskq._core.errors import ConfigurationError, KafkaAuthenticationError
 from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
+from taskq.consumer.worker import WorkerConfig
 from taskq.consumer.forwarder import Forwarder
 from taskq.testing import InMemoryBroker
 
@@ -154,3 +155,28 @@ def test_an_infinite_rate_or_duration_is_one_line(
     monkeypatch.setenv("TASKQ_DATABASE_URL", "postgresql://nobody@127.0.0.1:9/none")
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip() == error
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["worker", "tests.apps.app:handlers", "--metrics-port", "99999"],
+        ["worker", "tests.apps.app:handlers", "--metrics-port", "-1"],
+        ["stats", "--metrics-port", "70000"],
+        ["console", "--port", "65536"],
+    ],
+)
+def test_a_port_out_of_range_is_refused_before_anything_starts(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The worker's metrics server raised OverflowError from bind() with a traceback, after joining nothing.
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"must be a port from 0 to 65535, got {argv[-1]!r}") and "argument" in err
+
+
+def test_a_worker_config_with_a_port_out_of_range_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="metrics_port must be a port from 0 to 65535, got 99999"):
+        WorkerConfig(metrics_port=99999)
