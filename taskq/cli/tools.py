@@ -23,6 +23,8 @@ def cmd_bench_produce(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"count must be >= 1, got {args.count}")  # as the other benches say it
     if args.batch < 1:
         raise ConfigurationError(f"--batch must be >= 1, got {args.batch}")
+    if args.body_bytes < 0:
+        raise ConfigurationError(f"--body-bytes must be >= 0, got {args.body_bytes}")
     settings = settings_of(args)
     with Registry.from_settings(settings) as registry:
         registry.register(demo_schema("send_email"))

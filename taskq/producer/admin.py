@@ -16,10 +16,10 @@ def topic_specs(
     settings: Settings, *, partitions: int = 6, replication: int | None = None
 ) -> list[TopicSpec]:
     """Every topic a namespace needs; without `replication`, the cluster's defaults decide (see below)."""
-    if partitions < 1 or (replication is not None and replication < 1):
-        raise ConfigurationError(
-            f"partitions and replication must be >= 1, got {partitions} and {replication}"
-        )
+    if partitions < 1:
+        raise ConfigurationError(f"partitions must be >= 1, got {partitions}")
+    if replication is not None and replication < 1:
+        raise ConfigurationError(f"replication must be >= 1, got {replication}")
     topics = Topics(settings.namespace, settings.delay_tiers)
     # No replication given: the broker's default.replication.factor and min.insync.replicas, which is what
     # the cluster's operator chose (compose/stack's 3-broker cluster: 3 and 2; one broker: 1 and 1).

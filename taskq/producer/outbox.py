@@ -23,6 +23,7 @@ from prometheus_client import Counter, Histogram
 from taskq._core.broker import Broker, RecordSink
 from taskq._core.db import Connection, Database, Transaction
 from taskq._core.errors import (
+    ConfigurationError,
     KafkaAuthenticationError,
     KafkaUnavailableError,
     StoreUnavailableError,
@@ -72,6 +73,11 @@ class OutboxRelay:
         idle: float = 1.0,
         publish_timeout: float = 30.0,
     ) -> None:
+        if batch < 1:
+            raise ConfigurationError(f"batch must be >= 1, got {batch}")
+        for name, value in (("idle", idle), ("publish_timeout", publish_timeout)):
+            if not value > 0:
+                raise ConfigurationError(f"{name} must be > 0 seconds, got {value}")
         self.settings = settings
         self.namespace = settings.namespace
         self.batch = batch

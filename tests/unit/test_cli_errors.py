@@ -180,3 +180,27 @@ def test_a_port_out_of_range_is_refused_before_anything_starts(
 def test_a_worker_config_with_a_port_out_of_range_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="metrics_port must be a port from 0 to 65535, got 99999"):
         WorkerConfig(metrics_port=99999)
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        # The relay published batches of nothing, for ever.
+        (["relay", "--batch", "0"], "taskq: error: batch must be >= 1, got 0"),
+        (["bench", "produce", "-n", "5", "--body-bytes", "-1"], "taskq: error: --body-bytes must be >= 0, got -1"),
+        # The replication was not given: the error names only what was.
+        (["topics", "create", "--partitions", "0"], "taskq: error: partitions must be >= 1, got 0"),
+        (
+            ["topics", "create", "--replication", "0"],
+            "taskq: error: replication must be >= 1, got 0",
+        ),
+    ],
+)
+def test_a_count_below_its_least_is_one_line_naming_it_before_any_service_is_reached(
+    argv: list[str], error: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TASKQ_BOOTSTRAP_SERVERS", "127.0.0.1:9")
+    monkeypatch.setenv("TASKQ_SCHEMA_REGISTRY_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("TASKQ_DATABASE_URL", "postgresql://nobody@127.0.0.1:9/none")
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip() == error
