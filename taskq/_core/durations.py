@@ -60,7 +60,7 @@ def tier_name(delay: timedelta) -> str:
     millis, remainder = divmod(delay, timedelta(milliseconds=1))
     if delay <= timedelta(0) or remainder:
         raise ConfigurationError(
-            f"a delay tier must be a positive whole number of milliseconds, got {delay!r}"
+            f"a delay tier must be a positive whole number of milliseconds, got {delay.total_seconds():g}s"
         )
     for unit, unit_millis in (("h", 3_600_000), ("m", 60_000), ("s", 1000)):
         if millis % unit_millis == 0:

@@ -197,7 +197,8 @@ class Settings:
         if not self.bootstrap_servers:
             raise ConfigurationError("bootstrap_servers must name at least one broker (host:port)")
         if not self.delay_tiers or any(t <= timedelta(0) for t in self.delay_tiers):
-            raise ConfigurationError(f"delay_tiers must be positive durations, got {self.delay_tiers!r}")
+            shown = ", ".join(f"{t.total_seconds():g}s" for t in self.delay_tiers)
+            raise ConfigurationError(f"delay_tiers must be positive durations, got {shown or 'none'}")
         if self.group_protocol not in GROUP_PROTOCOLS:
             raise ConfigurationError(
                 f"group_protocol must be one of {', '.join(GROUP_PROTOCOLS)}, got {self.group_protocol!r}"

@@ -78,3 +78,9 @@ def test_pick_delay_tier(delay, tier):
 def test_pick_delay_tier_needs_tiers():
     with pytest.raises(ValueError, match="no delay tiers"):
         pick_delay_tier(timedelta(seconds=1), [])
+
+
+def test_a_delay_tier_that_is_no_whole_millisecond_is_named_in_seconds_not_as_a_python_repr():
+    with pytest.raises(ValueError) as refused:
+        tier_name(timedelta(microseconds=1500))
+    assert str(refused.value) == "a delay tier must be a positive whole number of milliseconds, got 0.0015s"

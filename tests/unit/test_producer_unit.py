@@ -182,6 +182,13 @@ def test_settings_are_validated_when_created(kwargs, message):
         Settings(**kwargs)
 
 
+def test_a_delay_tier_that_is_no_positive_duration_is_named_in_seconds_not_as_a_python_repr():
+    # TASKQ_DELAY_TIERS=0 said "got (datetime.timedelta(0),)".
+    with pytest.raises(ValueError) as refused:
+        Settings(delay_tiers=(timedelta(0), timedelta(seconds=5)))
+    assert str(refused.value) == "delay_tiers must be positive durations, got 0s, 5s"
+
+
 def test_settings_sort_delay_tiers_and_freeze_kafka_properties():
     props = {"security.protocol": "SASL_SSL"}
     s = Settings(
