@@ -194,6 +194,11 @@ class Settings:
                 f"database_schema {self.database_schema!r} must be a lower-case SQL identifier "
                 "of at most 63 chars"
             )
+        if not self.schema_registry_url.lower().startswith(("http://", "https://")):
+            raise ConfigurationError(
+                "schema_registry_url must be an http:// or https:// URL, "
+                f"got {redact(self.schema_registry_url, self.schema_registry_url)!r}"
+            )
         if not self.bootstrap_servers:
             raise ConfigurationError("bootstrap_servers must name at least one broker (host:port)")
         if not self.delay_tiers or any(t <= timedelta(0) for t in self.delay_tiers):

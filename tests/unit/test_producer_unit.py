@@ -172,6 +172,12 @@ def test_settings_defaults_point_at_the_local_stack():
         ({"database_schema": "Bad-Schema"}, "database_schema 'Bad-Schema'"),
         ({"bootstrap_servers": ""}, "bootstrap_servers"),
         ({"delay_tiers": ()}, "delay_tiers"),
+        # Not a network failure ("unreachable: Name or service not known"), and no secret in the message.
+        (
+            {"schema_registry_url": "ftp://u:s3cret@registry"},
+            r"^schema_registry_url must be an http:// or https:// URL, got 'ftp://u:\*\*\*@registry'$",
+        ),
+        ({"schema_registry_url": "registry:8081"}, "schema_registry_url must be an http:// or https:// URL"),
         ({"delay_tiers": (timedelta(seconds=-1),)}, "delay_tiers"),
         ({"kafka": {"acks": "1"}}, r"\['acks'\]"),
         ({"kafka": {"enable.idempotence": "false"}}, "enable.idempotence"),
