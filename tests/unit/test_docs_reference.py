@@ -63,7 +63,8 @@ def test_every_settings_field_has_a_description_and_its_variable_is_read() -> No
         assert f.metadata.get("doc"), f.name
         var = f.metadata.get("env", "")
         if var and not var.endswith("*"):  # the variable named in the reference is the one from_env reads
-            probe = {"group_protocol": "classic", "delay_tiers": "7s"}.get(f.name, "probe")
+            valid = {"group_protocol": "classic", "delay_tiers": "7s", "schema_registry_url": "http://probe"}
+            probe = valid.get(f.name, "probe")
             companion = {  # settings valid only beside another one
                 "schema_registry_user": {"TASKQ_SCHEMA_REGISTRY_PASSWORD": "p"},
                 "schema_registry_password": {"TASKQ_SCHEMA_REGISTRY_USER": "u"},
