@@ -7,6 +7,7 @@ import json
 
 from taskq._core.durations import parse_duration
 from taskq._core.envelope import PRIORITIES
+from taskq._core.errors import ConfigurationError
 from taskq.cli.common import Commands, leaf, print_result, settings_of
 
 
@@ -16,7 +17,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
     try:
         payload = json.loads(args.json_payload)
     except json.JSONDecodeError as exc:
-        raise SystemExit(f"taskq enqueue: --json is not valid JSON: {exc}") from None
+        raise ConfigurationError(f"--json is not valid JSON: {exc}") from None
     # Fail fast: a command that cannot reach the broker says so in about 10 s, not after librdkafka's
     # two-minute delivery timeout.
     quick = {"message.timeout.ms": 10_000, "socket.connection.setup.timeout.ms": 5_000}

@@ -204,3 +204,12 @@ def test_a_count_below_its_least_is_one_line_naming_it_before_any_service_is_rea
     monkeypatch.setenv("TASKQ_DATABASE_URL", "postgresql://nobody@127.0.0.1:9/none")
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip() == error
+
+
+def test_enqueue_with_a_payload_that_is_not_json_is_one_line_with_the_others_exit_code(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # It exited 1, where every other mistake in the input exits 2, and said it in a form of its own.
+    assert cli.main(["enqueue", "demo.SendEmail", "--json", "{"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("taskq: error: --json is not valid JSON: ") and "\n" not in err
