@@ -330,7 +330,11 @@ def load(import_path: str) -> Handlers:
         ) from exc
     except ImportError as exc:  # the module, or something it imports, is missing
         raise ConfigurationError(f"cannot import {module_name}: {exc}") from exc
-    handlers = getattr(module, attr, None)
+    if not hasattr(module, attr):
+        raise ConfigurationError(
+            f"{module_name} has no attribute {attr!r} (expected MODULE:ATTR of a taskq.Handlers)"
+        )
+    handlers = getattr(module, attr)
     if not isinstance(handlers, Handlers):
         raise ConfigurationError(f"{import_path} is {type(handlers).__name__}, not a taskq.Handlers")
     handlers.import_path = import_path

@@ -187,7 +187,10 @@ def test_a_worker_config_with_a_port_out_of_range_is_refused() -> None:
     [
         # The relay published batches of nothing, for ever.
         (["relay", "--batch", "0"], "taskq: error: batch must be >= 1, got 0"),
-        (["bench", "produce", "-n", "5", "--body-bytes", "-1"], "taskq: error: --body-bytes must be >= 0, got -1"),
+        (
+            ["bench", "produce", "-n", "5", "--body-bytes", "-1"],
+            "taskq: error: --body-bytes must be >= 0, got -1",
+        ),
         # The replication was not given: the error names only what was.
         (["topics", "create", "--partitions", "0"], "taskq: error: partitions must be >= 1, got 0"),
         (
@@ -213,3 +216,13 @@ def test_enqueue_with_a_payload_that_is_not_json_is_one_line_with_the_others_exi
     assert cli.main(["enqueue", "demo.SendEmail", "--json", "{"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("taskq: error: --json is not valid JSON: ") and "\n" not in err
+
+
+def test_a_handlers_attribute_the_module_lacks_is_named_as_missing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # It said "tests.apps.app:nosuch is NoneType, not a taskq.Handlers".
+    assert cli.main(["worker", "tests.apps.app:nosuch"]) == 2
+    err = capsys.readouterr().err.strip()
+    expected = "tests.apps.app has no attribute 'nosuch' (expected MODULE:ATTR of a taskq.Handlers)"
+    assert err == f"taskq: error: {expected}"
