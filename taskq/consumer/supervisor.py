@@ -46,6 +46,8 @@ _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 # A worker process's exit code when restarting it cannot help (EX_CONFIG): its configuration is refused, by
 # Kafka (credentials, TLS) or by the project's own checks. The supervisor gives up at once, with its reason.
 REFUSED = 78
+#: Seconds past the shutdown timeout a stopping worker process is given before it is killed.
+STOP_MARGIN = 15.0
 
 
 class WorkerProcessesFailedError(TaskqError):
@@ -171,12 +173,21 @@ class Supervisor:
     def _supervise(self, wake: int) -> int:
         failure: str | None = None
         killed_by: int | None = None
+        # Once stopping, what has not stopped by then is killed: a worker process that never answers SIGTERM
+        # (hung in a C call, its signals still blocked) kept the supervisor waiting for ever, even one that
+        # had given up on a process that kept dying.
+        kill_at: float | None = None
+        overdue = False
         while True:
             running = [s for s in self._slots if s.process is not None]
             if self._stopping and not running:
                 break
             self._healthy = not self._stopping and len(running) == len(self._slots)
+            if self._stopping and kill_at is None:
+                kill_at = time.monotonic() + self.config.shutdown_timeout + STOP_MARGIN
             due = [s.restart_at for s in self._slots if s.restart_at is not None]
+            if kill_at is not None and not overdue and killed_by is None:
+                due.append(kill_at)
             timeout = max(0.0, min(due) - time.monotonic()) if due else None
             wait([*(s.process.sentinel for s in running if s.process), wake], timeout)
             for signum in _signals(wake):
@@ -196,6 +207,17 @@ class Supervisor:
                     for slot in self._slots:
                         if slot.process is not None:
                             slot.process.kill()
+            if kill_at is not None and not overdue and killed_by is None and time.monotonic() >= kill_at:
+                overdue = True
+                for slot in running:
+                    if slot.process is not None and slot.process.exitcode is None:
+                        log.warning(
+                            "worker process %d (pid %s) did not stop within %g s: killing it",
+                            slot.index,
+                            slot.process.pid,
+                            self.config.shutdown_timeout + STOP_MARGIN,
+                        )
+                        slot.process.kill()
             for slot in running:
                 assert slot.process is not None
                 if slot.process.exitcode is not None:
@@ -288,7 +310,7 @@ class Supervisor:
         running = [s.process for s in self._slots if s.process is not None]
         for process in running:
             process.terminate()
-        deadline = time.monotonic() + self.config.shutdown_timeout + 15
+        deadline = time.monotonic() + self.config.shutdown_timeout + STOP_MARGIN
         for process in running:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.exitcode is None:
