@@ -120,15 +120,20 @@ def test_the_forwarder_stops_on_refused_credentials_instead_of_restarting(
     assert "Kafka refused the connection" in stopped[0].message
 
 
+def _services_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings pointing where nothing answers: an error given before any service is reached is the test's."""
+    monkeypatch.setenv("TASKQ_BOOTSTRAP_SERVERS", "127.0.0.1:9")
+    monkeypatch.setenv("TASKQ_SCHEMA_REGISTRY_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("TASKQ_DATABASE_URL", "postgresql://nobody@127.0.0.1:9/none")
+
+
 @pytest.mark.parametrize("count", ["0", "-5"])
 @pytest.mark.parametrize("bench", ["produce", "worker", "ceiling"])
 def test_a_bench_of_no_tasks_is_one_line_before_any_service_is_reached(
     bench: str, count: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Refused before Kafka, the registry or Postgres is reached: the settings point where nothing answers.
-    monkeypatch.setenv("TASKQ_BOOTSTRAP_SERVERS", "127.0.0.1:9")
-    monkeypatch.setenv("TASKQ_SCHEMA_REGISTRY_URL", "http://127.0.0.1:9")
-    monkeypatch.setenv("TASKQ_DATABASE_URL", "postgresql://nobody@127.0.0.1:9/none")
+    _services_nowhere(monkeypatch)
     assert cli.main(["bench", bench, "-n", count]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"taskq: error: count must be >= 1, got {count}"
@@ -150,9 +155,7 @@ def test_an_infinite_rate_or_duration_is_one_line(
     argv: list[str], error: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # An OverflowError traceback before: the schedule's task count was rate x duration.
-    monkeypatch.setenv("TASKQ_BOOTSTRAP_SERVERS", "127.0.0.1:9")
-    monkeypatch.setenv("TASKQ_SCHEMA_REGISTRY_URL", "http://127.0.0.1:9")
-    monkeypatch.setenv("TASKQ_DATABASE_URL", "postgresql://nobody@127.0.0.1:9/none")
+    _services_nowhere(monkeypatch)
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip() == error
 
@@ -202,9 +205,7 @@ def test_a_worker_config_with_a_port_out_of_range_is_refused() -> None:
 def test_a_count_below_its_least_is_one_line_naming_it_before_any_service_is_reached(
     argv: list[str], error: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("TASKQ_BOOTSTRAP_SERVERS", "127.0.0.1:9")
-    monkeypatch.setenv("TASKQ_SCHEMA_REGISTRY_URL", "http://127.0.0.1:9")
-    monkeypatch.setenv("TASKQ_DATABASE_URL", "postgresql://nobody@127.0.0.1:9/none")
+    _services_nowhere(monkeypatch)
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip() == error
 
