@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from taskq._core.broker import TP, Record
+from taskq._core.kafka_admin import Admin
 from taskq._core.kafka_clients import KafkaBroker
 from taskq._core.share import ShareSource
 
@@ -39,6 +40,9 @@ DELIVERY_LIMIT = 5
 SEND_AGAIN_BEFORE = 2
 #: Seconds one tier's share consumers wait for records before the next tier's are asked.
 _SLICE = 0.01
+#: Seconds a joining worker reads its groups' configs back until they show the delivery limit it set: a
+#: broker applies an alteration when it replays the metadata log, after the alter has answered.
+_CONFIG_SETTLE = 10.0
 
 
 def share_group(topic: str) -> str:
@@ -76,16 +80,12 @@ class TierShares:
         """Configure each tier's share group (read from the start, committed records only) and join it."""
         admin = self._broker.admin()
         most = admin.broker_configs().get("group.share.max.delivery.count.limit")
+        limit = int(most) if most else None
         for topic in topics:
             admin.configure_share_group(
-                share_group(topic),
-                lock_duration_ms=self._lock_duration_ms,
-                delivery_count_limit=int(most) if most else None,
+                share_group(topic), lock_duration_ms=self._lock_duration_ms, delivery_count_limit=limit
             )
-        configs = admin.share_group_configs([share_group(t) for t in topics])
-        self.delivery_limit = min(
-            int(c.get("share.delivery.count.limit") or DELIVERY_LIMIT) for c in configs.values()
-        )
+        self.delivery_limit = self._read_limit(admin, [share_group(t) for t in topics], limit)
         partitions = admin.partitions(topics)
         for topic in topics:
             self._sources[topic] = self._broker.share_source(
@@ -95,6 +95,32 @@ class TierShares:
                 max_poll_records=self._max_poll_records,
             )
         self._on_assign([(t, p) for t in topics for p in range(partitions.get(t, 0))])
+
+    @staticmethod
+    def _read_limit(admin: Admin, groups: list[str], wanted: int | None) -> int:
+        """The groups' delivery limit as the broker applies it: read again (for `_CONFIG_SETTLE` seconds at
+        most) until it is the `wanted` one set. A limit read lower than the group's only sends records again
+        early; one higher than the broker applies could let the group archive a task, so the value set is
+        never assumed."""
+        deadline = time.monotonic() + _CONFIG_SETTLE
+        pause = 0.02
+        while True:
+            configs = admin.share_group_configs(groups)
+            limit = min(int(c.get("share.delivery.count.limit") or DELIVERY_LIMIT) for c in configs.values())
+            if wanted is None or limit >= wanted:
+                return limit
+            if time.monotonic() + pause > deadline:
+                log.warning(
+                    "share groups %s: still reads share.delivery.count.limit %d, not the %d set; "
+                    "records are sent again before delivery %d",
+                    ", ".join(groups),
+                    limit,
+                    wanted,
+                    max(2, limit - SEND_AGAIN_BEFORE),
+                )
+                return limit
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
 
     @property
     def send_again_at(self) -> int:
