@@ -156,3 +156,80 @@ def test_a_forwarder_whose_client_raises_an_unexpected_error_while_closing_start
     finally:
         forwarder.stop()
         thread.join(10)
+
+
+class _OffsetsGivenUpOnce:
+    """The fake broker's clients, with the forwarder's first producer given up while adding offsets, as the
+    real Sink gives up a send_offsets_to_transaction that had no answer (a broker killed): the call raises
+    and so does every later one, abort included. With `landed`, the transaction committed all the same
+    (the broker finished it behind the given-up call); without, it is still open when the new producer
+    fences it."""
+
+    def __init__(self, real: InMemoryBroker, *, landed: bool) -> None:
+        self.real = real
+        self.landed = landed
+        self.sinks: list[Any] = []
+
+    def source(self, **kw: Any) -> Any:
+        return self.real.source(**kw)
+
+    def sink(self, **kw: Any) -> Any:
+        sink = self.real.sink(**kw)
+        self.sinks.append(sink)
+        if len(self.sinks) > 1:
+            return sink
+        add, commit = sink.commit_offsets_in_transaction, sink.commit
+        given_up = "adding offsets to the transaction had no answer within 10 s"
+
+        def add_given_up(source: Any, offsets: Any, timeout: float = 10.0) -> None:
+            if self.landed:
+                add(source, offsets, timeout)
+                commit(timeout)
+            raise KafkaUnavailableError(
+                "adding offsets to the transaction: no answer within 10 s; the producer is given up"
+            )
+
+        def refused(timeout: float = 10.0) -> None:
+            raise KafkaUnavailableError(f"aborting the transaction: this producer was given up ({given_up})")
+
+        sink.commit_offsets_in_transaction = add_given_up
+        sink.abort = refused
+        return sink
+
+    def admin(self) -> Any:
+        return self.real.admin()
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["committed_after_all", "left_open"])
+def test_a_forwarder_whose_transaction_is_given_up_and_cannot_be_aborted_forwards_each_task_once(
+    landed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The corner seen once on a 3-broker cluster with a broker killed: adding the offsets had no answer, the
+    # abort was refused, the producer was replaced. Whichever way the given-up transaction ended, the new
+    # producer (same transactional id) fences the old one before the committed offsets are read, so the
+    # batch is forwarded again only if it did not land.
+    settings = Settings(namespace="unit")
+    clock, real, producer = _delays(settings)
+    ids = [producer.enqueue("unit.Job", {"n": n}, delay=timedelta(seconds=1)).task_id for n in range(5)]
+    producer.flush()
+    clock.advance(2)
+    broker = _OffsetsGivenUpOnce(real, landed=landed)
+    events: list[tuple[str, dict[str, Any]]] = []
+    forwarder = Forwarder(
+        settings, instance_id="f", broker=broker, clock=clock.time, on_event=lambda *e: events.append(e)
+    )
+    topics = Topics(settings.namespace, settings.delay_tiers)
+    forwarder.start()
+    try:
+        # Steps past the failure too: a batch read again would be forwarded by the step after it.
+        for _ in range(5):
+            forwarder.step(wait=0.0)
+        assert [kind for kind, _ in events].count("transaction_failed") == 1, events
+        assert "producer replaced (abort failed" in caplog.text
+        assert forwarder._clients is not None and forwarder._clients[0] is broker.sinks[1]
+        assert [s._transactional_id for s in broker.sinks] == [f"{forwarder.group}.f"] * 2
+        records = [r for t in topics.priority_topics for r in real.records(t)]
+        assert Counter(Envelope.from_headers(r.headers).task_id for r in records) == Counter(ids)
+        assert not real.uncommitted(forwarder.group, topics.delay_topics)
+    finally:
+        forwarder.close()
