@@ -188,6 +188,22 @@ class Database(_Queries):
         except psycopg.Error as exc:
             raise self._unavailable(f"unreachable at {self.url}", exc) from exc
 
+    def warm(self) -> threading.Thread:
+        """Open the kept connection in a thread of its own, so that a start does other work meanwhile (named
+        queries wait for it). A failure is left to the next query, which connects again and reports it."""
+
+        def connect() -> None:
+            with self._lock:
+                if self._conn is None or self._conn.closed:
+                    try:
+                        self._conn = self.connect(keyed=True)
+                    except StoreUnavailableError:
+                        pass
+
+        thread = threading.Thread(target=connect, name="taskq-db-connect", daemon=True)
+        thread.start()
+        return thread
+
     @contextmanager
     def connection(self, *, autocommit: bool = True) -> Iterator[Connection]:
         """A new connection, closed on exit."""

@@ -487,6 +487,12 @@ class Worker:
                 # first wave's groups back by different amounts, and their effects left the weighted order.
                 self._slots_ready = self.executor.prepare_threads(self.store.prepare_thread)
             self._liveness.start()
+            for store in (self.store, self._recorder):
+                if isinstance(store, IdempotencyStore):
+                    # Opened now, each in a thread, while the first records are fetched: the loop's first
+                    # read (an operator's pauses) and the first claims would otherwise each wait for a
+                    # connect as the first records arrive.
+                    store.database.warm()
         except BaseException:
             # `run` closes nothing when `start` fails: leave the group and free the port now.
             self._source.close()

@@ -11,6 +11,7 @@ import pytest
 
 from taskq._core.db import Database, migrations
 from taskq._core.envelope import Envelope, Topics
+from taskq._core.errors import StoreUnavailableError
 from taskq._core.kafka import Sink, Source
 from taskq._core.settings import Settings
 from taskq.schemas import IncompatibleSchemaError, Registry, avro
@@ -107,3 +108,21 @@ def test_migrations_are_idempotent(settings: Settings) -> None:
     with db.connection() as conn:
         versions = [r["version"] for r in conn.execute("SELECT version FROM taskq_migrations ORDER BY 1")]
     assert versions == [v for v, _, _ in migrations()]
+
+
+def test_a_warmed_connection_is_the_one_named_queries_use_and_a_failed_warm_is_left_to_the_query(
+    settings: Settings, request: pytest.FixtureRequest
+) -> None:
+    db = Database(settings.database_url, schema=settings.database_schema)
+    request.addfinalizer(db.close)
+    db.warm().join(10)
+    warmed = db._conn
+    assert warmed is not None and not warmed.closed
+    assert db.all("counts", namespace=f"{settings.namespace}-none") == []
+    assert db._conn is warmed
+    nowhere = Database("postgresql://taskq:secret@127.0.0.1:1/taskq", schema=settings.database_schema)
+    nowhere.warm().join(10)  # nothing raised in its thread, nothing kept
+    assert nowhere._conn is None
+    with pytest.raises(StoreUnavailableError, match="unreachable") as err:
+        nowhere.all("counts", namespace=settings.namespace)
+    assert "secret" not in str(err.value)

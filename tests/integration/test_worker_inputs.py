@@ -633,3 +633,24 @@ def test_keys_of_a_worker_silent_for_the_configured_stale_after_are_taken_over(
     assert len(runs) == 1
     rows = _query(settings, "SELECT state, takeovers FROM taskq_tasks WHERE idempotency_key = %s", "charge:g")
     assert rows == [{"state": "completed", "takeovers": 1}]
+
+
+def test_a_started_worker_has_the_connections_of_its_first_reads_and_claims_open_before_any_record(
+    settings: Settings,
+) -> None:
+    # The loop's first read (an operator's pauses) and its first claims come as the first records arrive:
+    # their Postgres connections are opened at start, while the first records are fetched, not then.
+    w = Worker(
+        Handlers(), settings, WorkerConfig(concurrency=1, forwarder=False, relay=False, metrics_port=None)
+    )
+    w.start()
+    try:
+        stores = [w.store, w._recorder]
+        assert all(isinstance(s, IdempotencyStore) for s in stores)
+
+        def opened() -> bool:
+            return all(s.database._conn is not None and not s.database._conn.closed for s in stores)  # type: ignore[union-attr]
+
+        wait_until(opened, timeout=10, what="the store's and the claims' connections")
+    finally:
+        w.close()
