@@ -59,6 +59,15 @@ def all_committed(settings: Settings) -> bool:
     return uncommitted(settings) == {}
 
 
+def process_gone(pid: int) -> bool:
+    """Whether no process has this pid (a child must have been reaped to be gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def wait_until(check: Callable[[], T], *, timeout: float, what: str, every: float = 0.2) -> T:
     """Poll `check` until it returns something truthy; fail naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

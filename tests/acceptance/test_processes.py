@@ -7,7 +7,7 @@ import re
 import signal
 
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, all_committed, uncommitted, wait_until
+from tests.acceptance.helpers import WorkerProcess, all_committed, process_gone, uncommitted, wait_until
 from tests.acceptance.test_worker_ops import _free_port, _get, _sample
 
 
@@ -20,14 +20,6 @@ def _children(supervisor: WorkerProcess) -> dict[int, int]:
 def _owners(supervisor: WorkerProcess) -> set[int]:
     """Pids of the worker processes that have been assigned partitions."""
     return {int(pid) for pid in re.findall(r"taskq\.worker\[(\d+)\]: assigned \S", supervisor.output())}
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def _done(app: App) -> int:
@@ -65,7 +57,7 @@ def test_two_processes_share_the_work_and_one_metrics_endpoint_sums_them(app: Ap
 
     supervisor.terminate()
     assert supervisor.wait(60) == 0, supervisor.output()[-3000:]
-    assert all(_gone(pid) for pid in children)
+    assert all(process_gone(pid) for pid in children)
 
 
 def test_a_killed_process_is_restarted_and_each_key_takes_effect_once(app: App) -> None:
@@ -101,7 +93,7 @@ def test_sigterm_stops_every_process_gracefully_and_what_ran_is_committed(app: A
     out = supervisor.output()
     assert len(re.findall(r"taskq\.worker\[\d+\]: SIGTERM: stopping", out)) == 2, out[-3000:]
     assert len(re.findall(r"worker process \d \(pid \d+\) stopped: exit code 0", out)) == 2, out[-3000:]
-    assert all(_gone(pid) for pid in children)
+    assert all(process_gone(pid) for pid in children)
     # Each process finished what it ran and committed it: what is left is what never ran, plus what ran
     # after a task of its partition that was given back unstarted (offsets commit contiguously; such a
     # task is skipped as a duplicate when it is read again).
@@ -129,7 +121,7 @@ def test_a_process_that_keeps_dying_at_start_makes_the_supervisor_give_up_in_one
         r"stopped the others and gave up",
         last,
     ), supervisor.output()[-3000:]
-    assert all(_gone(pid) for pid in _children(supervisor).values())
+    assert all(process_gone(pid) for pid in _children(supervisor).values())
 
 
 def test_a_worker_process_that_ignores_the_stop_is_killed_past_the_shutdown_timeout(app: App) -> None:
@@ -145,6 +137,6 @@ def test_a_worker_process_that_ignores_the_stop_is_killed_past_the_shutdown_time
         overdue = r"worker process \d \(pid \d+\) did not stop within 16 s: killing it"
         killed = re.findall(overdue, supervisor.output())
         assert len(killed) == 2, supervisor.output()[-3000:]
-        assert all(_gone(pid) for pid in _children(supervisor).values())
+        assert all(process_gone(pid) for pid in _children(supervisor).values())
     finally:
         supervisor.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from taskq._core.kafka import Admin, Source
 from taskq.consumer.dlq import DeadLetters, DlqRecord
 from taskq.consumer.retry import RetryPolicy
 from tests.acceptance.conftest import App
-from tests.acceptance.helpers import WorkerProcess, all_committed, tier_records, wait_until
+from tests.acceptance.helpers import WorkerProcess, all_committed, process_gone, tier_records, wait_until
 
 
 def test_a_task_failing_twice_then_succeeding_runs_three_times_with_backoff(app: App) -> None:
@@ -327,14 +326,6 @@ def _supervise(
     return deaths
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _assert_dead_lettered_once_but_for_deaths(app: App, keys: list[str]) -> None:
     """The DLQ holds exactly `keys`, one record each, but for a worker killed between its DLQ record's
     acknowledgement and recording the key dead (the key is recorded dead only once the broker has the record,
@@ -350,7 +341,7 @@ def _assert_dead_lettered_once_but_for_deaths(app: App, keys: list[str]) -> None
     dead = {
         r["worker_id"]
         for r in app.query("SELECT worker_id, pid, dead_at FROM taskq_workers")
-        if r["dead_at"] is not None or not _running(r["pid"])
+        if r["dead_at"] is not None or process_gone(r["pid"])
     }
     for key, copies in by_key.items():
         assert len({(r.task_id, r.attempts) for r in copies}) == 1, (key, copies)
