@@ -111,12 +111,11 @@ class TierShares:
                 return limit
             if time.monotonic() + pause > deadline:
                 log.warning(
-                    "share groups %s: still reads share.delivery.count.limit %d, not the %d set; "
-                    "records are sent again before delivery %d",
+                    "share groups %s: still reads share.delivery.count.limit %d, not the %d set; going by %d",
                     ", ".join(groups),
                     limit,
                     wanted,
-                    max(2, limit - SEND_AGAIN_BEFORE),
+                    limit,
                 )
                 return limit
             time.sleep(pause)
