@@ -104,6 +104,8 @@ def _text(h: dict[str, bytes], name: str) -> str:
     raw = h.get(H + name)
     if raw is None:
         raise EnvelopeError(f"header {H + name!r} is missing")
+    if b"\x00" in raw:  # Postgres text cannot hold it: the task's claim would fail, and its batch's with it
+        raise EnvelopeError(f"header {H + name} contains a NUL byte: {_shown(raw)}")
     return raw.decode()
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from taskq._core.envelope import WORKFLOW_HEADER, Envelope, EnvelopeError, Priority, Topics
 from taskq._core.kafka import TP, Record
+from taskq._core.workflows import parse_header
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext, task_fields
 from taskq.consumer.limits import Gate, KeyFailedError, Limits
 from taskq.schemas import avro
@@ -68,10 +69,21 @@ def size(record: Record) -> int:
 
 
 def _workflow_of(record: Record) -> str | None:
-    """The record's workflow header (`<workflow id>:<node>`), if its task is a step of a workflow."""
+    """The record's workflow header (`<workflow id>:<node>`), if its task is a step of a workflow;
+    EnvelopeError if it is not one (its outcome would be recorded by it, in Postgres)."""
     for name, value in record.headers:
         if name == WORKFLOW_HEADER:
-            return value.decode(errors="replace")
+            shown = repr(value[:40].decode(errors="replace") + ("..." if len(value) > 40 else ""))
+            if b"\x00" in value:
+                raise EnvelopeError(f"header {WORKFLOW_HEADER} contains a NUL byte: {shown}")
+            try:
+                text = value.decode()
+                parse_header(text)
+            except ValueError:  # UnicodeDecodeError is one
+                raise EnvelopeError(
+                    f"header {WORKFLOW_HEADER} is {shown}, not <workflow id>:<node>"
+                ) from None
+            return text
     return None
 
 
@@ -134,6 +146,7 @@ class Intake:
         """The record's task, or why it can never run; None when it is held for the registry."""
         try:
             envelope = Envelope.of(record)
+            workflow = _workflow_of(record)
         except EnvelopeError as exc:
             return Rejected(record, f"bad envelope: {exc}", "taskq.EnvelopeError")
         spec = self.handlers.get(envelope.task_type)
@@ -181,6 +194,12 @@ class Intake:
                 return Rejected(record, str(exc), "taskq.LimitKeyFailed")
         tier = self._topics.priority_of(record.topic)
         return Task(
-            record, envelope, spec, payload, generation, tier or envelope.priority, gate=gate,
-            workflow=_workflow_of(record),
+            record,
+            envelope,
+            spec,
+            payload,
+            generation,
+            tier or envelope.priority,
+            gate=gate,
+            workflow=workflow,
         )

@@ -366,6 +366,8 @@ class Encoder:
             idem = derive_idempotency_key(tt.name, payload)
         elif not isinstance(idem, str) or not idem:
             raise InvalidTaskError(f"idempotency_key must be a non-empty string, got {idem!r}")
+        elif "\x00" in idem:  # Postgres text cannot hold it: the key could never be recorded
+            raise InvalidTaskError(f"idempotency_key must not contain a NUL character, got {idem!r}")
         idem_bytes = idem.encode()
         if len(idem_bytes) > MAX_HEADER_BYTES:
             raise InvalidTaskError(f"task_type and idempotency_key must be at most {MAX_HEADER_BYTES} bytes")

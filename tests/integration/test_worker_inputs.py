@@ -207,6 +207,44 @@ def test_a_header_key_that_is_not_utf8_is_dead_lettered_on_a_tier_and_a_delay_to
     assert not [r for r in caplog.records if r.name.startswith("taskq")], caplog.text  # no restart, no crash
 
 
+@pytest.mark.partitions(1)
+@pytest.mark.parametrize("header", ["taskq-idempotency-key", "taskq-task-id"])
+def test_a_nul_byte_in_a_key_or_task_id_header_is_dead_lettered_and_the_tasks_beside_it_run(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]], header: str
+) -> None:
+    # Postgres text cannot hold a NUL byte: such a key or task id, claimed with the tasks fetched beside it,
+    # failed their whole claim as if Postgres were away, again at every retry.
+    ns = settings.namespace
+    schema = task_schema("Job", ID_FIELDS)
+    schema_id = _register(settings, schema)
+    topics = Topics(ns, settings.delay_tiers)
+    body = avro.frame(schema_id, avro.encode(avro.parse(schema), {"id": "bad"}))
+    env = Envelope(task_id="bad", task_type=f"{ns}.Job", idempotency_key="bad", priority="normal")
+    headers = [(k.encode(), b"bad\x00one" if k == header else v) for k, v in env.to_headers()]
+    tier = topics.tier("normal")
+    with TaskProducer(settings) as producer:  # good tasks before and after it, in the same fetch
+        producer.enqueue(f"{ns}.Job", {"id": "before"})
+        producer.flush(30)
+        produce_raw(settings.bootstrap_servers, tier, 0, key=b"bad", value=body, headers=headers)
+        for i in range(3):
+            producer.enqueue(f"{ns}.Job", {"id": f"after{i}"})
+
+    seen: list[str] = []
+    h = Handlers()
+
+    @h.task(f"{ns}.Job", schema=schema)
+    def job(payload: dict[str, Any], ctx: Any) -> None:
+        seen.append(payload["id"])
+
+    with running(h, settings) as (_, events):
+        events.count(TaskCompleted, 4, timeout=30)
+        (dead,) = _read_all(settings, topics.dlq, 1, want=1)
+    assert sorted(seen) == ["after0", "after1", "after2", "before"]
+    reason = (dead.header(DLQ_REASON) or b"").decode()
+    assert "bad envelope" in reason and header in reason and "NUL" in reason, reason
+    assert dead.value == body
+
+
 # ------------------------------------------------------------------------------------------- schema evolution
 def test_old_payloads_are_read_into_the_handlers_newer_schema_and_upcast(
     settings: Settings, task_schema: Callable[..., dict[str, Any]]

@@ -27,6 +27,12 @@ HOSTILE = {
     "not-before overflow": ("taskq-not-before", b"99999999999999999999", "taskq-not-before"),
     "attempt -1": ("taskq-attempt", b"-1", "taskq-attempt"),
     "huge task type": ("taskq-task-type", b"unit.Job" + b"x" * 5000, "over the 4096-byte limit"),
+    "NUL in the key": ("taskq-idempotency-key", b"bad\x00", "contains a NUL byte"),
+    "NUL in the task id": ("taskq-task-id", b"\x00bad", "contains a NUL byte"),
+    # A step's workflow header names its node as `<workflow id>:<node>`; its outcome is recorded by it.
+    "workflow header without a node": ("taskq-workflow", b"garbage", "taskq-workflow"),
+    "workflow header with a bad node": ("taskq-workflow", b"wf-1:x", "taskq-workflow"),
+    "NUL in the workflow header": ("taskq-workflow", b"wf\x00:1", "taskq-workflow"),
 }
 
 
@@ -158,6 +164,17 @@ def test_a_delay_over_the_maximum_is_refused_in_one_line(delay: object) -> None:
         with pytest.raises(InvalidTaskError, match="delay") as err:
             q.producer.enqueue("unit.Job", {"n": 1}, delay=delay)  # type: ignore[arg-type]
         assert "\n" not in str(err.value)
+
+
+def test_an_idempotency_key_with_a_nul_character_is_refused_in_one_line_and_nothing_is_sent() -> None:
+    # Postgres text cannot hold it: a worker could never record the key (it dead-letters such a record).
+    with InMemoryQueue(Handlers(), namespace="unit") as q:
+        q.registry.register(JOB)
+        with pytest.raises(InvalidTaskError, match="must not contain a NUL character") as err:
+            q.producer.enqueue("unit.Job", {"n": 1}, idempotency_key="order:\x0042")
+        assert "\n" not in str(err.value)
+        q.producer.flush()
+        assert not q.broker.records("unit.normal")
 
 
 def test_dlq_listings_escape_control_characters_from_headers() -> None:

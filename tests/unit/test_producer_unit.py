@@ -87,6 +87,8 @@ def test_unknown_headers_are_ignored_and_the_last_value_wins():
         (lambda h: h.update({"taskq-attempt": b"two"}), "malformed"),
         (lambda h: h.update({"taskq-enqueued-at": b"yesterday"}), "malformed"),
         (lambda h: h.update({"taskq-task-type": b"\xff"}), "malformed"),
+        (lambda h: h.update({"taskq-idempotency-key": b"a\x00b"}), "taskq-idempotency-key contains a NUL byte"),
+        (lambda h: h.update({"taskq-task-id": b"\x00"}), "taskq-task-id contains a NUL byte"),
     ],
 )
 def test_a_broken_envelope_names_the_header(change, message):
