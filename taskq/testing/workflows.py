@@ -86,7 +86,10 @@ class MemoryNodes:
         """End the open ones of these nodes."""
         out = []
         for e in ended:
-            node = self.held.nodes[(e.workflow_id, e.node)][0]
+            held = self.held.nodes.get((e.workflow_id, e.node))
+            if held is None:
+                continue  # no such node (a header naming a workflow that is not there): as in Postgres
+            node = held[0]
             if node.state in ("waiting", "running"):
                 out.append(self._set(node, state=e.state, result_key=e.result_key))
         return out

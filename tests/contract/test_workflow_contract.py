@@ -141,3 +141,13 @@ def test_members_ending_at_once_on_many_workers_fire_the_callback_exactly_once(
         th.join(60)
     assert staged().count(h["cb"]) == 1
     assert records.workflow_status(wf) == ("running", False, {"completed": size, "running": 1})
+
+
+def test_a_step_whose_workflow_is_unknown_is_recorded_and_ends_no_node(
+    stores: tuple[Any, Any], records: Any, staged: Any
+) -> None:
+    # A well-formed header naming a workflow that is not there (another namespace's, or one purged): the
+    # task's outcome is recorded, and there is no node to end or step to stage.
+    a, _ = stores
+    run(a, f"{new_workflow_id()}:1")
+    assert staged() == []
