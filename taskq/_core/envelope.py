@@ -90,11 +90,11 @@ def timeout_header(seconds: float) -> bytes:
 def _from_ms(name: str, raw: bytes) -> datetime:
     ms = int(raw)
     if not 0 <= ms <= _MAX_MS:
-        raise EnvelopeError(f"header {H + name} is {_shown(raw)}, not a time in milliseconds since 1970")
+        raise EnvelopeError(f"header {H + name} is {shown(raw)}, not a time in milliseconds since 1970")
     return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
 
-def _shown(raw: bytes) -> str:
+def shown(raw: bytes) -> str:
     """A header value for an error message: bounded, printable."""
     text = raw[:40].decode(errors="replace")
     return repr(text + ("..." if len(raw) > 40 else ""))
@@ -105,7 +105,7 @@ def _text(h: dict[str, bytes], name: str) -> str:
     if raw is None:
         raise EnvelopeError(f"header {H + name!r} is missing")
     if b"\x00" in raw:  # Postgres text cannot hold it: the task's claim would fail, and its batch's with it
-        raise EnvelopeError(f"header {H + name} contains a NUL byte: {_shown(raw)}")
+        raise EnvelopeError(f"header {H + name} contains a NUL byte: {shown(raw)}")
     return raw.decode()
 
 
@@ -113,7 +113,7 @@ def _number(h: dict[str, bytes], name: str, low: int, high: int) -> int:
     raw = h[H + name]
     value = int(raw) if len(raw) <= 20 else high + 1
     if not low <= value <= high:
-        raise EnvelopeError(f"header {H + name} is {_shown(raw)}, not an integer from {low} to {high}")
+        raise EnvelopeError(f"header {H + name} is {shown(raw)}, not an integer from {low} to {high}")
     return value
 
 
@@ -122,7 +122,7 @@ def _seconds(h: dict[str, bytes], name: str) -> float:
     value = float(raw)
     if not 0 < value <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
         raise EnvelopeError(
-            f"header {H + name} is {_shown(raw)}, not a number of seconds in (0, {MAX_TIMEOUT_SECONDS:.0f}]"
+            f"header {H + name} is {shown(raw)}, not a number of seconds in (0, {MAX_TIMEOUT_SECONDS:.0f}]"
         )
     return value
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from taskq._core.envelope import WORKFLOW_HEADER, Envelope, EnvelopeError, Priority, Topics
+from taskq._core.envelope import WORKFLOW_HEADER, Envelope, EnvelopeError, Priority, Topics, shown
 from taskq._core.kafka import TP, Record
 from taskq._core.workflows import parse_header
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext, task_fields
@@ -73,15 +73,14 @@ def _workflow_of(record: Record) -> str | None:
     EnvelopeError if it is not one (its outcome would be recorded by it, in Postgres)."""
     for name, value in record.headers:
         if name == WORKFLOW_HEADER:
-            shown = repr(value[:40].decode(errors="replace") + ("..." if len(value) > 40 else ""))
             if b"\x00" in value:
-                raise EnvelopeError(f"header {WORKFLOW_HEADER} contains a NUL byte: {shown}")
+                raise EnvelopeError(f"header {WORKFLOW_HEADER} contains a NUL byte: {shown(value)}")
             try:
                 text = value.decode()
                 parse_header(text)
             except ValueError:  # UnicodeDecodeError is one
                 raise EnvelopeError(
-                    f"header {WORKFLOW_HEADER} is {shown}, not <workflow id>:<node>"
+                    f"header {WORKFLOW_HEADER} is {shown(value)}, not <workflow id>:<node>"
                 ) from None
             return text
     return None

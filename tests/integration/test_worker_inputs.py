@@ -168,18 +168,38 @@ def test_bad_input_goes_to_the_dlq_with_its_reason_and_the_worker_moves_on(
         assert record.value == value, name  # the original bytes, untouched
 
 
+def _bad_job(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> tuple[dict[str, Any], bytes, list[tuple[bytes, bytes]]]:
+    """The Job schema (registered), the value of a task of it, and its envelope's headers as raw bytes."""
+    ns = settings.namespace
+    schema = task_schema("Job", ID_FIELDS)
+    body = avro.frame(_register(settings, schema), avro.encode(avro.parse(schema), {"id": "bad"}))
+    env = Envelope(task_id="bad", task_type=f"{ns}.Job", idempotency_key="bad", priority="normal")
+    return schema, body, [(k.encode(), v) for k, v in env.to_headers()]
+
+
+def _job_handlers(settings: Settings, schema: dict[str, Any]) -> tuple[Handlers, list[str]]:
+    """Handlers whose Job task notes each payload's id in the returned list."""
+    seen: list[str] = []
+    h = Handlers()
+
+    @h.task(f"{settings.namespace}.Job", schema=schema)
+    def job(payload: dict[str, Any], ctx: Any) -> None:
+        seen.append(payload["id"])
+
+    return h, seen
+
+
 @pytest.mark.partitions(1)
 def test_a_header_key_that_is_not_utf8_is_dead_lettered_on_a_tier_and_a_delay_topic(
     settings: Settings, task_schema: Callable[..., dict[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:
     ns = settings.namespace
-    schema = task_schema("Job", ID_FIELDS)
-    schema_id = _register(settings, schema)
     topics = Topics(ns, settings.delay_tiers)
-    body = avro.frame(schema_id, avro.encode(avro.parse(schema), {"id": "bad"}))
-    env = Envelope(task_id="bad", task_type=f"{ns}.Job", idempotency_key="bad", priority="normal")
+    schema, body, headers = _bad_job(settings, task_schema)
     # No client library writes such a key (they all encode header keys as UTF-8): a raw Produce request.
-    headers = [(k.encode(), v) for k, v in env.to_headers()] + [(b"\xff\xfe", b"x")]
+    headers += [(b"\xff\xfe", b"x")]
     tier, delay = topics.tier("normal"), topics.delay(settings.delay_tiers[0])
     for topic in (tier, delay):
         produce_raw(settings.bootstrap_servers, topic, 0, key=b"bad", value=body, headers=headers)
@@ -187,14 +207,7 @@ def test_a_header_key_that_is_not_utf8_is_dead_lettered_on_a_tier_and_a_delay_to
         for i in range(3):
             producer.enqueue(f"{ns}.Job", {"id": f"now{i}"})
             producer.enqueue(f"{ns}.Job", {"id": f"later{i}"}, delay=timedelta(seconds=1))
-
-    seen: list[str] = []
-    h = Handlers()
-
-    @h.task(f"{ns}.Job", schema=schema)
-    def job(payload: dict[str, Any], ctx: Any) -> None:
-        seen.append(payload["id"])
-
+    h, seen = _job_handlers(settings, schema)
     with caplog.at_level(logging.ERROR, logger="taskq"), running(h, settings) as (_, events):
         events.count(TaskCompleted, 6)
         dlq = _read_all(settings, topics.dlq, 1, want=2)
@@ -215,12 +228,9 @@ def test_a_nul_byte_in_a_key_or_task_id_header_is_dead_lettered_and_the_tasks_be
     # Postgres text cannot hold a NUL byte: such a key or task id, claimed with the tasks fetched beside it,
     # failed their whole claim as if Postgres were away, again at every retry.
     ns = settings.namespace
-    schema = task_schema("Job", ID_FIELDS)
-    schema_id = _register(settings, schema)
     topics = Topics(ns, settings.delay_tiers)
-    body = avro.frame(schema_id, avro.encode(avro.parse(schema), {"id": "bad"}))
-    env = Envelope(task_id="bad", task_type=f"{ns}.Job", idempotency_key="bad", priority="normal")
-    headers = [(k.encode(), b"bad\x00one" if k == header else v) for k, v in env.to_headers()]
+    schema, body, headers = _bad_job(settings, task_schema)
+    headers = [(k, b"bad\x00one" if k == header.encode() else v) for k, v in headers]
     tier = topics.tier("normal")
     with TaskProducer(settings) as producer:  # good tasks before and after it, in the same fetch
         producer.enqueue(f"{ns}.Job", {"id": "before"})
@@ -228,14 +238,7 @@ def test_a_nul_byte_in_a_key_or_task_id_header_is_dead_lettered_and_the_tasks_be
         produce_raw(settings.bootstrap_servers, tier, 0, key=b"bad", value=body, headers=headers)
         for i in range(3):
             producer.enqueue(f"{ns}.Job", {"id": f"after{i}"})
-
-    seen: list[str] = []
-    h = Handlers()
-
-    @h.task(f"{ns}.Job", schema=schema)
-    def job(payload: dict[str, Any], ctx: Any) -> None:
-        seen.append(payload["id"])
-
+    h, seen = _job_handlers(settings, schema)
     with running(h, settings) as (_, events):
         events.count(TaskCompleted, 4, timeout=30)
         (dead,) = _read_all(settings, topics.dlq, 1, want=1)
