@@ -17,6 +17,31 @@ Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 #: Commands that run until stopped: they wait out a broker that is away, the others report it.
 LONG_RUNNING = ("worker", "forwarder", "relay")
+#: WorkerConfig.claim_linger's default, in milliseconds (building the parser does not import the worker).
+CLAIM_LINGER_MS = 5.0
+
+
+def _linger_ms(text: str) -> float:
+    """An argparse type: milliseconds from 0 to 1000."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be milliseconds from 0 to 1000, got {text!r}")
+    return value
+
+
+def add_claim_linger(parser: argparse.ArgumentParser) -> None:
+    """`--claim-linger-ms`, a worker's WorkerConfig.claim_linger."""
+    parser.add_argument(
+        "--claim-linger-ms",
+        type=_linger_ms,
+        default=CLAIM_LINGER_MS,
+        metavar="MS",
+        help="a fetched task's claim waits up to this long for the next ones to go to Postgres in the same "
+        f"round trip: less CPU at steady rates for that much latency (default {CLAIM_LINGER_MS:g}; 0: none)",
+    )
 
 
 def port(text: str) -> int:

@@ -10,7 +10,7 @@ import sys
 
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError
-from taskq.cli.common import Commands, leaf, port, settings_of
+from taskq.cli.common import Commands, add_claim_linger, leaf, port, settings_of
 from taskq.cli.logs import configure_logging
 
 
@@ -47,6 +47,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         relay=not args.no_relay,
         stale_after=args.stale_after,
         share_group=args.share_group,
+        claim_linger=args.claim_linger_ms / 1000,
     )
     if args.processes > 1:
         from taskq.consumer.supervisor import Supervisor
@@ -117,6 +118,7 @@ def add_worker(sub: Commands) -> None:
     sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
     sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
     sp.add_argument("--buffer-mb", type=int, default=64, help="max megabytes of them (values and headers)")
+    add_claim_linger(sp)
     sp.add_argument(
         "--stale-after",
         type=float,

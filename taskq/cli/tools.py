@@ -10,7 +10,7 @@ from typing import Any
 
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError
-from taskq.cli.common import Commands, leaf, print_result, progress_to, settings_of
+from taskq.cli.common import Commands, add_claim_linger, leaf, print_result, progress_to, settings_of
 
 
 def cmd_bench_produce(args: argparse.Namespace) -> int:
@@ -99,6 +99,7 @@ def cmd_bench_worker(args: argparse.Namespace) -> int:
         profile=args.profile,
         workflow=args.workflow,
         share_group=args.share_group,
+        claim_linger=args.claim_linger_ms / 1000,
     )
     print_result(args, data, _worker_text(data))
     return 0
@@ -226,6 +227,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         seed_history=args.seed_history,
         window=args.window,
         default_autovacuum=args.default_autovacuum,
+        claim_linger=args.claim_linger_ms / 1000,
     )
     print_result(args, data, _latency_text(data))
     return 0
@@ -333,6 +335,7 @@ def add_bench(sub: Commands) -> None:
     sp.add_argument("-n", "--count", type=int, default=5000)
     sp.add_argument("--concurrency", type=int, default=4)
     sp.add_argument("--processes", type=int, default=1, help="worker processes in the group (spawned)")
+    add_claim_linger(sp)
     sp.add_argument(
         "--share-group", action="store_true", help="the workers read share groups (experimental, Kafka 4.2+)"
     )
@@ -380,6 +383,7 @@ def add_bench(sub: Commands) -> None:
     sp.add_argument(
         "--processes", type=int, default=1, help="worker processes, apart from the sender's (default 1)"
     )
+    add_claim_linger(sp)
     sp.add_argument("--partitions", type=int, default=6, help="partitions per topic")
     sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for assignment, then tasks")
     sp.add_argument(

@@ -30,6 +30,12 @@ __all__ = ["Claims", "Held", "max_worker_deaths", "worker_deaths"]
 
 log = logging.getLogger("taskq.worker")
 
+#: Queued claims are sent at once when this many tasks wait for them, whatever their linger: a batch that
+#: large shares its round trip well enough (a burn-down's polls take hundreds at a time).
+CLAIM_ENOUGH = 64
+#: Seconds over which the rate of fetched tasks is counted, to tell whether a claim's linger would be shared.
+RATE_WINDOW = 0.1
+
 
 def max_worker_deaths(max_attempts: int) -> int:
     """Deaths of its own after which a key is dead-lettered as a poison pill, unrun.
@@ -94,6 +100,11 @@ class Claims:
         #: Tasks per tier whose claims are on their way: buffered as far as flow control is concerned.
         self.claiming: Counter[Priority] = Counter()
         self._step_ends: list[tuple[Task, str, str]] = []  # workflow steps the claims skipped
+        self._queued: list[Task] = []  # decoded, their claim not sent yet (`claim`'s linger)
+        self._queued_at = 0.0  # when the first of them was queued
+        self._linger = 0.0
+        # Tasks claimed in the current RATE_WINDOW (since `_window_at`) and in the one before it.
+        self._count, self._last_count, self._window_at = 0, 0, float("-inf")
 
     def lease(self, task: Task) -> float:
         """Seconds a key is leased for the task's run."""
@@ -101,9 +112,43 @@ class Claims:
         # A lease outlives the attempt it covers; past it another worker may take the key over.
         return timeout * 1.5 + 5 if timeout else self._default_lease
 
-    def claim(self, batch: list[Task]) -> None:
+    def claim(self, batch: list[Task], *, linger: float = 0.0) -> None:
         """Claim the batch's keys in one round trip, sent with the outcomes queued so far, while the loop
-        goes on; the answers sort the tasks when they come back (on the loop's thread)."""
+        goes on; the answers sort the tasks when they come back (on the loop's thread).
+
+        With `linger`, the batch waits for later ones to share its round trip: it is sent (with every
+        batch queued before it) once the first queued has waited `linger` seconds or CLAIM_ENOUGH tasks
+        are queued (`send_due`). It waits only while tasks come fast enough for one to be expected within
+        the linger (counted over the last RATE_WINDOW): a trickle pays no latency for nothing. Queued
+        tasks count as being claimed.
+        """
+        now = self._clock()
+        if now - self._window_at >= RATE_WINDOW:
+            # The last full window's count: none if the window before this one passed without a task.
+            self._last_count = self._count if now - self._window_at < 2 * RATE_WINDOW else 0
+            self._count, self._window_at = 0, now
+        self._count += len(batch)
+        if not self._queued:
+            self._queued_at = now
+        self._queued += batch
+        for task in batch:
+            self.claiming[task.tier] += 1
+        expected = self._last_count * linger / RATE_WINDOW  # tasks due to come within the linger
+        if expected < 1 or len(self._queued) >= CLAIM_ENOUGH:
+            self.send_queued()
+        else:
+            self._linger = linger
+
+    def send_due(self) -> None:
+        """Send the queued claims whose linger is over."""
+        if self._queued and self._clock() - self._queued_at >= self._linger:
+            self.send_queued()
+
+    def send_queued(self) -> None:
+        """Send every queued claim now, in one round trip."""
+        if not self._queued:
+            return
+        batch, self._queued = self._queued, []
         requests = [
             ClaimRequest(
                 t.envelope.idempotency_key,
@@ -114,9 +159,17 @@ class Claims:
             )
             for t in batch
         ]
-        for task in batch:
-            self.claiming[task.tier] += 1
         self._completer.claim(requests, functools.partial(self._claimed, batch))
+
+    def queued(self) -> int:
+        """Tasks waiting for their claim to be sent."""
+        return len(self._queued)
+
+    def linger_left(self) -> float | None:
+        """Seconds until the queued claims are due (None: nothing queued)."""
+        if not self._queued:
+            return None
+        return max(0.0, self._queued_at + self._linger - self._clock())
 
     def release_due(self) -> None:
         """Claim again the held tasks whose time has come."""

@@ -227,3 +227,28 @@ def test_a_handlers_attribute_the_module_lacks_is_named_as_missing(
     err = capsys.readouterr().err.strip()
     expected = "tests.apps.app has no attribute 'nosuch' (expected MODULE:ATTR of a taskq.Handlers)"
     assert err == f"taskq: error: {expected}"
+
+
+@pytest.mark.parametrize("value", ["-1", "1001", "nan", "soon"])
+@pytest.mark.parametrize("command", [["worker", "tests.apps.app:handlers"], ["bench", "latency", "--rate", "10"]])
+def test_a_claim_linger_out_of_range_is_refused_in_one_line(
+    command: list[str], value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        cli.main([*command, "--claim-linger-ms", value])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"--claim-linger-ms: must be milliseconds from 0 to 1000, got {value!r}")
+
+
+@pytest.mark.parametrize("linger", [-0.001, 1.5, float("nan")])
+def test_a_worker_config_with_a_claim_linger_out_of_range_is_refused(linger: float) -> None:
+    with pytest.raises(ConfigurationError, match="claim_linger must be from 0 to 1 second"):
+        WorkerConfig(claim_linger=linger)
+
+
+def test_the_cli_default_claim_linger_is_the_worker_config_default() -> None:
+    # The parser is built without importing the worker, so the default is written twice.
+    from taskq.cli.common import CLAIM_LINGER_MS
+
+    assert CLAIM_LINGER_MS / 1000 == WorkerConfig.claim_linger

@@ -7,6 +7,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
 from taskq._core.envelope import Envelope
 from taskq._core.kafka import TP, Record
 from taskq._core.settings import Settings
@@ -15,14 +17,15 @@ from taskq.consumer.store import Claim, ClaimRequest, Finished
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.schemas import avro
 from taskq.testing import InMemoryRegistry, InMemoryStore
-from tests.unit.test_worker_rebalance import KEPT, NS, SCHEMA, SCHEMA_ID, RecordingSource, buffered
+from taskq.consumer.claims import CLAIM_ENOUGH, RATE_WINDOW
+from tests.unit.test_worker_rebalance import KEPT, MOVED, NS, SCHEMA, SCHEMA_ID, RecordingSource, buffered
 
 
 def record(tp: TP, offset: int, priority: str = "normal") -> Record:
     env = Envelope(
-        task_id=f"id-{tp[0]}-{offset}",
+        task_id=f"id-{tp[0]}-{tp[1]}-{offset}",
         task_type=f"{NS}.Job",
-        idempotency_key=f"k-{tp[0]}-{offset}",
+        idempotency_key=f"k-{tp[0]}-{tp[1]}-{offset}",
         priority=priority,
     )
     value = avro.frame(SCHEMA_ID, avro.encode(avro.parse(SCHEMA), {"n": offset}))
@@ -96,5 +99,217 @@ def test_a_wave_of_group_commits_waits_for_the_claims_in_flight() -> None:
     finally:
         store.gate.set()
         release.set()
+        w.executor.shutdown(timeout=10)
+        w._completer.close()
+
+
+class CountingStore(InMemoryStore):
+    """Counts its round trips and the claims each carried."""
+
+    def __init__(self) -> None:
+        super().__init__(owner="w")
+        self.trips: list[int] = []
+
+    def finish_and_claim(
+        self, finished: Sequence[Finished], requests: Sequence[ClaimRequest]
+    ) -> tuple[set[str], list[Claim]]:
+        self.trips.append(len(requests))
+        return super().finish_and_claim(finished, requests)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+WARM: TP = (f"{NS}.normal", 2)
+
+
+def lingering_worker(
+    linger: float = 0.002, *, started: bool = True, rate: int = 1400
+) -> tuple[Worker, CountingStore, Clock]:
+    """A worker whose claims go to a recorder thread, on a clock of the test's, that has just claimed
+    `rate` tasks a second for a window (on partition WARM; its round trips are forgotten); `started`: past
+    its first dispatch, as a worker is at a steady rate."""
+    handlers = Handlers()
+
+    @handlers.task(f"{NS}.Job", schema=SCHEMA)
+    def job(payload: dict[str, Any], ctx: Any) -> None:
+        pass
+
+    registry = InMemoryRegistry()
+    registry._by_id[SCHEMA_ID] = registry.register(SCHEMA)
+    store, clock = CountingStore(), Clock()
+    w = Worker(
+        handlers,
+        Settings(namespace=NS),
+        WorkerConfig(forwarder=False, concurrency=1, claim_linger=linger),
+        store=store,
+        recorder=store,
+        registry=registry,
+        clock=clock,
+    )
+    w._source = RecordingSource()  # type: ignore[assignment]
+    w._assigned_cb([KEPT, WARM])
+    w._dispatched = started
+    window = round(rate * RATE_WINDOW)
+    for offset in range(window):
+        w._accept(record(WARM, offset))
+        w._claim_arrived()
+        clock.now += RATE_WINDOW / window
+    clock.now += 1e-6  # past the window, whatever the rounding of its steps
+    w._claims.send_queued()
+    w._completer.wait_claimed(10)
+    w._claims.release(w._dispatcher.drop_all())  # out of the buffers: only the test's tasks are there
+    store.trips.clear()
+    return w, store, clock
+
+
+def test_tasks_fetched_in_passes_within_the_claim_linger_are_claimed_in_one_round_trip() -> None:
+    # At a steady rate a loop pass fetches a task or two, and a round trip per pass cost more CPU than
+    # the tasks: the claims of passes within `claim_linger` of the first go to Postgres together.
+    w, store, clock = lingering_worker(0.002)
+    try:
+        w._accept(record(KEPT, 0))
+        w._claim_arrived()
+        assert w._claims.queued() == 1 and w._claims.claiming["normal"] == 1
+        assert w._waiting() == 1, "a queued claim is buffered work"
+        assert w._until_claims(0.25) == pytest.approx(0.002), "the loop waits no longer than the claim lingers"
+        clock.now += 0.001
+        w._accept(record(KEPT, 1))
+        w._claim_arrived()
+        w._completer.wait_claimed(1)
+        assert store.trips == [] and w._claims.queued() == 2
+        clock.now += 0.0011
+        assert w._until_claims(0.25) == 0.0
+        w._claim_arrived()
+        w._completer.wait_claimed(10)
+        assert store.trips == [2]
+        assert buffered(w) == [(KEPT, 0), (KEPT, 1)] and w._claims.claiming["normal"] == 0
+    finally:
+        w.executor.shutdown(timeout=10)
+        w._completer.close()
+
+
+def test_without_a_claim_linger_each_pass_claims_its_own_tasks() -> None:
+    w, store, clock = lingering_worker(0.0)
+    try:
+        for offset in range(2):
+            w._accept(record(KEPT, offset))
+            w._claim_arrived()
+            w._completer.wait_claimed(10)
+        assert store.trips == [1, 1] and w._until_claims(0.25) == 0.25
+    finally:
+        w.executor.shutdown(timeout=10)
+        w._completer.close()
+
+
+def test_a_batch_as_large_as_claim_enough_and_a_starting_worker_claim_at_once() -> None:
+    w, store, _ = lingering_worker(0.5)
+    starting, first_trips, _ = lingering_worker(0.5, started=False)
+    try:
+        for offset in range(CLAIM_ENOUGH):
+            w._accept(record(KEPT, offset))
+        w._claim_arrived()
+        w._completer.wait_claimed(10)
+        assert store.trips == [CLAIM_ENOUGH]
+        # Before its first dispatch a worker waits for nothing it need not: its first claims go at once.
+        starting._accept(record(KEPT, 0))
+        starting._claim_arrived()
+        starting._completer.wait_claimed(10)
+        assert first_trips.trips == [1]
+    finally:
+        for worker in (w, starting):
+            worker.executor.shutdown(timeout=10)
+            worker._completer.close()
+
+
+def test_claims_lingering_when_a_partition_is_revoked_leave_its_new_owner_no_lease_to_wait_out() -> None:
+    w, store, _ = lingering_worker(0.5)
+    try:
+        w._assigned_cb([MOVED])
+        w._accept(record(KEPT, 0))
+        w._accept(record(MOVED, 0))
+        w._claim_arrived()
+        assert w._claims.queued() == 2
+        w._revoked_cb([MOVED])
+        assert w._claims.queued() == 0 and w._claims.claiming["normal"] == 0
+        assert buffered(w) == [(KEPT, 0)], "the kept partition's task is claimed and buffered"
+        # The revoked partition's key is free: its new owner claims it at once, at the same attempt.
+        other = InMemoryStore(owner="other", rows=store.rows)
+        claim = other.claim([ClaimRequest("k-unit.normal-1-0", "id-unit.normal-1-0", f"{NS}.Job", 60.0)])[0]
+        assert claim.outcome == "claimed" and claim.attempts == 1, claim
+    finally:
+        w.executor.shutdown(timeout=10)
+        w._completer.close()
+
+
+def test_a_trickle_of_tasks_is_claimed_at_once_whatever_the_linger() -> None:
+    # Lingering pays only if another task comes within it: at 5 tasks a second none would, and every
+    # task would wait the linger for nothing.
+    w, store, clock = lingering_worker(0.005, rate=5)
+    try:
+        clock.now += RATE_WINDOW
+        w._accept(record(KEPT, 0))
+        w._claim_arrived()
+        w._completer.wait_claimed(10)
+        assert store.trips == [1] and w._claims.queued() == 0
+    finally:
+        w.executor.shutdown(timeout=10)
+        w._completer.close()
+
+
+def test_a_worker_with_claims_lingering_is_not_idle_and_says_when_they_are_due() -> None:
+    # The in-memory queue's harness advances its clock to `waiting_until()`: a queued claim must be there.
+    w, _, clock = lingering_worker(0.003)
+    try:
+        w._accept(record(KEPT, 0))
+        w._claim_arrived()
+        assert not w.idle() and w.waiting_until() == pytest.approx(clock.now + 0.003)
+    finally:
+        w.executor.shutdown(timeout=10)
+        w._completer.close()
+
+
+class WaitingSource(RecordingSource):
+    """Kafka with nothing more to deliver: a poll returns nothing once its timeout has passed."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.polls: list[tuple[int, float]] = []
+
+    def poll(self, n: int, timeout: float) -> list[Record]:
+        self.polls.append((n, timeout))
+        self.clock.now += timeout
+        return []
+
+    def high_watermarks(self, tps: Any) -> dict[TP, int]:
+        return {tp: 0 for tp in tps}
+
+    def lag(self) -> dict[TP, int]:
+        return {}
+
+
+def test_a_loop_pass_with_claims_lingering_waits_for_records_until_they_are_due_then_sends_them() -> None:
+    # While the claims linger and the slots are idle, the pass takes whatever Kafka delivers until they are
+    # due, in one wait (not a pass per record), and sends them when it ends: the wait never outlasts them.
+    w, store, clock = lingering_worker(0.002)
+    source = WaitingSource(clock)
+    w._source = source  # type: ignore[assignment]
+    try:
+        w._accept(record(KEPT, 0))
+        w._claim_arrived()
+        clock.now += 0.0005
+        w._tick()
+        waits = [(n, timeout) for n, timeout in source.polls if timeout > 0]
+        # Kafka waits whole milliseconds: the wait is rounded up, so that it ends with the claims due.
+        assert len(waits) == 1 and waits[0][0] > 1 and waits[0][1] == pytest.approx(0.002), source.polls
+        w._completer.wait_claimed(10)
+        assert store.trips == [1] and w._claims.queued() == 0
+    finally:
         w.executor.shutdown(timeout=10)
         w._completer.close()

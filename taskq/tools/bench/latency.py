@@ -14,6 +14,7 @@ from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError
 from taskq._core.settings import Settings
 from taskq.consumer.store import IdempotencyStore
+from taskq.consumer.worker import WorkerConfig
 from taskq.producer.producer import TaskProducer
 from taskq.tools.bench.run import _ms, _namespace, _warm_up
 from taskq.tools.bench.runners import _Workers, _WorkerSpec
@@ -207,6 +208,7 @@ def bench_latency(
     seed_history: int = 0,
     window: float = 120.0,
     default_autovacuum: bool = False,
+    claim_linger: float = WorkerConfig.claim_linger,
 ) -> dict[str, Any]:
     """Run Workers in processes of their own, enqueue `rate` tasks/s on a fixed schedule for `duration` s
     from this one, and time each task's way, overall and per `window` s. `bare`: the framework-free loop of
@@ -221,6 +223,7 @@ def bench_latency(
             raise ConfigurationError(f"{name} must be a finite number > 0, got {value}")
     if concurrency < 1:
         raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
+    WorkerConfig(claim_linger=claim_linger)  # refused here in one line, not in each spawned worker
     if seed_history < 0:
         raise ConfigurationError(f"seed_history must be >= 0, got {seed_history}")
     if not window > 0:
@@ -244,7 +247,7 @@ def bench_latency(
         purge = _Purge(Database(db.url, schema=db.schema), run.settings.namespace)
         # The workers never share this process's interpreter with the sender: under one GIL each would
         # delay the other, and the figures would be of the benchmark.
-        spec = _WorkerSpec.of(run, "noop", concurrency)
+        spec = _WorkerSpec.of(run, "noop", concurrency, claim_linger=claim_linger)
         with _Workers(spec, processes=processes, spawn=True, bare=bare) as workers:
             workers.wait(
                 lambda: sum(workers.partitions.values()) >= all_partitions,
@@ -301,6 +304,7 @@ def bench_latency(
         "tasks": count,
         "completed": len(keys),
         "concurrency": concurrency,
+        "claim_linger_ms": None if bare else claim_linger * 1000,
         "processes": processes,
         "partitions": partitions,
         "bare": bare,

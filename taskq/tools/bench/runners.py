@@ -90,13 +90,21 @@ class _WorkerSpec:
     handler: BenchHandler
     concurrency: int
     share_group: bool = False
+    claim_linger: float = WorkerConfig.claim_linger
 
     @classmethod
     def of(
-        cls, run: _Run, handler: BenchHandler, concurrency: int, *, share_group: bool = False
+        cls,
+        run: _Run,
+        handler: BenchHandler,
+        concurrency: int,
+        *,
+        share_group: bool = False,
+        claim_linger: float = WorkerConfig.claim_linger,
     ) -> _WorkerSpec:
         """The spec of a worker in `run`'s namespace."""
-        return cls(_picklable(run.settings), run.task_type, run.schema, handler, concurrency, share_group)
+        settings = _picklable(run.settings)
+        return cls(settings, run.task_type, run.schema, handler, concurrency, share_group, claim_linger)
 
 
 def _picklable(settings: Settings) -> dict[str, Any]:
@@ -179,7 +187,11 @@ def _run_worker(
         _handlers(spec.task_type, spec.schema, spec.handler, database, opened),
         settings,
         WorkerConfig(
-            concurrency=spec.concurrency, forwarder=False, metrics_port=None, share_group=spec.share_group
+            concurrency=spec.concurrency,
+            forwarder=False,
+            metrics_port=None,
+            share_group=spec.share_group,
+            claim_linger=spec.claim_linger,
         ),
         hooks=[recorder],
     )

@@ -11,6 +11,7 @@ from taskq._core.db import Database
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import ConfigurationError
 from taskq._core.settings import Settings
+from taskq.consumer.worker import WorkerConfig
 from taskq.producer.producer import TaskProducer
 from taskq.producer.tasks import TaskSpec
 from taskq.producer.workflows import group
@@ -48,6 +49,7 @@ def bench_worker(
     profile: str | None = None,
     workflow: str | None = None,
     share_group: bool = False,
+    claim_linger: float = WorkerConfig.claim_linger,
 ) -> dict[str, Any]:
     """Enqueue `count` tasks over the four tiers, time `processes` Workers running them all, then clean up.
 
@@ -58,6 +60,7 @@ def bench_worker(
         raise ConfigurationError(f"count must be >= 1, got {count}")
     if concurrency < 1:
         raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
+    WorkerConfig(claim_linger=claim_linger)  # refused here in one line, not in each spawned worker
     if workflow not in (None, "group"):
         raise ConfigurationError(f"workflow must be group, got {workflow!r}")
     if handler not in BENCH_HANDLERS:
@@ -67,7 +70,7 @@ def bench_worker(
         tasks = len(enqueued)
         # In spawned processes, as `taskq worker` runs: launch figures include the interpreter's start and the
         # imports. --profile runs the worker in a thread of this process, whose start is then not measured.
-        spec = _WorkerSpec.of(run, handler, concurrency, share_group=share_group)
+        spec = _WorkerSpec.of(run, handler, concurrency, share_group=share_group, claim_linger=claim_linger)
         workers = _Workers(spec, processes=processes, profile=profile, spawn=profile is None)
         wal_start = _wal_position(run.settings)
         counters_start, table_start = _pg_counters(run.settings), _table_bytes(run.settings)
@@ -102,6 +105,7 @@ def bench_worker(
         "handler": handler,
         "workflow": workflow,
         "concurrency": concurrency,
+        "claim_linger_ms": claim_linger * 1000,
         "processes": processes,
         "partitions": partitions,
         "namespace": run.settings.namespace,
