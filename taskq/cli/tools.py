@@ -390,7 +390,7 @@ def add_bench(sub: Commands) -> None:
         "--bare",
         action="store_true",
         help="run the framework-free loop of `bench ceiling` (consume, claim, complete, commit) instead of "
-        "workers: the floor of these latencies on this machine",
+        "workers: the floor of these latencies on this machine (its batches linger as the workers' claims)",
     )
     sp.add_argument(
         "--seed-history",

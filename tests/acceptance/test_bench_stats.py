@@ -182,8 +182,11 @@ def test_bench_latency_runs_every_scheduled_task(
     settings: Settings, env_of: Callable[..., dict[str, str]], bare: bool
 ) -> None:
     # --bare: the framework-free loop (claims and completions in Postgres, commits) in place of the worker.
-    data = _bench(env_of(), "latency", "--rate", "100", "--duration", "1", *(["--bare"] if bare else []))
+    # Its claims linger as the workers' do (--claim-linger-ms), and a trickle's are not lost for it.
+    args = ["--rate", "100", "--duration", "1", "--claim-linger-ms", "3", *(["--bare"] if bare else [])]
+    data = _bench(env_of(), "latency", *args)
     assert data["tasks"] == 100 and data["completed"] == 100 and data["bare"] is bare
+    assert data["claim_linger_ms"] == 3.0
     assert data["worker_cpu_ms_per_task"] > 0
     assert data["achieved_rate_per_s"] > 0
     assert _percentiles(data["enqueue_to_start_ms"]) and _percentiles(data["enqueue_to_completion_ms"])

@@ -304,7 +304,7 @@ def bench_latency(
         "tasks": count,
         "completed": len(keys),
         "concurrency": concurrency,
-        "claim_linger_ms": None if bare else claim_linger * 1000,
+        "claim_linger_ms": claim_linger * 1000,
         "processes": processes,
         "partitions": partitions,
         "bare": bare,

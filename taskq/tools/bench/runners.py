@@ -4,6 +4,7 @@ processes of one group, reporting when each key's attempt started and its comple
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import queue
@@ -27,6 +28,7 @@ from taskq._core.errors import ConfigurationError, TaskqError
 from taskq._core.kafka import consumer_config
 from taskq._core.settings import Settings
 from taskq._core.store import ClaimRequest, Finished, Store
+from taskq.consumer.claims import CLAIM_ENOUGH
 from taskq.consumer.events import AttemptStarted, Event, PartitionsAssigned, PartitionsRevoked, TaskCompleted
 from taskq.consumer.handlers import Handlers, TaskContext
 from taskq.consumer.worker import Worker, WorkerConfig
@@ -268,7 +270,11 @@ def _spawned_bare(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, pa
     """A runner process's work: the framework-free loop of `bench ceiling` in place of a worker, for as
     long as the bench runs. Per batch of records: claim every key, complete the claimed ones, commit (not
     waiting for the broker). A task counts as started when its claim answers and as completed when its
-    completion does: what this design's floor is for a worker's enqueue->start and ->completion."""
+    completion does: what this design's floor is for a worker's enqueue->start and ->completion.
+
+    As the worker's claims do, a batch smaller than CLAIM_ENOUGH waits up to `spec.claim_linger` for more
+    records to share its round trips (the worker lingers only while tasks come fast enough for that to pay;
+    the floor always does)."""
     s = Settings(**spec.settings)
     launched_at, cpu0 = time.monotonic(), time.process_time()
     partitions: set[TP] = set()
@@ -294,6 +300,8 @@ def _spawned_bare(runner: int, spec: _WorkerSpec, out: _Channel, stop: _Flag, pa
             if not msgs:
                 msgs = consumer.consume(1, 0.05)
                 msgs += consumer.consume(499, 0) if msgs else []
+            if msgs and len(msgs) < CLAIM_ENOUGH and spec.claim_linger:
+                msgs += consumer.consume(CLAIM_ENOUGH - len(msgs), math.ceil(spec.claim_linger * 1000) / 1000)
             msgs = [m for m in msgs if m.error() is None]
             if msgs:
                 claims = store.claim(s.namespace, owner, _claim_requests(msgs), stale_after=10.0)
