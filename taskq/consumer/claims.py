@@ -2,10 +2,11 @@
 holds out, ready for dispatch.
 
 A batch's keys are claimed in Postgres in one round trip, sent with the outcomes queued so far while the
-loop goes on (invariant 2). From each answer a task is ready to run, skipped (completed, dead or cancelled
-already: its offset moves on), held to look again (leased elsewhere, or Postgres away), or a poison pill
-for the DLQ. The leases of tasks that wait long are renewed here, and the keys of tasks that will not
-start here are given back.
+loop goes on (invariant 2); at a steady rate a batch lingers a few milliseconds for the next ones to share
+it. From each answer a task is ready to run, skipped (completed, dead or cancelled already: its offset
+moves on), held to look again (leased elsewhere, or Postgres away), or a poison pill for the DLQ. The
+leases of tasks that wait long are renewed here, and the keys of tasks that will not start here are given
+back.
 """
 
 from __future__ import annotations

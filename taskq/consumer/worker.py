@@ -728,8 +728,8 @@ class Worker:
         return waiting + len(self._undecoded) + self._completer.claiming() + self._claims.queued()
 
     def _take_until(self, room: int, seconds: float) -> list[Record]:
-        """Up to `room` records, waiting up to `seconds` for them: for a tier short of its reserve, in
-        POLL_CHUNK at a time, and flow-controlled in between (`_take`)."""
+        """Up to `room` records, waiting up to `seconds` for the first POLL_CHUNK of them; if that many came,
+        the rest that Kafka has fetched, as `_take` takes them (flow-controlled between chunks)."""
         assert self._source is not None
         # Kafka's waits are whole milliseconds, cut short: rounded up, the wait ends when the claims are due,
         # not just before (and then again and again with no wait at all).
