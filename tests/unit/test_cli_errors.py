@@ -13,8 +13,8 @@ from taskq import cli
 from taskq._core.errors import ConfigurationError, KafkaAuthenticationError
 from taskq._core.service import run_in_thread
 from taskq._core.settings import Settings
-from taskq.consumer.worker import WorkerConfig
 from taskq.consumer.forwarder import Forwarder
+from taskq.consumer.worker import WorkerConfig
 from taskq.testing import InMemoryBroker
 
 
@@ -230,7 +230,9 @@ def test_a_handlers_attribute_the_module_lacks_is_named_as_missing(
 
 
 @pytest.mark.parametrize("value", ["-1", "1001", "nan", "soon"])
-@pytest.mark.parametrize("command", [["worker", "tests.apps.app:handlers"], ["bench", "latency", "--rate", "10"]])
+@pytest.mark.parametrize(
+    "command", [["worker", "tests.apps.app:handlers"], ["bench", "latency", "--rate", "10"]]
+)
 def test_a_claim_linger_out_of_range_is_refused_in_one_line(
     command: list[str], value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

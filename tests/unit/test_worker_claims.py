@@ -12,12 +12,12 @@ import pytest
 from taskq._core.envelope import Envelope
 from taskq._core.kafka import TP, Record
 from taskq._core.settings import Settings
+from taskq.consumer.claims import CLAIM_ENOUGH, RATE_WINDOW
 from taskq.consumer.handlers import Handlers
 from taskq.consumer.store import Claim, ClaimRequest, Finished
 from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.schemas import avro
 from taskq.testing import InMemoryRegistry, InMemoryStore
-from taskq.consumer.claims import CLAIM_ENOUGH, RATE_WINDOW
 from tests.unit.test_worker_rebalance import KEPT, MOVED, NS, SCHEMA, SCHEMA_ID, RecordingSource, buffered
 
 
@@ -45,6 +45,13 @@ class GatedStore(InMemoryStore):
         self.entered.set()
         self.gate.wait(30)
         return super().finish_and_claim(finished, requests)
+
+
+def stop(*workers: Worker) -> None:
+    """Stop what a worker built without `start` runs: its slots and its recorder thread."""
+    for w in workers:
+        w.executor.shutdown(timeout=10)
+        w._completer.close()
 
 
 def test_a_wave_of_group_commits_waits_for_the_claims_in_flight() -> None:
@@ -99,8 +106,7 @@ def test_a_wave_of_group_commits_waits_for_the_claims_in_flight() -> None:
     finally:
         store.gate.set()
         release.set()
-        w.executor.shutdown(timeout=10)
-        w._completer.close()
+        stop(w)
 
 
 class CountingStore(InMemoryStore):
@@ -177,7 +183,7 @@ def test_tasks_fetched_in_passes_within_the_claim_linger_are_claimed_in_one_roun
         w._claim_arrived()
         assert w._claims.queued() == 1 and w._claims.claiming["normal"] == 1
         assert w._waiting() == 1, "a queued claim is buffered work"
-        assert w._until_claims(0.25) == pytest.approx(0.002), "the loop waits no longer than the claim lingers"
+        assert w._until_claims(0.25) == pytest.approx(0.002), "a wait in the loop outlasts no claim"
         clock.now += 0.001
         w._accept(record(KEPT, 1))
         w._claim_arrived()
@@ -190,12 +196,11 @@ def test_tasks_fetched_in_passes_within_the_claim_linger_are_claimed_in_one_roun
         assert store.trips == [2]
         assert buffered(w) == [(KEPT, 0), (KEPT, 1)] and w._claims.claiming["normal"] == 0
     finally:
-        w.executor.shutdown(timeout=10)
-        w._completer.close()
+        stop(w)
 
 
 def test_without_a_claim_linger_each_pass_claims_its_own_tasks() -> None:
-    w, store, clock = lingering_worker(0.0)
+    w, store, _ = lingering_worker(0.0)
     try:
         for offset in range(2):
             w._accept(record(KEPT, offset))
@@ -203,8 +208,7 @@ def test_without_a_claim_linger_each_pass_claims_its_own_tasks() -> None:
             w._completer.wait_claimed(10)
         assert store.trips == [1, 1] and w._until_claims(0.25) == 0.25
     finally:
-        w.executor.shutdown(timeout=10)
-        w._completer.close()
+        stop(w)
 
 
 def test_a_batch_as_large_as_claim_enough_and_a_starting_worker_claim_at_once() -> None:
@@ -222,9 +226,7 @@ def test_a_batch_as_large_as_claim_enough_and_a_starting_worker_claim_at_once() 
         starting._completer.wait_claimed(10)
         assert first_trips.trips == [1]
     finally:
-        for worker in (w, starting):
-            worker.executor.shutdown(timeout=10)
-            worker._completer.close()
+        stop(w, starting)
 
 
 def test_claims_lingering_when_a_partition_is_revoked_leave_its_new_owner_no_lease_to_wait_out() -> None:
@@ -243,8 +245,7 @@ def test_claims_lingering_when_a_partition_is_revoked_leave_its_new_owner_no_lea
         claim = other.claim([ClaimRequest("k-unit.normal-1-0", "id-unit.normal-1-0", f"{NS}.Job", 60.0)])[0]
         assert claim.outcome == "claimed" and claim.attempts == 1, claim
     finally:
-        w.executor.shutdown(timeout=10)
-        w._completer.close()
+        stop(w)
 
 
 def test_a_trickle_of_tasks_is_claimed_at_once_whatever_the_linger() -> None:
@@ -258,8 +259,7 @@ def test_a_trickle_of_tasks_is_claimed_at_once_whatever_the_linger() -> None:
         w._completer.wait_claimed(10)
         assert store.trips == [1] and w._claims.queued() == 0
     finally:
-        w.executor.shutdown(timeout=10)
-        w._completer.close()
+        stop(w)
 
 
 def test_a_worker_with_claims_lingering_is_not_idle_and_says_when_they_are_due() -> None:
@@ -270,8 +270,7 @@ def test_a_worker_with_claims_lingering_is_not_idle_and_says_when_they_are_due()
         w._claim_arrived()
         assert not w.idle() and w.waiting_until() == pytest.approx(clock.now + 0.003)
     finally:
-        w.executor.shutdown(timeout=10)
-        w._completer.close()
+        stop(w)
 
 
 class WaitingSource(RecordingSource):
@@ -311,5 +310,4 @@ def test_a_loop_pass_with_claims_lingering_waits_for_records_until_they_are_due_
         w._completer.wait_claimed(10)
         assert store.trips == [1] and w._claims.queued() == 0
     finally:
-        w.executor.shutdown(timeout=10)
-        w._completer.close()
+        stop(w)
