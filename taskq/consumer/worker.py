@@ -9,10 +9,10 @@ retry/DLQ record acknowledged by the broker (invariant 1). This module wires the
 
 Longer than 800 lines because the loop's fetch side (records taken in chunks between flow control, the
 pausing and resuming of partitions, the first dispatch's wait for every tier and for the slots'
-connections), the start (the group join overlapped with the schema check, the liveness record and the
-connections opened while the first records are fetched) and the rebalance and shutdown paths, which reach
-into every stage, still live here beside the wiring and the lifecycle of the services the worker runs
-(forwarder, relay, periodic scheduler, metrics).
+connections, the wait for records while claims linger), the start (the group join overlapped with the
+schema check, the liveness record and the connections opened while the first records are fetched) and the
+rebalance and shutdown paths, which reach into every stage, still live here beside the wiring and the
+lifecycle of the services the worker runs (forwarder, relay, periodic scheduler, metrics).
 """
 
 from __future__ import annotations
