@@ -868,11 +868,17 @@ class Worker:
 
     def _claim_arrived(self) -> None:
         """Claim the keys of the tasks decoded this tick, all in one round trip, or with those of the next
-        ticks within `claim_linger` (not before the first dispatch: the start waits for nothing)."""
+        ticks within `claim_linger`: only while nothing waits in the buffer for a slot, and not before the
+        first dispatch (the start waits for nothing). With tasks buffered, a tier whose refetched records
+        lingered ran dry meanwhile and the others took its turns (invariant 4)."""
+        linger = self._claim_linger if self._dispatched and not len(self._scheduler) else 0.0
         if self._arrived:
             arrived, self._arrived = self._arrived, []
-            self._claims.claim(arrived, linger=self._claim_linger if self._dispatched else 0.0)
-        self._claims.send_due()
+            self._claims.claim(arrived, linger=linger)
+        if linger:
+            self._claims.send_due()
+        else:
+            self._claims.send_queued()
 
     def _until_claims(self, seconds: float) -> float:
         """`seconds`, or less if queued claims are due sooner: a wait in the loop never holds them."""
