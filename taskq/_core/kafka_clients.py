@@ -448,26 +448,50 @@ class Source:
             conf.get("partition.assignment.strategy", "")
         )
         self._reset = _RESET_TO.get(str(conf.get("auto.offset.reset", "latest")))
+        self._closing = False
+        self._unreported: set[TP] = set()
 
     def subscribe(self, topics: Sequence[str]) -> None:
         """Join the group for these topics."""
 
+        # Each callback answers its rebalance itself. Left unanswered, the client's fallback first asks
+        # librdkafka for the rebalance protocol, a request to the group's thread that can wait forever when
+        # the group is closing (librdkafka issue 4041).
         def assigned(c: Consumer, parts: list[TopicPartition]) -> None:
+            tps = [(p.topic, p.partition) for p in parts]
+            if self._closing:
+                # Partitions another member left can reach this one as it leaves. Its owner is not told, and
+                # their committed offsets are not read: the close cannot answer that read and waited out its
+                # timeout. The close gives them back (librdkafka turns the assignment into an unassignment).
+                self._unreported.update(tps)
+                if tps:
+                    log.info(
+                        "leaving the group: %d partition(s) assigned while leaving are given back", len(tps)
+                    )
+                self._answer(c, parts, assign=True)
+                return
             if self._on_assign:
-                self._on_assign([(p.topic, p.partition) for p in parts])
-            if parts:
-                started = self._start_positions(parts)
-                if self._incremental:
-                    c.incremental_assign(started)
-                else:
-                    c.assign(started)
+                self._on_assign(tps)
+            self._answer(c, self._start_positions(parts) if parts else parts, assign=True)
 
         def revoked(c: Consumer, parts: list[TopicPartition]) -> None:
-            if self._on_revoke:
-                self._on_revoke([(p.topic, p.partition) for p in parts])
+            tps = [(p.topic, p.partition) for p in parts]
+            told = [tp for tp in tps if tp not in self._unreported]
+            if self._on_revoke and (told or not tps):
+                self._on_revoke(told)
+            self._answer(c, parts, assign=False)
 
         with client_errors("subscribing"):
             self._c.subscribe(list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
+
+    def _answer(self, c: Consumer, parts: list[TopicPartition], *, assign: bool) -> None:
+        """Take up (`assign`) or give back a rebalance's partitions, as its protocol does."""
+        if self._incremental:
+            (c.incremental_assign if assign else c.incremental_unassign)(parts)
+        elif assign:
+            c.assign(parts)
+        else:
+            c.unassign()
 
     def _start_positions(self, parts: list[TopicPartition]) -> list[TopicPartition]:
         """Newly assigned partitions with the offsets to start at: the group's committed offset, or where
@@ -599,6 +623,7 @@ class Source:
 
     def close(self) -> None:
         """Leave the group and release the client."""
+        self._closing = True
         with client_errors("closing the consumer"):
             self._c.close()
 
