@@ -47,6 +47,12 @@ class GatedStore(InMemoryStore):
         return super().finish_and_claim(finished, requests)
 
 
+def arrive(w: Worker, fetched: Record) -> None:
+    """A loop pass's intake of one fetched record: taken in, then its claim queued or sent."""
+    w._accept(fetched)
+    w._claim_arrived()
+
+
 def stop(*workers: Worker) -> None:
     """Stop what a worker built without `start` runs: its slots and its recorder thread."""
     for w in workers:
@@ -164,8 +170,7 @@ def lingering_worker(
     w._dispatched = started
     window = round(rate * RATE_WINDOW)
     for offset in range(window):
-        w._accept(record(WARM, offset))
-        w._claim_arrived()
+        arrive(w, record(WARM, offset))
         clock.now += RATE_WINDOW / window
     clock.now += 1e-6  # past the window, whatever the rounding of its steps
     w._claims.send_queued()
@@ -180,14 +185,12 @@ def test_tasks_fetched_in_passes_within_the_claim_linger_are_claimed_in_one_roun
     # the tasks: the claims of passes within `claim_linger` of the first go to Postgres together.
     w, store, clock = lingering_worker(0.002)
     try:
-        w._accept(record(KEPT, 0))
-        w._claim_arrived()
+        arrive(w, record(KEPT, 0))
         assert w._claims.queued() == 1 and w._claims.claiming["normal"] == 1
         assert w._waiting() == 1, "a queued claim is buffered work"
         assert w._until_claims(0.25) == pytest.approx(0.002), "a wait in the loop outlasts no claim"
         clock.now += 0.001
-        w._accept(record(KEPT, 1))
-        w._claim_arrived()
+        arrive(w, record(KEPT, 1))
         w._completer.wait_claimed(1)
         assert store.trips == [] and w._claims.queued() == 2
         clock.now += 0.0011
@@ -204,8 +207,7 @@ def test_without_a_claim_linger_each_pass_claims_its_own_tasks() -> None:
     w, store, _ = lingering_worker(0.0)
     try:
         for offset in range(2):
-            w._accept(record(KEPT, offset))
-            w._claim_arrived()
+            arrive(w, record(KEPT, offset))
             w._completer.wait_claimed(10)
         assert store.trips == [1, 1] and w._until_claims(0.25) == 0.25
     finally:
@@ -235,8 +237,7 @@ def test_claims_lingering_when_a_partition_is_revoked_leave_its_new_owner_no_lea
     try:
         w._assigned_cb([MOVED])
         w._accept(record(KEPT, 0))
-        w._accept(record(MOVED, 0))
-        w._claim_arrived()
+        arrive(w, record(MOVED, 0))
         assert w._claims.queued() == 2
         w._revoked_cb([MOVED])
         assert w._claims.queued() == 0 and w._claims.claiming["normal"] == 0
@@ -255,8 +256,7 @@ def test_a_trickle_of_tasks_is_claimed_at_once_whatever_the_linger() -> None:
     w, store, clock = lingering_worker(0.005, rate=5)
     try:
         clock.now += RATE_WINDOW
-        w._accept(record(KEPT, 0))
-        w._claim_arrived()
+        arrive(w, record(KEPT, 0))
         w._completer.wait_claimed(10)
         assert store.trips == [1] and w._claims.queued() == 0
     finally:
@@ -267,8 +267,7 @@ def test_a_worker_with_claims_lingering_is_not_idle_and_says_when_they_are_due()
     # The in-memory queue's harness advances its clock to `waiting_until()`: a queued claim must be there.
     w, _, clock = lingering_worker(0.003)
     try:
-        w._accept(record(KEPT, 0))
-        w._claim_arrived()
+        arrive(w, record(KEPT, 0))
         assert not w.idle() and w.waiting_until() == pytest.approx(clock.now + 0.003)
     finally:
         stop(w)
@@ -301,8 +300,7 @@ def test_a_loop_pass_with_claims_lingering_waits_for_records_until_they_are_due_
     source = WaitingSource(clock)
     w._source = source  # type: ignore[assignment]
     try:
-        w._accept(record(KEPT, 0))
-        w._claim_arrived()
+        arrive(w, record(KEPT, 0))
         clock.now += 0.0005
         w._tick()
         waits = [(n, timeout) for n, timeout in source.polls if timeout > 0]
@@ -320,15 +318,13 @@ def test_claims_do_not_linger_while_tasks_wait_in_the_buffer_for_a_slot() -> Non
     # 95 of 600 completions against 80 (invariant 4). Claims linger only while the buffer is empty.
     w, store, _ = lingering_worker(0.005)
     try:
-        w._accept(record(KEPT, 0))
-        w._claim_arrived()
+        arrive(w, record(KEPT, 0))
         assert w._claims.queued() == 1, "an empty buffer: the claim lingers"
         w._claims.send_queued()
         w._completer.wait_claimed(10)
         assert buffered(w) == [(KEPT, 0)]
         store.trips.clear()
-        w._accept(record(KEPT, 1))
-        w._claim_arrived()
+        arrive(w, record(KEPT, 1))
         w._completer.wait_claimed(10)
         assert store.trips == [1] and w._claims.queued() == 0
     finally:
