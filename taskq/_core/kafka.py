@@ -5,17 +5,15 @@ code sees in `broker`; their names stay importable from here."""
 from __future__ import annotations
 
 import logging
-import math
 import re
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError
 
 from taskq._core.errors import KafkaAuthenticationError
 from taskq._core.lazy import lazy_exports
+from taskq._core.logs import RepeatFilter
 from taskq._core.settings import Settings, redact
 
 #: The names that moved to modules of their own -> that module; importing them from here still works.
@@ -101,42 +99,6 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
 #: librdkafka's own log lines go through Python logging under this name (the CLI quiets it; a worker
 #: shows warnings), instead of straight to stderr.
 LIBRDKAFKA_LOG = logging.getLogger("taskq.librdkafka")
-
-_DIGITS = re.compile(r"\d+")
-
-
-class RepeatFilter(logging.Filter):
-    """Collapses a flood of one kind of log line: the first is logged, then at most one every `window`
-    seconds, saying how many like it were held back since the last one shown.
-
-    A kind is the level and the line with its numbers blanked out: while a broker is away librdkafka
-    reports "Connect to ... failed (after 0ms in state CONNECT)" about every 50 ms per client.
-    """
-
-    def __init__(self, window: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__()
-        self.window = window
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._kinds: dict[tuple[int, str], tuple[float, int]] = {}  # kind -> (last shown, held back since)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """Whether to log this record; the one that ends a held-back run says how many it stood for."""
-        text = record.getMessage()
-        kind = (record.levelno, _DIGITS.sub("#", text))
-        now = self._clock()
-        with self._lock:
-            shown, held = self._kinds.get(kind, (-math.inf, 0))
-            if now - shown < self.window:
-                self._kinds[kind] = (shown, held + 1)
-                return False
-            if len(self._kinds) >= 1000:  # bounded: forget the kinds that are quiet
-                self._kinds = {k: v for k, v in self._kinds.items() if now - v[0] < self.window}
-            self._kinds[kind] = (now, 0)
-        if held:
-            record.msg, record.args = f"{text} [repeated {held} times in the last {now - shown:.0f} s]", None
-        return True
-
 
 _REPEATS = RepeatFilter()
 

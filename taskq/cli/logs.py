@@ -8,6 +8,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+from taskq._core.logs import OUTAGE_WINDOW, RepeatFilter, outage_kind
 from taskq.cli.common import LONG_RUNNING
 
 LOG_FORMATS = ("text", "json")
@@ -59,6 +60,9 @@ def configure_logging(verbose: bool, command: str, *, pids: bool = False, log_fo
     else:
         process = "[%(process)d]" if pids else ""
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{process}: %(message)s"))
+    # A worker finding Postgres away says so on every retry, every 50 ms or so: the first line of each kind
+    # is shown, then one every OUTAGE_WINDOW seconds with a count, not screens of the same line.
+    handler.addFilter(RepeatFilter(OUTAGE_WINDOW, kind=outage_kind))
     logging.basicConfig(
         level=logging.INFO if verbose or command in LONG_RUNNING else logging.WARNING, handlers=[handler]
     )

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from taskq._core.broker import TP
 from taskq._core.envelope import Priority
 from taskq._core.errors import StoreUnavailableError
+from taskq._core.logs import OUTAGE
 from taskq.consumer.completer import Completer
 from taskq.consumer.events import Reporter
 from taskq.consumer.intake import Task, fields
@@ -195,7 +196,7 @@ class Claims:
         for task in batch:
             self.claiming[task.tier] -= 1
         if isinstance(claims, StoreUnavailableError):
-            log.warning("store unavailable, holding %d task(s): %s", len(batch), claims)
+            log.warning("store unavailable, holding %d task(s): %s", len(batch), claims, extra=OUTAGE)
             self.hold(batch, 1.0)
             return
         now = self._clock()
@@ -267,7 +268,7 @@ class Claims:
         try:
             self.store.workflow_ended([(wf, t.envelope.idempotency_key, state) for t, wf, state in ends])
         except StoreUnavailableError as exc:
-            log.warning("store unavailable, holding %d workflow step(s): %s", len(ends), exc)
+            log.warning("store unavailable, holding %d workflow step(s): %s", len(ends), exc, extra=OUTAGE)
             self.hold([t for t, _, _ in ends], 1.0)
             return
         for task, _, state in ends:
@@ -286,7 +287,7 @@ class Claims:
         try:
             renewed = self.store.renew(leases)
         except StoreUnavailableError as exc:
-            log.warning("store unavailable, holding %d task(s): %s", len(leases), exc)
+            log.warning("store unavailable, holding %d task(s): %s", len(leases), exc, extra=OUTAGE)
             # Held tasks are claimed again: their own lease answers 'running' until it expires.
             self.hold([*waited, *parked], 1.0)
             return []
@@ -314,7 +315,9 @@ class Claims:
         except StoreUnavailableError as exc:
             # Run unmarked rather than held: held, they would wait out their own lease and then be charged
             # an attempt. A poison pill may kill one more worker before the DLQ, during an outage only.
-            log.warning("could not mark %d run(s) started, they run unmarked: %s", len(tasks), exc)
+            log.warning(
+                "could not mark %d run(s) started, they run unmarked: %s", len(tasks), exc, extra=OUTAGE
+            )
             return tasks
         kept = []
         for task in tasks:
@@ -335,7 +338,12 @@ class Claims:
         try:
             self.store.release([(t.envelope.idempotency_key, t.attempts) for t in tasks])
         except StoreUnavailableError as exc:
-            log.warning("could not release %d claimed key(s) (their leases will expire): %s", len(tasks), exc)
+            log.warning(
+                "could not release %d claimed key(s) (their leases will expire): %s",
+                len(tasks),
+                exc,
+                extra=OUTAGE,
+            )
         shares = self._offsets.shares
         if shares is not None:
             for task in tasks:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from taskq._core.broker import Record, RecordSink
 from taskq._core.errors import RecordTooLargeError, StoreUnavailableError
+from taskq._core.logs import OUTAGE
 from taskq.consumer.routing import Outgoing
 from taskq.consumer.store import Claim, ClaimRequest, Finished, TaskStore
 
@@ -184,7 +185,9 @@ class Completer:
         claims back unanswered) if Postgres was away."""
         if isinstance(result, StoreUnavailableError):
             if batch:
-                log.warning("store unavailable, will record %d outcome(s) again: %s", len(batch), result)
+                log.warning(
+                    "store unavailable, will record %d outcome(s) again: %s", len(batch), result, extra=OUTAGE
+                )
                 self._batch = batch + self._batch
             for _, on_claimed in claims:
                 on_claimed(result)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from taskq._core.broker import TP
 from taskq._core.envelope import PRIORITIES
 from taskq._core.errors import StoreUnavailableError, TaskqError
+from taskq._core.logs import OUTAGE
 from taskq._core.tracing import Tracer
 from taskq.consumer.claims import Claims
 from taskq.consumer.completer import Completer
@@ -180,7 +181,7 @@ class Dispatch:
         try:
             pauses = self._store.pauses()
         except StoreUnavailableError as exc:  # the last known state holds meanwhile
-            log.warning("cannot read pauses: %s", exc)
+            log.warning("cannot read pauses: %s", exc, extra=OUTAGE)
             return
         if pauses != self.pauses:
             log.info(
@@ -202,11 +203,15 @@ class Dispatch:
         # A paused task keeps its claim: its lease is renewed while it waits, and no attempt is counted.
         try:
             renewed = self._store.renew(
-                [(t.envelope.idempotency_key, t.attempts, self._claims.lease(t) + self._config.claim_wait)
-                 for t in waiting]
+                [
+                    (t.envelope.idempotency_key, t.attempts, self._claims.lease(t) + self._config.claim_wait)
+                    for t in waiting
+                ]
             )
         except StoreUnavailableError as exc:
-            log.warning("could not renew the leases of %d paused task(s): %s", len(waiting), exc)
+            log.warning(
+                "could not renew the leases of %d paused task(s): %s", len(waiting), exc, extra=OUTAGE
+            )
             return
         lost = {id(t) for t in waiting if t.envelope.idempotency_key not in renewed}
         for task in waiting:
@@ -229,11 +234,9 @@ class Dispatch:
         if not running and not waiting:
             return
         try:
-            asked = self._store.cancel_requested(
-                [t.envelope.idempotency_key for t in (*running, *waiting)]
-            )
+            asked = self._store.cancel_requested([t.envelope.idempotency_key for t in (*running, *waiting)])
         except StoreUnavailableError as exc:
-            log.warning("cannot read cancellations: %s", exc)
+            log.warning("cannot read cancellations: %s", exc, extra=OUTAGE)
             return
         if not asked:
             return

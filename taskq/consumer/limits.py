@@ -18,6 +18,7 @@ from typing import Any
 
 from taskq._core.durations import Rate
 from taskq._core.errors import StoreUnavailableError, TaskqError
+from taskq._core.logs import OUTAGE
 from taskq.consumer.store import SlotRequest, TaskStore
 from taskq.producer.ratelimit import SharedBucket
 
@@ -33,6 +34,7 @@ UNAVAILABLE_WAIT = 1.0
 #: Buckets a worker keeps, beyond which the least recently used is dropped: with a key per user, say, memory
 #: stays bounded. A dropped bucket forfeits the few tokens it had leased; it never grants more.
 MAX_BUCKETS = 10_000
+
 
 class KeyFailedError(TaskqError):
     """A task's concurrency_key or rate_key function raised: the task cannot be placed under its limit."""
@@ -134,7 +136,7 @@ class Limits:
             try:
                 wait = bucket.try_take(1)
             except StoreUnavailableError as exc:
-                log.warning("rate limit %s not checked, its tasks wait: %s", gate.bucket, exc)
+                log.warning("rate limit %s not checked, its tasks wait: %s", gate.bucket, exc, extra=OUTAGE)
                 wait = UNAVAILABLE_WAIT
             if wait > 0:
                 admitted.discard(key)
@@ -154,7 +156,9 @@ class Limits:
                     ]
                 )
             except StoreUnavailableError as exc:
-                log.warning("concurrency slots not taken, %d task(s) wait: %s", len(capped), exc)
+                log.warning(
+                    "concurrency slots not taken, %d task(s) wait: %s", len(capped), exc, extra=OUTAGE
+                )
                 granted = set()
             for key, gate, _ in capped:
                 assert gate.slot is not None
@@ -194,7 +198,9 @@ class Limits:
             self._store.release_slots(keys)
         except StoreUnavailableError as exc:
             # Kept for the next flush; meanwhile they count against their keys (until their leases end).
-            log.warning("could not give back %d concurrency slot(s), will try again: %s", len(keys), exc)
+            log.warning(
+                "could not give back %d concurrency slot(s), will try again: %s", len(keys), exc, extra=OUTAGE
+            )
             self._to_release = keys + self._to_release
 
     def pause(self, gate: Gate, seconds: float) -> None:

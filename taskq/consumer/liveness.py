@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from taskq._core.errors import StoreUnavailableError
+from taskq._core.logs import OUTAGE
 from taskq._core.store import WorkerRecord
 
 log = logging.getLogger("taskq.worker")
@@ -92,4 +93,4 @@ class Liveness:
             except StoreUnavailableError as exc:
                 # Missed beats only make other workers take this one's keys over; its completions then
                 # fail their lease check and record nothing.
-                log.warning("heartbeat not written: %s", exc)
+                log.warning("heartbeat not written: %s", exc, extra=OUTAGE)

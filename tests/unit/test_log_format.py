@@ -54,3 +54,24 @@ def test_a_python_warning_of_a_json_logging_command_is_a_json_line() -> None:
     assert out.returncode == 0, out.stderr
     [line] = [json.loads(line) for line in out.stderr.splitlines()]
     assert line["level"] == "WARNING" and "coroutine was never awaited" in line["message"]
+
+
+def test_a_worker_finding_postgres_away_logs_each_kind_of_line_once_a_window_not_once_a_retry() -> None:
+    # A Postgres restart in CI: 450 lines of "store unavailable, will record 25 outcome(s) again" in 20 s
+    # per worker, and the tail of its log showed nothing else. Each retry names the error it met (refused,
+    # then "starting up"): they are one kind. Lines without the outage mark are never held back.
+    code = (
+        "import logging; from taskq.cli.logs import configure_logging; from taskq._core.logs import OUTAGE; "
+        "configure_logging(False, 'worker'); log = logging.getLogger('taskq.worker')\n"
+        "for i in range(100):\n"
+        "    error = 'Connection refused' if i < 50 else 'the database system is starting up'\n"
+        "    log.warning('store unavailable, will record %d outcome(s) again: %s', i, error, extra=OUTAGE)\n"
+        "    log.warning('heartbeat not written: %s', error, extra=OUTAGE)\n"
+        "    log.warning('lease of key%d was taken over; its outcome was not recorded', i)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert sum("store unavailable" in line for line in lines) == 1, lines
+    assert sum("heartbeat not written" in line for line in lines) == 1, lines
+    assert sum("was taken over" in line for line in lines) == 100, lines
