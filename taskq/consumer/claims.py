@@ -104,6 +104,8 @@ class Claims:
         self._step_ends: list[tuple[Task, str, str]] = []  # workflow steps the claims skipped
         self._queued: list[Task] = []  # decoded, their claim not sent yet (`claim`'s linger)
         self._queued_at = 0.0  # when the first of them was queued
+        #: Batches whose claims were sent and not answered yet, with when they were sent (by id of the batch).
+        self.sent: dict[int, tuple[float, list[Task]]] = {}
         self._linger = 0.0
         # Tasks claimed in the current RATE_WINDOW (since `_window_at`) and in the one before it.
         self._count, self._last_count, self._window_at = 0, 0, float("-inf")
@@ -161,7 +163,26 @@ class Claims:
             )
             for t in batch
         ]
+        self.sent[id(batch)] = (self._clock(), batch)
         self._completer.claim(requests, functools.partial(self._claimed, batch))
+
+    def where(self, match: Callable[[Task], bool]) -> str | None:
+        """Where the task `match` picks is in this stage, in words (for a warning), or None."""
+        now = self._clock()
+        for task in self._queued:
+            if match(task):
+                return f"task {task.envelope.task_id} waits for its claim to be sent"
+        for sent_at, batch in self.sent.values():
+            for task in batch:
+                if match(task):
+                    return f"task {task.envelope.task_id}: claim sent {now - sent_at:.0f} s ago, unanswered"
+        for held in self.held:
+            if match(held.task):
+                return (
+                    f"task {held.task.envelope.task_id} is held (its key leased elsewhere, or Postgres "
+                    f"away), to be claimed again in {max(0.0, held.due - now):.1f} s"
+                )
+        return None
 
     def queued(self) -> int:
         """Tasks waiting for their claim to be sent."""
@@ -193,6 +214,7 @@ class Claims:
 
     def _claimed(self, batch: list[Task], claims: list[Claim] | StoreUnavailableError) -> None:
         """A batch's claims came back (on the loop's thread)."""
+        self.sent.pop(id(batch), None)
         for task in batch:
             self.claiming[task.tier] -= 1
         if isinstance(claims, StoreUnavailableError):

@@ -149,6 +149,31 @@ class Dispatch:
             ended.append((task, outcome))
         return ended, unstarted
 
+    def where(self, match: Callable[[Task], bool]) -> str | None:
+        """Where the task `match` picks is in this stage, in words (for a warning), or None."""
+        for task in self.running.values():
+            if match(task):
+                quarantined = " (a suspect, running alone)" if task is self._quarantine else ""
+                return f"task {task.envelope.task_id} is running, attempt {task.attempts}{quarantined}"
+        for task in self.scheduler:
+            if match(task):
+                return f"task {task.envelope.task_id} waits for a slot{self._blocked()}"
+        for task in self.on_hold:
+            if match(task):
+                return f"task {task.envelope.task_id} is on hold: its task type is paused"
+        if self._quarantine is not None and match(self._quarantine):
+            return f"task {self._quarantine.envelope.task_id} ran as a suspect; its outcome is being recorded"
+        return None
+
+    def _blocked(self) -> str:
+        """What holds every task back, if something does (for a warning)."""
+        if self._quarantine is not None:
+            suspect = self._quarantine.envelope.task_id
+            return f" (nothing starts until suspect {suspect}'s outcome is recorded)"
+        if self._suspect_waits:
+            return " (a suspect waits for the running tasks to end)"
+        return ""
+
     def drop(self, revoked: set[TP]) -> list[Task]:
         """Take the buffered and paused tasks of revoked partitions out (their claims are to be given back),
         and forget their keys' order."""

@@ -38,6 +38,10 @@ class _Partition:
     pending: set[int] = field(default_factory=set)
     last_tracked: int = -1
     committed: int = -1
+    # The head as `held_back` last saw it, since when, and whether it was reported.
+    head: int = -1
+    head_since: float = 0.0
+    told: bool = False
 
     def watermark(self) -> int:
         return self.order[0] if self.order else self.last_tracked + 1
@@ -114,6 +118,24 @@ class OffsetTracker:
             part = self._partitions.pop(tp, None)
             if part is not None:
                 self._in_flight -= len(part.pending)
+
+    def held_back(self, now: float, after: float) -> list[tuple[TopicPartition, int, int]]:
+        """Partitions whose commits one pending record has held back for `after` seconds or more (clock
+        time `now`, as sampled by earlier calls) while records behind it finished: each as (partition, the
+        record's offset, finished records behind it). A record is reported once."""
+        stuck = []
+        for tp, part in self._partitions.items():
+            if not part.order:
+                continue
+            head = part.order[0]
+            if head != part.head:
+                part.head, part.head_since, part.told = head, now, False
+            elif not part.told and now - part.head_since >= after:
+                behind = len(part.order) - len(part.pending)
+                if behind:
+                    part.told = True
+                    stuck.append((tp, head, behind))
+        return stuck
 
     def pending(self, tp: TopicPartition) -> int:
         """Number of tracked records of `tp` whose outcome is not yet durable."""

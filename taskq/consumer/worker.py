@@ -103,6 +103,9 @@ SHED_AFTER = 5.0
 #: tick, the sample and its gauges cost more than the tick's own bookkeeping in a burn-down (a tick per
 #: 8 tasks); a scrape every few seconds sees no difference.
 SAMPLE_EVERY = 0.1
+#: A record whose outcome is still not durable after this long (seconds), while records fetched after it
+#: have finished, holds its partition's commits back: a warning says where it is (once a record).
+HELD_BACK_AFTER = 60.0
 
 
 class ServiceStoppedError(TaskqError):
@@ -1008,6 +1011,15 @@ class Worker:
         lag: dict[Priority, int] | None = None
         if self._source is not None and now - self._last_lag >= 5.0:
             self._last_lag = now
+            for tp, offset, behind in self._offsets.tracker.held_back(now, HELD_BACK_AFTER):
+                log.warning(
+                    "%s[%d] offset %d has held back the commit of %d finished record(s) for over %.0f s: %s",
+                    *tp,
+                    offset,
+                    behind,
+                    HELD_BACK_AFTER,
+                    self._where(tp, offset),
+                )
             lag = dict.fromkeys(PRIORITIES, 0)
             for tp, n in self._source.lag().items():
                 tier = self.topics.priority_of(tp[0])
@@ -1020,6 +1032,21 @@ class Worker:
                 len(self._running), self.executor.running(), self.config.concurrency, buffered, lag, held
             )
         )
+
+    def _where(self, tp: TP, offset: int) -> str:
+        """Where the record at `offset` of `tp` is in the worker's stages, in words (for a warning)."""
+
+        def match(task: Task) -> bool:
+            return task.record.offset == offset and task.record.tp == tp
+
+        where = self._dispatcher.where(match) or self._claims.where(match)
+        if where is None and any(r.offset == offset and r.tp == tp for r in self._undecoded):
+            where = "its record waits for the schema registry to decode it"
+        if where is None and any(match(t) for t in self._arrived):
+            where = "its task waits to be claimed"
+        # Otherwise it is past the stages that hold tasks: its outcome (completion, retry or DLQ record) is
+        # on its way to Postgres or the broker.
+        return where or "its outcome is being recorded, or its retry or DLQ record acknowledged"
 
     # ---------------------------------------------------------------------------------------- rebalances
     def _assigned_cb(self, tps: list[TP]) -> None:

@@ -214,8 +214,16 @@ def _finish_run(app: App, keys: list[str], what: str) -> None:
     try:
         wait_until(lambda: all_committed(app.settings), timeout=120, what="the group to commit every offset")
     except AssertionError as exc:
+        # What says where the records are, from anywhere in the logs: a record holding back its partition's
+        # commits is named (after a minute) with the stage it is in, and the group's changes of assignment.
+        telling = "\n".join(
+            f"{w.log.name}: {line}"
+            for w in app.workers
+            for line in w.output().splitlines()
+            if "held back" in line or "assigned" in line or "revoked" in line
+        )
         raise AssertionError(
-            f"{exc}: uncommitted records {uncommitted(app.settings)}\n{app.logs()}"
+            f"{exc}: uncommitted records {uncommitted(app.settings)}\n{telling}\n{app.logs()}"
         ) from None
     app.assert_once_each(keys)
     assert app.scalar("SELECT count(*) FROM ledger") == len(keys)

@@ -150,3 +150,18 @@ def test_random_completion_order_never_commits_past_unfinished(seed):
                 committed = commit
         assert tracker.in_flight() == len(unfinished)
     assert tracker.committable().get(TP, committed) == offsets[-1] + 1
+
+
+def test_a_record_holding_back_finished_ones_is_reported_once_after_the_wait():
+    tracker = tracked()  # 10..14
+    tracker.done(TP, 11)
+    tracker.done(TP, 12)
+    assert tracker.held_back(0.0, 60.0) == []  # first seen now
+    assert tracker.held_back(59.0, 60.0) == []
+    assert tracker.held_back(60.0, 60.0) == [(TP, 10, 2)]
+    assert tracker.held_back(120.0, 60.0) == []  # once a record
+    tracker.done(TP, 10)  # the watermark moves on to 13: a new head, waited for anew
+    assert tracker.held_back(121.0, 60.0) == []
+    assert tracker.held_back(200.0, 60.0) == []  # nothing finished behind 13: a slow task, not a stall
+    tracker.done(TP, 14)
+    assert tracker.held_back(260.0, 60.0) == [(TP, 13, 1)]

@@ -1,0 +1,112 @@
+"""A record whose outcome is long in coming holds its partition's commits back: the worker says where."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+
+from taskq._core.kafka import TP
+from taskq._core.settings import Settings
+from taskq.consumer.handlers import Handlers
+from taskq.consumer.worker import HELD_BACK_AFTER, Worker, WorkerConfig
+from taskq.testing import InMemoryRegistry, InMemoryStore
+from tests.unit.test_worker_claims import Clock, GatedStore, record, stop
+from tests.unit.test_worker_rebalance import NS, SCHEMA, SCHEMA_ID, RecordingSource
+
+PART: TP = (f"{NS}.normal", 0)
+
+
+class LaggingSource(RecordingSource):
+    def lag(self) -> dict[TP, int]:
+        return {}
+
+
+def test_a_running_task_holding_back_finished_ones_is_named_once_with_where_it_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    handlers = Handlers()
+    release = threading.Event()
+
+    @handlers.task(f"{NS}.Job", schema=SCHEMA)
+    def job(payload: dict[str, Any], ctx: Any) -> None:
+        if payload["n"] == 0:
+            release.wait(30)
+
+    registry = InMemoryRegistry()
+    registry._by_id[SCHEMA_ID] = registry.register(SCHEMA)
+    clock = Clock()
+    w = Worker(
+        handlers,
+        Settings(namespace=NS),
+        WorkerConfig(forwarder=False, concurrency=4),
+        store=InMemoryStore(owner="w"),
+        registry=registry,
+        clock=clock,
+    )
+    w._source = LaggingSource()  # type: ignore[assignment]
+    w._assigned_cb([PART])
+    try:
+        for offset in range(4):
+            w._accept(record(PART, offset))
+        w._claim_arrived()
+        w._dispatch()
+        while w._offsets.tracker.pending(PART) > 1:  # 1..3 finish and are recorded; 0 runs on
+            w._collect(block=1.0)
+            w._completer.flush()
+        with caplog.at_level(logging.WARNING, logger="taskq.worker"):
+            w._observe()  # the sample that first sees offset 0 at the watermark
+            clock.now += HELD_BACK_AFTER
+            w._observe()
+            clock.now += HELD_BACK_AFTER
+            w._observe()
+        [line] = [r.getMessage() for r in caplog.records if "held back" in r.getMessage()]
+        held = f"{PART[0]}[0] offset 0 has held back the commit of 3 finished record(s)"
+        assert line.startswith(held), line
+        assert f"task id-{PART[0]}-0-0 is running, attempt 1" in line, line
+    finally:
+        release.set()
+        stop(w)
+
+
+def test_where_names_a_claim_unanswered_and_a_task_held_for_its_key() -> None:
+    handlers = Handlers()
+
+    @handlers.task(f"{NS}.Job", schema=SCHEMA)
+    def job(payload: dict[str, Any], ctx: Any) -> None:
+        pass
+
+    registry = InMemoryRegistry()
+    registry._by_id[SCHEMA_ID] = registry.register(SCHEMA)
+    clock = Clock()
+    store = GatedStore()
+    w = Worker(
+        handlers,
+        Settings(namespace=NS),
+        WorkerConfig(forwarder=False, concurrency=1),
+        store=store,
+        recorder=store,
+        registry=registry,
+        clock=clock,
+    )
+    w._source = LaggingSource()  # type: ignore[assignment]
+    w._assigned_cb([PART])
+    try:
+        w._accept(record(PART, 0))
+        w._claim_arrived()
+        assert store.entered.wait(10)
+        clock.now += 75
+        assert w._where(PART, 0) == f"task id-{PART[0]}-0-0: claim sent 75 s ago, unanswered"
+        [task] = next(iter(w._claims.sent.values()))[1]
+        store.gate.set()
+        w._completer.wait_claimed(10)
+        w._claims.held.clear()
+        w._scheduler.remove_if(lambda t: True)
+        w._claims.hold([task], 2.0)
+        assert w._where(PART, 0).startswith(f"task id-{PART[0]}-0-0 is held (its key leased elsewhere")
+        assert w._where(PART, 1) == "its outcome is being recorded, or its retry or DLQ record acknowledged"
+    finally:
+        store.gate.set()
+        stop(w)
