@@ -447,3 +447,61 @@ def test_the_registry_answers_within_seconds_of_a_postgres_restart(
         assert answers(registry)  # its pool is open
         private_stack.run("restart", "postgres")
         wait_until(lambda: answers(registry), timeout=5, every=0.5, what="the registry to answer")
+
+
+def test_right_after_a_postgres_restart_no_worker_is_presumed_dead_until_it_could_have_beaten(
+    private_stack: PrivateStack, private_app: App
+) -> None:
+    # No worker can write its heartbeat while Postgres is down. Counted from the last beat, every worker was
+    # stale the moment Postgres came back: a live worker's keys were taken over by the first claim of another
+    # (its outcome then refused, its run redone, and an interruption charged to a key it ran in quarantine,
+    # two of which dead-letter a healthy task). Staleness counts from the server's start at the earliest.
+    from datetime import UTC, datetime
+
+    from taskq._core.errors import StoreUnavailableError
+    from taskq.consumer.store import ClaimRequest, IdempotencyStore, SlotRequest, WorkerRecord
+
+    stale = 5.0
+    ns = private_app.settings.namespace
+    a, b = (IdempotencyStore(private_app.db, owner=o, namespace=ns, stale_after=stale) for o in "ab")
+    request = [ClaimRequest("k", "id-k", "t.Task", 3600.0)]
+
+    # And the concurrency slots, whose holders count while they are alive: a key with a limit of one slot.
+    slot = [SlotRequest("k2", "t.Call", "partner", 1, 3600.0)]
+    other = [SlotRequest("k3", "t.Call", "partner", 1, 3600.0)]
+
+    def claim(store: IdempotencyStore) -> Any:
+        try:
+            return store.claim(request)[0]
+        except StoreUnavailableError:
+            return None  # the connection the restart broke: the next call reconnects
+
+    def slot_taken(store: IdempotencyStore) -> bool | None:
+        try:
+            return bool(store.acquire_slots(other))
+        except StoreUnavailableError:
+            return None
+
+    try:
+        for store in (a, b):
+            store.enter(WorkerRecord(store.owner, ns, "g", "h", 1, 4, datetime.now(UTC)), lambda pid: True)
+        assert a.claim(request)[0].outcome == "claimed"  # leased for an hour, by a worker alive throughout
+        assert a.acquire_slots(slot) == {"k2"}
+        private_stack.run("stop", "postgres")
+        time.sleep(stale)  # the outage outlasts stale_after: a's last beat is older than that when it ends
+        private_stack.run("start", "postgres")
+        first = wait_until(lambda: claim(b), timeout=60, what="a claim after the restart")
+        slot_first = slot_taken(b)
+        since_start = private_app.scalar("SELECT extract(epoch FROM now() - pg_postmaster_start_time())")
+        assert since_start < stale, f"the claims came {since_start:.1f} s after the restart: the case did not arise"
+        assert (first.outcome, first.takeovers) == ("running", 0), first
+        assert slot_first is False  # a's slot still counts
+        # A worker that then beats no more is presumed dead once stale_after has passed since the restart.
+        taken = wait_until(
+            lambda: (c := claim(b)) is not None and c.outcome == "claimed" and c, timeout=30, what="a takeover"
+        )
+        assert taken.takeovers == 1
+        assert slot_taken(b)
+    finally:
+        a.close()
+        b.close()

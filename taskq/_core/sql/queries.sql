@@ -68,8 +68,12 @@ WITH input AS (
     SELECT * FROM input WHERE idempotency_key NOT IN (SELECT idempotency_key FROM fresh)
 ), dead_workers AS MATERIALIZED (
     -- A few rows, one per worker: read once per statement, never per key, and only if a key is known.
+    -- Staleness counts from the server's start at the earliest: no worker could beat while it was down, and
+    -- right after a restart every worker would look dead, their keys taken over and charged interruptions.
     SELECT worker_id FROM taskq_workers
-    WHERE dead_at IS NOT NULL OR heartbeat_at < statement_timestamp() - %(stale_after)s * interval '1 second'
+    WHERE dead_at IS NOT NULL
+       OR GREATEST(heartbeat_at, pg_postmaster_start_time())
+          < statement_timestamp() - %(stale_after)s * interval '1 second'
 ), taken AS (
     UPDATE taskq_tasks t SET
         state = 'running',
@@ -404,8 +408,11 @@ WITH input AS (
                          %(leases)s::float8[]) WITH ORDINALITY
         AS i(idempotency_key, task_type, slot_key, lim, lease_seconds, n)
 ), dead_workers AS MATERIALIZED (
+    -- Staleness counts from the server's start at the earliest, as in `claim`.
     SELECT worker_id FROM taskq_workers
-    WHERE dead_at IS NOT NULL OR heartbeat_at < clock_timestamp() - %(stale_after)s * interval '1 second'
+    WHERE dead_at IS NOT NULL
+       OR GREATEST(heartbeat_at, pg_postmaster_start_time())
+          < clock_timestamp() - %(stale_after)s * interval '1 second'
 ), held AS MATERIALIZED (
     SELECT s.idempotency_key, s.task_type, s.slot_key,
            s.lease_expires_at > clock_timestamp() AND s.owner NOT IN (SELECT worker_id FROM dead_workers) AS live
