@@ -78,6 +78,7 @@ from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
 from taskq.consumer.routing import default_worker_id
 from taskq.consumer.scheduler import PriorityScheduler
 from taskq.consumer.shares import TierShares
+from taskq.consumer.stalls import Stalls
 from taskq.consumer.store import (
     Finished,
     IdempotencyStore,
@@ -104,7 +105,8 @@ SHED_AFTER = 5.0
 #: 8 tasks); a scrape every few seconds sees no difference.
 SAMPLE_EVERY = 0.1
 #: A record whose outcome is still not durable after this long (seconds), while records fetched after it
-#: have finished, holds its partition's commits back: a warning says where it is (once a record).
+#: have finished, holds its partition's commits back: a warning says where it is (once a record). So does a
+#: partition with records to read and none fetched that long while the worker held none of its records.
 HELD_BACK_AFTER = 60.0
 
 
@@ -360,6 +362,7 @@ class Worker:
         self._services_checked_at = 0.0
         self._last_poll = 0.0
         self._last_lag = 0.0
+        self._stalls = Stalls(HELD_BACK_AFTER)
 
     @property
     def registry(self) -> SchemaRegistry:
@@ -1020,6 +1023,8 @@ class Worker:
                     HELD_BACK_AFTER,
                     self._where(tp, offset),
                 )
+            if self._shares is None:
+                self._warn_stalled(now)
             lag = dict.fromkeys(PRIORITIES, 0)
             for tp, n in self._source.lag().items():
                 tier = self.topics.priority_of(tp[0])
@@ -1032,6 +1037,33 @@ class Worker:
                 len(self._running), self.executor.running(), self.config.concurrency, buffered, lag, held
             )
         )
+
+    def _warn_stalled(self, now: float) -> None:
+        """Warn of the priority partitions that stand still with records to read (`Stalls`)."""
+        source = self._source
+        assert source is not None and not isinstance(source, TierShares)  # share mode has no positions
+        tps = [tp for tp in self._offsets.assigned if self.topics.priority_of(tp[0]) is not None]
+        ends = source.high_watermarks(tps)
+        positions = {tp: (source.position(tp), ends.get(tp, -1)) for tp in tps}
+        holding = {tp for tp in tps if self._offsets.tracker.pending(tp)}
+        for tp, position, end in self._stalls.check(now, positions, holding):
+            paused = "paused by flow control" if tp in self._paused else "not paused"
+            if position < 0:
+                log.warning(
+                    "%s[%d] has not been fetched for over %.0f s since it was assigned (%s)",
+                    *tp,
+                    HELD_BACK_AFTER,
+                    paused,
+                )
+            else:
+                log.warning(
+                    "%s[%d] has %d record(s) to read from offset %d and none fetched for over %.0f s (%s)",
+                    *tp,
+                    end - position,
+                    position,
+                    HELD_BACK_AFTER,
+                    paused,
+                )
 
     def _where(self, tp: TP, offset: int) -> str:
         """Where the record at `offset` of `tp` is in the worker's stages, in words (for a warning)."""

@@ -289,6 +289,9 @@ class WaitingSource(RecordingSource):
     def high_watermarks(self, tps: Any) -> dict[TP, int]:
         return {tp: 0 for tp in tps}
 
+    def position(self, tp: TP) -> int:
+        return 0
+
     def lag(self) -> dict[TP, int]:
         return {}
 

@@ -20,8 +20,20 @@ PART: TP = (f"{NS}.normal", 0)
 
 
 class LaggingSource(RecordingSource):
+    """Where the worker's periodic checks read positions: `at` is each partition's (position, end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: dict[TP, tuple[int, int]] = {}
+
     def lag(self) -> dict[TP, int]:
         return {}
+
+    def position(self, tp: TP) -> int:
+        return self.at.get(tp, (-1, -1))[0]
+
+    def high_watermarks(self, tps: Any) -> dict[TP, int]:
+        return {tp: self.at.get(tp, (-1, -1))[1] for tp in tps}
 
 
 def test_a_running_task_holding_back_finished_ones_is_named_once_with_where_it_is(
@@ -109,4 +121,52 @@ def test_where_names_a_claim_unanswered_and_a_task_held_for_its_key() -> None:
         assert w._where(PART, 1) == "its outcome is being recorded, or its retry or DLQ record acknowledged"
     finally:
         store.gate.set()
+        stop(w)
+
+
+@pytest.mark.parametrize(
+    ("at", "said"),
+    [
+        ((10, 43), "has 33 record(s) to read from offset 10 and none fetched for over 60 s (not paused)"),
+        ((-1, -1), "has not been fetched for over 60 s since it was assigned (not paused)"),
+    ],
+)
+def test_a_partition_standing_still_with_records_to_read_is_named_once(
+    caplog: pytest.LogCaptureFixture, at: tuple[int, int], said: str
+) -> None:
+    # CI's Postgres-restart failure: 33 records of one partition uncommitted for 2 minutes, every key done
+    # (by the other copies, on other partitions), and nothing in the logs. Never fetched, or held in the
+    # worker: the warnings tell them apart.
+    handlers = Handlers()
+
+    @handlers.task(f"{NS}.Job", schema=SCHEMA)
+    def job(payload: dict[str, Any], ctx: Any) -> None:
+        pass
+
+    clock = Clock()
+    w = Worker(
+        handlers,
+        Settings(namespace=NS),
+        WorkerConfig(forwarder=False),
+        store=InMemoryStore(owner="w"),
+        registry=InMemoryRegistry(),
+        clock=clock,
+    )
+    source = LaggingSource()
+    w._source = source  # type: ignore[assignment]
+    w._assigned_cb([PART])
+    source.at[PART] = at
+    try:
+        with caplog.at_level(logging.WARNING, logger="taskq.worker"):
+            for _ in range(3):
+                w._observe()
+                clock.now += HELD_BACK_AFTER / 2
+        lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert lines == [f"{PART[0]}[0] {said}"], lines
+        source.at[PART] = (at[1], at[1])  # read to its end: no more warnings
+        with caplog.at_level(logging.WARNING, logger="taskq.worker"):
+            clock.now += HELD_BACK_AFTER * 2
+            w._observe()
+        assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    finally:
         stop(w)
