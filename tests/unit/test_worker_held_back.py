@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,30 +37,39 @@ class LaggingSource(RecordingSource):
         return {tp: self.at.get(tp, (-1, -1))[1] for tp in tps}
 
 
+def worker(
+    job: Callable[[dict[str, Any], Any], None], store: InMemoryStore | None = None, **config: Any
+) -> tuple[Worker, Clock, LaggingSource]:
+    """A worker of one task type running `job`, on a fake clock, its one partition assigned; `store` also
+    records on a thread of its own."""
+    handlers = Handlers()
+    handlers.task(f"{NS}.Job", schema=SCHEMA)(job)
+    registry = InMemoryRegistry()
+    registry._by_id[SCHEMA_ID] = registry.register(SCHEMA)
+    w = Worker(
+        handlers,
+        Settings(namespace=NS),
+        WorkerConfig(forwarder=False, **config),
+        store=store or InMemoryStore(owner="w"),
+        recorder=store,
+        registry=registry,
+        clock=(clock := Clock()),
+    )
+    w._source = source = LaggingSource()  # type: ignore[assignment]
+    w._assigned_cb([PART])
+    return w, clock, source
+
+
 def test_a_running_task_holding_back_finished_ones_is_named_once_with_where_it_is(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    handlers = Handlers()
     release = threading.Event()
 
-    @handlers.task(f"{NS}.Job", schema=SCHEMA)
     def job(payload: dict[str, Any], ctx: Any) -> None:
         if payload["n"] == 0:
             release.wait(30)
 
-    registry = InMemoryRegistry()
-    registry._by_id[SCHEMA_ID] = registry.register(SCHEMA)
-    clock = Clock()
-    w = Worker(
-        handlers,
-        Settings(namespace=NS),
-        WorkerConfig(forwarder=False, concurrency=4),
-        store=InMemoryStore(owner="w"),
-        registry=registry,
-        clock=clock,
-    )
-    w._source = LaggingSource()  # type: ignore[assignment]
-    w._assigned_cb([PART])
+    w, clock, _ = worker(job, concurrency=4)
     try:
         for offset in range(4):
             w._accept(record(PART, offset))
@@ -84,27 +94,8 @@ def test_a_running_task_holding_back_finished_ones_is_named_once_with_where_it_i
 
 
 def test_where_names_a_claim_unanswered_and_a_task_held_for_its_key() -> None:
-    handlers = Handlers()
-
-    @handlers.task(f"{NS}.Job", schema=SCHEMA)
-    def job(payload: dict[str, Any], ctx: Any) -> None:
-        pass
-
-    registry = InMemoryRegistry()
-    registry._by_id[SCHEMA_ID] = registry.register(SCHEMA)
-    clock = Clock()
     store = GatedStore()
-    w = Worker(
-        handlers,
-        Settings(namespace=NS),
-        WorkerConfig(forwarder=False, concurrency=1),
-        store=store,
-        recorder=store,
-        registry=registry,
-        clock=clock,
-    )
-    w._source = LaggingSource()  # type: ignore[assignment]
-    w._assigned_cb([PART])
+    w, clock, _ = worker(lambda payload, ctx: None, store, concurrency=1)
     try:
         w._accept(record(PART, 0))
         w._claim_arrived()
@@ -137,24 +128,7 @@ def test_a_partition_standing_still_with_records_to_read_is_named_once(
     # CI's Postgres-restart failure: 33 records of one partition uncommitted for 2 minutes, every key done
     # (by the other copies, on other partitions), and nothing in the logs. Never fetched, or held in the
     # worker: the warnings tell them apart.
-    handlers = Handlers()
-
-    @handlers.task(f"{NS}.Job", schema=SCHEMA)
-    def job(payload: dict[str, Any], ctx: Any) -> None:
-        pass
-
-    clock = Clock()
-    w = Worker(
-        handlers,
-        Settings(namespace=NS),
-        WorkerConfig(forwarder=False),
-        store=InMemoryStore(owner="w"),
-        registry=InMemoryRegistry(),
-        clock=clock,
-    )
-    source = LaggingSource()
-    w._source = source  # type: ignore[assignment]
-    w._assigned_cb([PART])
+    w, clock, source = worker(lambda payload, ctx: None)
     source.at[PART] = at
     try:
         with caplog.at_level(logging.WARNING, logger="taskq.worker"):
