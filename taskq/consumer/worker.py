@@ -1045,7 +1045,13 @@ class Worker:
         tps = [tp for tp in self._offsets.assigned if self.topics.priority_of(tp[0]) is not None]
         ends = source.high_watermarks(tps)
         positions = {tp: (source.position(tp), ends.get(tp, -1)) for tp in tps}
-        holding = {tp for tp in tps if self._offsets.tracker.pending(tp)}
+        # Partitions whose records wait in the worker, and those of tiers an operator paused, rightly stand.
+        paused_tiers = self._dispatcher.pauses.tiers
+        holding = {
+            tp
+            for tp in tps
+            if self._offsets.tracker.pending(tp) or self.topics.priority_of(tp[0]) in paused_tiers
+        }
         for tp, position, end in self._stalls.check(now, positions, holding):
             paused = "paused by flow control" if tp in self._paused else "not paused"
             if position < 0:

@@ -11,6 +11,7 @@ import pytest
 
 from taskq._core.kafka import TP
 from taskq._core.settings import Settings
+from taskq._core.store import Pauses
 from taskq.consumer.handlers import Handlers
 from taskq.consumer.worker import HELD_BACK_AFTER, Worker, WorkerConfig
 from taskq.testing import InMemoryRegistry, InMemoryStore
@@ -142,5 +143,21 @@ def test_a_partition_standing_still_with_records_to_read_is_named_once(
             clock.now += HELD_BACK_AFTER * 2
             w._observe()
         assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    finally:
+        stop(w)
+
+
+def test_a_partition_of_a_tier_an_operator_paused_stands_still_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    w, clock, source = worker(lambda payload, ctx: None)
+    w._dispatcher.pauses = Pauses(tiers=frozenset({"normal"}))
+    source.at[PART] = (10, 43)
+    try:
+        with caplog.at_level(logging.WARNING, logger="taskq.worker"):
+            for _ in range(4):
+                w._observe()
+                clock.now += HELD_BACK_AFTER / 2
+        assert not [r for r in caplog.records if r.levelno == logging.WARNING]
     finally:
         stop(w)
