@@ -1015,7 +1015,13 @@ class Worker:
         if self._source is not None and now - self._last_lag >= 5.0:
             self._last_lag = now
             for tp, offset, behind in self._offsets.tracker.held_back(now, HELD_BACK_AFTER):
-                log.warning(
+                # A long task holds its partition's commits back by design (its timeout allows it): said at
+                # info. Anything else standing that long is a warning.
+                running = any(
+                    t.record.offset == offset and t.record.tp == tp for t in self._dispatcher.running.values()
+                )
+                log.log(
+                    logging.INFO if running else logging.WARNING,
                     "%s[%d] offset %d has held back the commit of %d finished record(s) for over %.0f s: %s",
                     *tp,
                     offset,
