@@ -99,7 +99,12 @@ def test_an_installed_taskq_runs_an_app_whose_own_modules_are_named_like_its_par
         cwd=app_dir,
     )
     try:
-        wait_until(done.exists, timeout=90, what=f"the app's task to run\n{log.read_text()}")
+        # Until the handler's write_text has written, the file it created reads empty: wait for its text.
+        wait_until(
+            lambda: done.exists() and done.read_text(),
+            timeout=90,
+            what=f"the app's task to run\n{log.read_text()}",
+        )
         assert done.read_text() == (
             "the app's own schemas | the app's own producer | the app's own consumer"
         ), log.read_text()

@@ -457,7 +457,7 @@ def test_shutdown_kills_running_and_idle_children(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     done = Done()
     executor.submit(job(process_spec("x.Sleeps"), {"pid_file": str(pid_file)}), done)
-    wait_until(pid_file.exists)
+    wait_until(lambda: pid_file.exists() and pid_file.read_text())  # created, then written
     executor.shutdown(0.2)
     outcome = done.wait()
     assert outcome.timed_out and "shut down" in outcome.message
