@@ -425,12 +425,14 @@ class Worker:
                 import os
 
                 os._exit(128 + signum)
+            # Set before the line is logged: a second signal that lands while it is written runs this handler
+            # again, nested, and must find the first one counted (CI saw both logged and no exit at once).
+            self._stop.set()
             log.info(
                 "signal %s: stopping (finishing in-flight tasks, up to %ss)",
                 signum,
                 self.config.shutdown_timeout,
             )
-            self._stop.set()
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
