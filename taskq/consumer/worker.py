@@ -78,7 +78,7 @@ from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
 from taskq.consumer.routing import default_worker_id
 from taskq.consumer.scheduler import PriorityScheduler
 from taskq.consumer.shares import TierShares
-from taskq.consumer.stalls import Stalls
+from taskq.consumer.stalls import Watch
 from taskq.consumer.store import (
     Finished,
     IdempotencyStore,
@@ -104,10 +104,6 @@ SHED_AFTER = 5.0
 #: tick, the sample and its gauges cost more than the tick's own bookkeeping in a burn-down (a tick per
 #: 8 tasks); a scrape every few seconds sees no difference.
 SAMPLE_EVERY = 0.1
-#: A record whose outcome is still not durable after this long (seconds), while records fetched after it
-#: have finished, holds its partition's commits back: a warning says where it is (once a record). So does a
-#: partition with records to read and none fetched that long while the worker held none of its records.
-HELD_BACK_AFTER = 60.0
 
 
 class ServiceStoppedError(TaskqError):
@@ -362,7 +358,15 @@ class Worker:
         self._services_checked_at = 0.0
         self._last_poll = 0.0
         self._last_lag = 0.0
-        self._stalls = Stalls(HELD_BACK_AFTER)
+        self._watch = Watch(
+            self._offsets,
+            self._dispatcher,
+            self._claims,
+            self.topics,
+            paused=self._paused,
+            undecoded=lambda: self._undecoded,
+            arrived=lambda: self._arrived,
+        )
 
     @property
     def registry(self) -> SchemaRegistry:
@@ -1016,23 +1020,8 @@ class Worker:
         lag: dict[Priority, int] | None = None
         if self._source is not None and now - self._last_lag >= 5.0:
             self._last_lag = now
-            for tp, offset, behind in self._offsets.tracker.held_back(now, HELD_BACK_AFTER):
-                # A long task holds its partition's commits back by design (its timeout allows it): said at
-                # info. Anything else standing that long is a warning.
-                running = any(
-                    t.record.offset == offset and t.record.tp == tp for t in self._dispatcher.running.values()
-                )
-                log.log(
-                    logging.INFO if running else logging.WARNING,
-                    "%s[%d] offset %d has held back the commit of %d finished record(s) for over %.0f s: %s",
-                    *tp,
-                    offset,
-                    behind,
-                    HELD_BACK_AFTER,
-                    self._where(tp, offset),
-                )
-            if self._shares is None:
-                self._warn_stalled(now)
+            source = self._source
+            self._watch.look(now, None if isinstance(source, TierShares) else source)
             lag = dict.fromkeys(PRIORITIES, 0)
             for tp, n in self._source.lag().items():
                 tier = self.topics.priority_of(tp[0])
@@ -1045,54 +1034,6 @@ class Worker:
                 len(self._running), self.executor.running(), self.config.concurrency, buffered, lag, held
             )
         )
-
-    def _warn_stalled(self, now: float) -> None:
-        """Warn of the priority partitions that stand still with records to read (`Stalls`)."""
-        source = self._source
-        assert source is not None and not isinstance(source, TierShares)  # share mode has no positions
-        tps = [tp for tp in self._offsets.assigned if self.topics.priority_of(tp[0]) is not None]
-        ends = source.high_watermarks(tps)
-        positions = {tp: (source.position(tp), ends.get(tp, -1)) for tp in tps}
-        # Partitions whose records wait in the worker, and those of tiers an operator paused, rightly stand.
-        paused_tiers = self._dispatcher.pauses.tiers
-        holding = {
-            tp
-            for tp in tps
-            if self._offsets.tracker.pending(tp) or self.topics.priority_of(tp[0]) in paused_tiers
-        }
-        for tp, position, end in self._stalls.check(now, positions, holding):
-            paused = "paused by flow control" if tp in self._paused else "not paused"
-            if position < 0:
-                log.warning(
-                    "%s[%d] has not been fetched for over %.0f s since it was assigned (%s)",
-                    *tp,
-                    HELD_BACK_AFTER,
-                    paused,
-                )
-            else:
-                log.warning(
-                    "%s[%d] has %d record(s) to read from offset %d and none fetched for over %.0f s (%s)",
-                    *tp,
-                    end - position,
-                    position,
-                    HELD_BACK_AFTER,
-                    paused,
-                )
-
-    def _where(self, tp: TP, offset: int) -> str:
-        """Where the record at `offset` of `tp` is in the worker's stages, in words (for a warning)."""
-
-        def match(task: Task) -> bool:
-            return task.record.offset == offset and task.record.tp == tp
-
-        where = self._dispatcher.where(match) or self._claims.where(match)
-        if where is None and any(r.offset == offset and r.tp == tp for r in self._undecoded):
-            where = "its record waits for the schema registry to decode it"
-        if where is None and any(match(t) for t in self._arrived):
-            where = "its task waits to be claimed"
-        # Otherwise it is past the stages that hold tasks: its outcome (completion, retry or DLQ record) is
-        # on its way to Postgres or the broker.
-        return where or "its outcome is being recorded, or its retry or DLQ record acknowledged"
 
     # ---------------------------------------------------------------------------------------- rebalances
     def _assigned_cb(self, tps: list[TP]) -> None:

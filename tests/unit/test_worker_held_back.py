@@ -14,8 +14,9 @@ from taskq._core.kafka import TP
 from taskq._core.settings import Settings
 from taskq._core.store import Pauses
 from taskq.consumer.handlers import Handlers
+from taskq.consumer.stalls import HELD_BACK_AFTER
 from taskq.consumer.store import ClaimRequest, WorkerRecord
-from taskq.consumer.worker import HELD_BACK_AFTER, Worker, WorkerConfig
+from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.testing import InMemoryRegistry, InMemoryStore
 from tests.unit.test_worker_claims import Clock, GatedStore, record, stop
 from tests.unit.test_worker_rebalance import NS, SCHEMA, SCHEMA_ID, RecordingSource
@@ -112,15 +113,16 @@ def test_where_names_a_claim_unanswered_and_a_task_held_for_its_key() -> None:
         w._claim_arrived()
         assert store.entered.wait(10)
         clock.now += 75
-        assert w._where(PART, 0) == f"task id-{PART[0]}-0-0: claim sent 75 s ago, unanswered"
+        assert w._watch.where(PART, 0) == f"task id-{PART[0]}-0-0: claim sent 75 s ago, unanswered"
         [task] = next(iter(w._claims.sent.values()))[1]
         store.gate.set()
         w._completer.wait_claimed(10)
         w._claims.held.clear()
         w._scheduler.remove_if(lambda t: True)
         w._claims.hold([task], 2.0)
-        assert w._where(PART, 0).startswith(f"task id-{PART[0]}-0-0 is held (its key leased elsewhere")
-        assert w._where(PART, 1) == "its outcome is being recorded, or its retry or DLQ record acknowledged"
+        assert w._watch.where(PART, 0).startswith(f"task id-{PART[0]}-0-0 is held (its key leased elsewhere")
+        past = "its outcome is being recorded, or its retry or DLQ record acknowledged"
+        assert w._watch.where(PART, 1) == past
     finally:
         store.gate.set()
         stop(w)
