@@ -312,10 +312,12 @@ class Store:
         return int(row["tasks"]), int(row["retries"])
 
     # --------------------------------------------------------------------------------- liveness records
-    def worker_beat(self, worker: WorkerRecord, in_flight: int) -> None:
-        """Write a worker's liveness record: alive now, with `in_flight` tasks running."""
+    def worker_beat(self, worker: WorkerRecord, in_flight: int, *, stale_after: float) -> None:
+        """Write a worker's liveness record: alive now, with `in_flight` tasks running; a beat more than
+        `stale_after` seconds after the last one starts its unbroken beating anew (`beating_since`)."""
         self.database.execute(
             "worker_beat",
+            stale_after=stale_after,
             worker_id=worker.worker_id,
             namespace=worker.namespace,
             group=worker.group,

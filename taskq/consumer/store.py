@@ -424,7 +424,7 @@ class IdempotencyStore:
         """Write the worker's liveness record, and mark dead the workers of its host started before it whose
         process is gone (`alive(pid)` false): their keys are taken over at once. Returns the ids marked dead.
         A host is one process id space: workers in containers that share a host name need their own."""
-        self._store.worker_beat(worker, 0)
+        self._store.worker_beat(worker, 0, stale_after=self.stale_after)
         gone = [worker_id for worker_id, pid in self._store.workers_on_host(worker) if not alive(pid)]
         marked = self._store.workers_mark_dead(gone) if gone else set()
         self._store.workers_prune(FORGET_WORKERS_AFTER)
@@ -432,7 +432,7 @@ class IdempotencyStore:
 
     def beat(self, worker: WorkerRecord, in_flight: int) -> None:
         """Write the worker's heartbeat: alive now, with `in_flight` tasks running."""
-        self._store.worker_beat(worker, in_flight)
+        self._store.worker_beat(worker, in_flight, stale_after=self.stale_after)
 
     def leave(self, worker_id: str) -> None:
         """Remove the worker's liveness record (a clean stop)."""

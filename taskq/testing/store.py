@@ -56,6 +56,8 @@ class _Liveness:
     heartbeat_at: float
     in_flight: int = 0
     dead_at: float | None = None
+    #: Its first beat after a gap longer than stale_after (None until one).
+    beating_since: float | None = None
 
 
 @dataclass
@@ -227,7 +229,10 @@ class InMemoryStore:
             now = self._clock()
             known = self.workers.get(worker.worker_id)
             started = known.record if known is not None else worker
-            self.workers[worker.worker_id] = _Liveness(started, now, in_flight)
+            since = None if known is None else known.beating_since
+            if known is not None and known.heartbeat_at < now - self.stale_after:
+                since = now
+            self.workers[worker.worker_id] = _Liveness(started, now, in_flight, beating_since=since)
 
     def leave(self, worker_id: str) -> None:
         """Remove the worker's liveness record (a clean stop)."""
@@ -235,10 +240,16 @@ class InMemoryStore:
             self.workers.pop(worker_id, None)
 
     def _dead_workers(self, now: float) -> set[str]:
+        """Workers marked dead, and those whose heartbeat is stale, as this store's owner may judge them (as
+        in Postgres): counted from its own first beat after a gap, if any, and not at all while its own
+        record is stale (an outage it sat out too). An owner without a record judges by heartbeats alone."""
+        me = self.workers.get(self.owner)
+        cut_off = me is not None and me.heartbeat_at < now - self.stale_after
+        since = me.beating_since if me is not None and me.beating_since is not None else float("-inf")
         return {
             worker_id
             for worker_id, w in self.workers.items()
-            if w.dead_at is not None or w.heartbeat_at < now - self.stale_after
+            if w.dead_at is not None or (not cut_off and max(w.heartbeat_at, since) < now - self.stale_after)
         }
 
     def acquire_slots(self, requests: Sequence[SlotRequest]) -> set[str]:

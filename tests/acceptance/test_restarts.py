@@ -6,6 +6,7 @@ state dir, on other ports) and restart its services while worker processes run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -21,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from taskq._core.db import Database
@@ -197,13 +199,15 @@ def _postgres_down(app: App) -> bool:
 CLASSIC_SESSION = {"TASKQ_GROUP_PROTOCOL": "classic", "TASKQ_KAFKA_SESSION_TIMEOUT_MS": "6000"}
 
 
-def _start_run(app: App, prefix: str, progress: int = 30, **env: str) -> list[str]:
+def _start_run(
+    app: App, prefix: str, progress: int = 30, args: tuple[str, ...] = (), **env: str
+) -> list[str]:
     """300 keys, each enqueued twice (all on the broker before any outage), two workers making progress
     (KIP-848 unless `env` says otherwise)."""
     keys = [f"{prefix}{i:04d}" for i in range(300)]
     app.enqueue_ledger(keys, copies=2, sleep=0.05)
     for _ in range(2):
-        app.spawn("--concurrency", "4", **{"TASKQ_GROUP_PROTOCOL": "consumer", **env})
+        app.spawn("--concurrency", "4", *args, **{"TASKQ_GROUP_PROTOCOL": "consumer", **env})
     wait_until(lambda: _done(app) >= progress, timeout=180, what="progress before the outage")
     return keys
 
@@ -249,6 +253,101 @@ def test_workers_ride_out_a_postgres_restart_and_each_key_takes_effect_once(
     _alive(app)
     private_stack.run("start", "postgres")
     _finish_run(app, keys, "every key after the Postgres restart")
+
+
+@contextlib.contextmanager
+def _out_of_reach(app: App) -> Iterator[None]:
+    """Postgres out of reach without a restart (a network partition, a pooler restarted, a failover to a
+    standby started long before): new connections refused and everyone else's ended, until the block exits.
+    Its start time does not move."""
+    with psycopg.connect(app.settings.database_url, autocommit=True) as keeper:  # ours: stays open throughout
+        hba = Path(keeper.execute("SHOW hba_file").fetchone()[0])  # type: ignore[index]
+        allowed = hba.read_text()
+        try:
+            hba.write_text("host all all 0.0.0.0/0 reject\nhost all all ::/0 reject\n" + allowed)
+            keeper.execute("SELECT pg_reload_conf()")
+            keeper.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            )
+            yield
+        finally:
+            hba.write_text(allowed)
+            keeper.execute("SELECT pg_reload_conf()")
+
+
+def test_workers_ride_out_postgres_out_of_reach_without_a_restart_and_take_no_key_of_one_another(
+    private_stack: PrivateStack, private_app: App
+) -> None:
+    # Every worker's heartbeat is stale when the outage ends and none of them died: none may take the
+    # others' keys over (whether one would without the rule is a race with the others' first beats; the test
+    # below makes the case arise for certain).
+    app = private_app
+    stale = 6.0  # the least --stale-after allows (twice the 3 s heartbeat)
+    keys = _start_run(app, "po", args=("--stale-after", str(stale)))
+    with _out_of_reach(app):
+        wait_until(
+            lambda: _logged(app, *_NOTICED_OUTAGE, every_worker=True),
+            timeout=60,
+            what="the workers to notice the outage",
+        )
+        time.sleep(stale + 3)  # every heartbeat is older than --stale-after when it ends
+        _alive(app)
+    _finish_run(app, keys, "every key after Postgres is in reach again")
+    taken = app.scalar("SELECT coalesce(sum(takeovers), 0) FROM taskq_tasks")
+    assert taken == 0, f"{taken} key(s) taken over from live workers\n{app.logs()}"
+
+
+def test_after_postgres_was_out_of_reach_no_worker_is_presumed_dead_until_its_judge_has_beaten_again(
+    private_stack: PrivateStack, private_app: App
+) -> None:
+    # The case for certain: a holds a key (an hour's lease) and a slot, Postgres goes out of reach for longer
+    # than stale_after and comes back without a restart, and b claims first. Judged by the heartbeats and
+    # the server's start alone, a was dead (its key taken over, its slot given away).
+    from datetime import UTC, datetime
+
+    from taskq._core.errors import StoreUnavailableError
+    from taskq.consumer.store import ClaimRequest, IdempotencyStore, SlotRequest, WorkerRecord
+
+    stale = 3.0
+    ns = private_app.settings.namespace
+    a, b = (IdempotencyStore(private_app.db, owner=o, namespace=ns, stale_after=stale) for o in "ab")
+    request = [ClaimRequest("k", "id-k", "t.Task", 3600.0)]
+    slot, other = ([SlotRequest(k, "t.Call", "partner", 1, 3600.0)] for k in ("k2", "k3"))
+
+    def record(store: IdempotencyStore) -> WorkerRecord:
+        return WorkerRecord(store.owner, ns, "g", "h", 1, 4, datetime(2026, 1, 1, tzinfo=UTC))
+
+    def answered(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except StoreUnavailableError:
+            return None  # a connection the outage ended: the next call reconnects
+
+    try:
+        for store in (a, b):
+            store.enter(record(store), lambda pid: True)
+        assert a.claim(request)[0].outcome == "claimed"
+        assert a.acquire_slots(slot) == {"k2"}
+        with _out_of_reach(private_app):
+            time.sleep(stale + 1)
+        first = wait_until(lambda: answered(lambda: b.claim(request)[0]), timeout=60, what="a claim after it")
+        assert (first.outcome, first.takeovers) == ("running", 0), first
+        assert answered(lambda: b.acquire_slots(other)) == set()  # a's slot still counts
+        # b beats again: a, alive, would beat within stale_after of that.
+        b.beat(record(b), 0)
+        assert b.claim(request)[0].outcome == "running"
+
+        # A worker that beats no more is presumed dead once its judge has beaten for stale_after.
+        def taken_over() -> Any:
+            b.beat(record(b), 0)
+            return (c := b.claim(request)[0]).outcome == "claimed" and c
+
+        assert wait_until(taken_over, timeout=30, what="a takeover").takeovers == 1
+        assert b.acquire_slots(other) == {"k3"}
+    finally:
+        a.close()
+        b.close()
 
 
 def test_workers_ride_out_a_broker_restart_and_each_key_takes_effect_once(
@@ -464,6 +563,9 @@ def test_right_after_a_postgres_restart_no_worker_is_presumed_dead_until_it_coul
     stale = 5.0
     ns = private_app.settings.namespace
     a, b = (IdempotencyStore(private_app.db, owner=o, namespace=ns, stale_after=stale) for o in "ab")
+    # A claimer without a liveness record of its own (a tool) judges by the heartbeats and the restart alone:
+    # b, a worker, also waits until it has beaten again for stale_after (the outage left its record stale).
+    tool = IdempotencyStore(private_app.db, owner="tool", namespace=ns, stale_after=stale)
     request = [ClaimRequest("k", "id-k", "t.Task", 3600.0)]
 
     # And the concurrency slots, whose holders count while they are alive: a key with a limit of one slot.
@@ -492,16 +594,26 @@ def test_right_after_a_postgres_restart_no_worker_is_presumed_dead_until_it_coul
         private_stack.run("start", "postgres")
         first = wait_until(lambda: claim(b), timeout=60, what="a claim after the restart")
         slot_first = slot_taken(b)
+        by_tool = wait_until(lambda: claim(tool), timeout=60, what="a tool's claim after the restart")
+        slot_by_tool = slot_taken(tool)
         since_start = private_app.scalar("SELECT extract(epoch FROM now() - pg_postmaster_start_time())")
         assert since_start < stale, f"the claims came {since_start:.1f} s after the restart: the case did not arise"
         assert (first.outcome, first.takeovers) == ("running", 0), first
-        assert slot_first is False  # a's slot still counts
-        # A worker that then beats no more is presumed dead once stale_after has passed since the restart.
-        taken = wait_until(
-            lambda: (c := claim(b)) is not None and c.outcome == "claimed" and c, timeout=30, what="a takeover"
-        )
+        assert (by_tool.outcome, by_tool.takeovers) == ("running", 0), by_tool
+        assert slot_first is False and slot_by_tool is False  # a's slot still counts
+        # A worker that then beats no more is presumed dead once stale_after has passed since the restart (and
+        # since its judge, which beats as a live worker does, began beating again).
+        def taken_over() -> Any:
+            try:
+                b.beat(WorkerRecord(b.owner, ns, "g", "h", 1, 4, datetime.now(UTC)), 0)
+            except StoreUnavailableError:
+                return None
+            return (c := claim(b)) is not None and c.outcome == "claimed" and c
+
+        taken = wait_until(taken_over, timeout=30, what="a takeover")
         assert taken.takeovers == 1
         assert slot_taken(b)
     finally:
         a.close()
         b.close()
+        tool.close()

@@ -273,14 +273,14 @@ def test_a_takeover_counts_as_an_interruption_only_when_the_dead_worker_had_mark
     a, b = stores
     a.enter(worker("a"), lambda pid: True)
     b.enter(worker("b"), lambda pid: True)
-    a.stale_after = b.stale_after = 0.3  # seconds; neither beats any more
+    a.stale_after = b.stale_after = 0.3  # seconds; the owner beats no more, and its taker beats as it waits
 
     def take(store: Any) -> Any:
-        return wait_until(
-            lambda: next((c for c in store.claim([req("k")]) if c.outcome == "claimed"), None),
-            timeout=10,
-            what="the owner's heartbeat to go stale",
-        )
+        def taken() -> Any:
+            store.beat(worker(store.owner), 0)  # a live worker beats: only then does it judge others'
+            return next((c for c in store.claim([req("k")]) if c.outcome == "claimed"), None)
+
+        return wait_until(taken, timeout=10, what="the owner's heartbeat to go stale")
 
     a.claim([req("k", lease=300)])
     # a claimed the key ahead and died without starting it (a plain run marks nothing either): a takeover.
@@ -315,6 +315,40 @@ def test_a_worker_that_beats_keeps_its_keys_and_its_own_stale_record_never_frees
         time.sleep(0.1)
     time.sleep(0.5)  # a's record goes stale; a itself still holds its key (a redelivered copy waits)
     assert [c.outcome for c in a.claim([req("k")])] == ["running"]
+
+
+def test_after_an_outage_every_worker_sat_out_no_worker_is_presumed_dead_until_its_judge_has_beaten_a_while(
+    stores: tuple[Any, Any],
+) -> None:
+    # Postgres unreachable for longer than stale_after without restarting (a network partition, a proxy's
+    # restart, a failover to a standby started long ago): no worker could beat, so every record is stale
+    # when it ends. The first claim after it must not take a live worker's keys over (its outcome would be
+    # refused and its run redone, and a key it ran as a suspect charged an interruption).
+    a, b = stores
+    a.enter(worker("a"), lambda pid: True)
+    b.enter(worker("b"), lambda pid: True)
+    a.claim([req("k", lease=300)])
+    a.stale_after = b.stale_after = 0.3
+    time.sleep(0.5)  # the outage: neither beats
+    # b's own record is stale: b was cut off too, and judges nobody by a beat it could not have seen.
+    assert [c.outcome for c in b.claim([req("k")])] == ["running"]
+    b.beat(worker("b"), 0)
+    # b beats again, since just now: a, alive, beats within stale_after of that, and is not judged sooner.
+    assert [c.outcome for c in b.claim([req("k")])] == ["running"]
+    a.beat(worker("a"), 1)
+    deadline = time.monotonic() + 0.8
+    while time.monotonic() < deadline:
+        a.beat(worker("a"), 1)
+        b.beat(worker("b"), 0)
+        assert [c.outcome for c in b.claim([req("k")])] == ["running"]
+        time.sleep(0.05)
+
+    # A worker that stays silent once its judge has beaten for stale_after is presumed dead, as ever.
+    def taken() -> Any:
+        b.beat(worker("b"), 0)
+        return next((c for c in b.claim([req("k")]) if c.outcome == "claimed"), None)
+
+    assert wait_until(taken, timeout=10, what="a's heartbeat to go stale").takeovers == 1
 
 
 def test_keys_of_a_worker_without_a_liveness_record_wait_for_their_lease(stores: tuple[Any, Any]) -> None:

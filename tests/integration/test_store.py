@@ -675,7 +675,7 @@ def test_migrating_a_populated_table_sets_autovacuum_by_counts_of_rows_and_keeps
                 "SELECT 'shop', 'k' || i, 't' || i, 'shop.Order', 'completed', 1 "
                 "FROM generate_series(1, 50000) AS i"
             )
-        assert db.migrate(namespace="shop") == ["0013_tasks_autovacuum"]
+        assert db.migrate(namespace="shop")[:1] == ["0013_tasks_autovacuum"]
         with db.connection() as conn:
             (options,) = conn.execute(
                 "SELECT reloptions FROM pg_class WHERE oid = 'taskq_tasks'::regclass"

@@ -66,14 +66,23 @@ WITH input AS (
     RETURNING idempotency_key
 ), known AS MATERIALIZED (
     SELECT * FROM input WHERE idempotency_key NOT IN (SELECT idempotency_key FROM fresh)
+), me AS MATERIALIZED (
+    SELECT heartbeat_at, beating_since FROM taskq_workers WHERE worker_id = %(owner)s
 ), dead_workers AS MATERIALIZED (
     -- A few rows, one per worker: read once per statement, never per key, and only if a key is known.
-    -- Staleness counts from the server's start at the earliest: no worker could beat while it was down, and
-    -- right after a restart every worker would look dead, their keys taken over and charged interruptions.
+    -- No worker can beat while Postgres is down or out of reach, and when that ends every record is stale:
+    -- judged by the heartbeats alone, the first claim took live workers' keys over (their outcomes refused,
+    -- their runs redone, interruptions charged). So staleness counts from the server's start at the
+    -- earliest, and from the claimer's own first beat after a gap longer than stale_after (`beating_since`:
+    -- others that were cut off with it beat again within that time); and a claimer whose own record is
+    -- stale (it was cut off too and has not beaten since) judges nobody by heartbeats. A claimer without a
+    -- record (tools) judges by the heartbeats and the restart alone.
     SELECT worker_id FROM taskq_workers
     WHERE dead_at IS NOT NULL
-       OR GREATEST(heartbeat_at, pg_postmaster_start_time())
-          < statement_timestamp() - %(stale_after)s * interval '1 second'
+       OR (GREATEST(heartbeat_at, pg_postmaster_start_time(), (SELECT beating_since FROM me))
+             < statement_timestamp() - %(stale_after)s * interval '1 second'
+           AND NOT EXISTS (SELECT FROM me
+                           WHERE me.heartbeat_at < statement_timestamp() - %(stale_after)s * interval '1 second'))
 ), taken AS (
     UPDATE taskq_tasks t SET
         state = 'running',
@@ -286,11 +295,15 @@ SELECT state, count(*) AS n FROM taskq_tasks WHERE namespace = %(namespace)s GRO
 -- name: worker_beat
 -- A worker's liveness record, written at its start and on every heartbeat: alive now, with this many tasks
 -- in flight. A record marked dead by mistake comes back to life (its lost leases stay lost).
+-- A beat that follows a gap longer than stale_after sets `beating_since` (migration 0014).
 INSERT INTO taskq_workers AS w
     (worker_id, namespace, worker_group, host, pid, concurrency, in_flight, started_at, heartbeat_at)
 VALUES (%(worker_id)s, %(namespace)s, %(group)s, %(host)s, %(pid)s, %(concurrency)s, %(in_flight)s,
         %(started_at)s, clock_timestamp())
-ON CONFLICT (worker_id) DO UPDATE SET heartbeat_at = clock_timestamp(), in_flight = EXCLUDED.in_flight, dead_at = NULL;
+ON CONFLICT (worker_id) DO UPDATE SET
+    heartbeat_at = clock_timestamp(), in_flight = EXCLUDED.in_flight, dead_at = NULL,
+    beating_since = CASE WHEN w.heartbeat_at < clock_timestamp() - %(stale_after)s * interval '1 second'
+                         THEN clock_timestamp() ELSE w.beating_since END;
 
 -- name: worker_leave
 -- A clean stop: the worker's liveness record goes (its keys were completed, failed or released).
@@ -407,12 +420,17 @@ WITH input AS (
     SELECT * FROM unnest(%(keys)s::text[], %(task_types)s::text[], %(slot_keys)s::text[], %(limits)s::int[],
                          %(leases)s::float8[]) WITH ORDINALITY
         AS i(idempotency_key, task_type, slot_key, lim, lease_seconds, n)
+), me AS MATERIALIZED (
+    SELECT heartbeat_at, beating_since FROM taskq_workers WHERE worker_id = %(owner)s
 ), dead_workers AS MATERIALIZED (
-    -- Staleness counts from the server's start at the earliest, as in `claim`.
+    -- Staleness counts from the server's start and the acquirer's `beating_since` at the earliest, and an
+    -- acquirer whose own record is stale judges nobody by heartbeats, as in `claim`.
     SELECT worker_id FROM taskq_workers
     WHERE dead_at IS NOT NULL
-       OR GREATEST(heartbeat_at, pg_postmaster_start_time())
-          < clock_timestamp() - %(stale_after)s * interval '1 second'
+       OR (GREATEST(heartbeat_at, pg_postmaster_start_time(), (SELECT beating_since FROM me))
+             < clock_timestamp() - %(stale_after)s * interval '1 second'
+           AND NOT EXISTS (SELECT FROM me
+                           WHERE me.heartbeat_at < clock_timestamp() - %(stale_after)s * interval '1 second'))
 ), held AS MATERIALIZED (
     SELECT s.idempotency_key, s.task_type, s.slot_key,
            s.lease_expires_at > clock_timestamp() AND s.owner NOT IN (SELECT worker_id FROM dead_workers) AS live
