@@ -27,7 +27,12 @@ def test_a_task_taken_over_from_dead_workers_says_so(
     req = [ClaimRequest("k", "id-k", "t.Task", 300.0)]
 
     def take(store: IdempotencyStore) -> None:
-        wait_until(lambda: store.claim(req)[0].outcome == "claimed", timeout=10, what="a stale heartbeat")
+        def taken() -> bool:
+            # A live worker beats: only a worker that beats judges the others by their heartbeats.
+            store.beat(WorkerRecord(store.owner, settings.namespace, "g", "h", 1, 4, datetime.now(UTC)), 0)
+            return store.claim(req)[0].outcome == "claimed"
+
+        wait_until(taken, timeout=10, what="a stale heartbeat")
 
     try:
         a.claim(req)
