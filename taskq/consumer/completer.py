@@ -59,7 +59,8 @@ class Completer:
         self._writing = 0  # outcomes handed to the recorder thread and not yet settled
         self._claiming = 0  # claim requests handed to the recorder thread and not yet settled
         self._to_write: queue.SimpleQueue[tuple[_Outcomes, _Claims] | None] = queue.SimpleQueue()
-        self._written: queue.SimpleQueue[tuple[_Outcomes, _Claims, object]] = queue.SimpleQueue()
+        # What the recorder thread wrote, and its result; None wakes a wait on it (`wake`).
+        self._written: queue.SimpleQueue[tuple[_Outcomes, _Claims, object] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._serve_at = 0.0  # when the producer is served next with nothing awaiting acknowledgement
 
@@ -226,19 +227,24 @@ class Completer:
         for the first answer if none is there yet (and something is in flight)."""
         self._settle_written(timeout)
 
+    def wake(self) -> None:
+        """End a wait in `settle` (from a signal handler: see `Worker._wake`)."""
+        self._written.put(None)
+
     def _settle_written(self, timeout: float) -> None:
         block = timeout
         while self._writing or self._claiming:
             try:
-                batch, claims, result = (
-                    self._written.get(timeout=block) if block > 0 else self._written.get_nowait()
-                )
+                written = self._written.get(timeout=block) if block > 0 else self._written.get_nowait()
             except queue.Empty:
                 return
+            block = 0.0
+            if written is None:
+                continue  # woken
+            batch, claims, result = written
             self._writing -= len(batch)
             self._claiming -= sum(len(requests) for requests, _ in claims)
             self._settle(batch, claims, result)
-            block = 0.0
 
     def claiming(self) -> int:
         """Claim requests sent and not yet answered."""

@@ -81,7 +81,7 @@ class Dispatch:
         completer: Completer,
         offsets: Offsets,
         tracer: Tracer,
-        reported: queue.SimpleQueue[tuple[Task, Outcome]],
+        reported: queue.SimpleQueue[tuple[Task, Outcome] | None],
         *,
         config: WorkerConfig,
         group: str,

@@ -232,7 +232,8 @@ class Worker:
         self._report = Reporter(self.metrics.tally, hooks)
         self._tracer = Tracer()
         self._stop = threading.Event()
-        self._outcomes: queue.SimpleQueue[tuple[Task, Outcome]] = queue.SimpleQueue()
+        #: Attempts' outcomes, from the slots; None wakes a wait on it (`_wake`).
+        self._outcomes: queue.SimpleQueue[tuple[Task, Outcome] | None] = queue.SimpleQueue()
         self._scheduler: PriorityScheduler[Task] = PriorityScheduler(
             weights=self.config.weights, capacity=self.config.buffer_capacity
         )
@@ -432,6 +433,7 @@ class Worker:
             # Set before the line is logged: a second signal that lands while it is written runs this handler
             # again, nested, and must find the first one counted (CI saw both logged and no exit at once).
             self._stop.set()
+            self._wake()
             log.info(
                 "signal %s: stopping (finishing in-flight tasks, up to %ss)",
                 signum,
@@ -440,6 +442,14 @@ class Worker:
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
+
+    def _wake(self) -> None:
+        """End the loop's wait for outcomes or Postgres's answers, from a signal handler. CPython 3.11's
+        SimpleQueue.get(timeout=...) waits for ever once a handler run inside it outlasts the timeout (it
+        goes on with a negative one): a SIGTERM logged slowly left the loop waiting for an outcome that
+        might never come, and the worker never stopped. An item in each queue ends the wait."""
+        self._outcomes.put(None)
+        self._completer.wake()
 
     def run(self) -> None:
         """Consume until stop() or a signal, then shut down gracefully."""
@@ -984,12 +994,16 @@ class Worker:
             first = self._outcomes.get(timeout=block) if block > 0 else self._outcomes.get_nowait()
         except queue.Empty:
             return
-        reported = [first]
+        reported = [] if first is None else [first]
         while True:
             try:
-                reported.append(self._outcomes.get_nowait())
+                item = self._outcomes.get_nowait()
             except queue.Empty:
                 break
+            if item is not None:  # (None only wakes)
+                reported.append(item)
+        if not reported:
+            return
         ended, unstarted = self._dispatcher.ended(reported)
         again = self._outcome_stage.settle(ended, self._clock())
         self._claims.held.extend(Held(task, due) for task, due in again)
