@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from wsgiref.simple_server import WSGIServer
 
 from taskq._core.db import Database
@@ -77,7 +77,6 @@ from taskq.consumer.outcomes import Outcomes
 from taskq.consumer.periodic import PeriodicScheduler, PeriodicSpec
 from taskq.consumer.routing import default_worker_id
 from taskq.consumer.scheduler import PriorityScheduler
-from taskq.consumer.shares import TierShares
 from taskq.consumer.stalls import Watch
 from taskq.consumer.store import (
     Finished,
@@ -89,6 +88,7 @@ from taskq.producer.outbox import OutboxRelay
 from taskq.schemas.registry import PendingRegistry, Registry, SchemaRegistry, client_config
 
 if TYPE_CHECKING:
+    from taskq.consumer.shares import TierShares
     from taskq.producer.producer import TaskProducer
 
 log = logging.getLogger("taskq.worker")
@@ -559,6 +559,9 @@ class Worker:
             )
         if not isinstance(self.broker, KafkaBroker):
             raise ConfigurationError("share groups need a Kafka broker (the in-memory one has none)")
+        # Imported here: with its admin client, 5 ms of every other worker's start.
+        from taskq.consumer.shares import TierShares
+
         return TierShares(
             self.broker,
             consumers=max(2, self.config.concurrency),
@@ -1034,8 +1037,8 @@ class Worker:
         lag: dict[Priority, int] | None = None
         if self._source is not None and now - self._last_lag >= 5.0:
             self._last_lag = now
-            source = self._source
-            self._watch.look(now, None if isinstance(source, TierShares) else source)
+            # In share mode the broker keeps the records' place: nothing of the partitions' to watch.
+            self._watch.look(now, cast("RecordSource", self._source) if self._shares is None else None)
             lag = dict.fromkeys(PRIORITIES, 0)
             for tp, n in self._source.lag().items():
                 tier = self.topics.priority_of(tp[0])

@@ -173,3 +173,13 @@ def test_the_cli_on_the_way_to_a_worker_loads_no_statistics() -> None:
     probe = "import sys, taskq.cli, taskq.consumer.worker; print(sorted({'statistics', 'fractions'} & {*sys.modules}))"
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_worker_that_reads_no_share_groups_loads_neither_their_consumers_nor_the_admin_client() -> None:
+    # Share mode's module brought the admin client (confluent_kafka.admin): 5 ms of every worker's launch.
+    probe = (
+        "import sys, taskq.cli, taskq.consumer.worker; "
+        "print(sorted({'taskq.consumer.shares', 'taskq._core.kafka_admin', 'confluent_kafka.admin'} & {*sys.modules}))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
