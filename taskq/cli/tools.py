@@ -119,12 +119,18 @@ def _worker_text(data: dict[str, Any]) -> str:
         if data["launch_to_first_task_s"] is not None
         else ""
     )
+    every = (
+        f", every process at {data['all_assigned_s']:.2f} s"
+        if data["processes"] > 1 and data["all_assigned_s"] is not None
+        else ""
+    )
     return (
         f"{data['completed']} tasks ({data['handler']}{', one workflow group' if data['workflow'] else ''}, "
         f"{data['processes']} x concurrency "
         f"{data['concurrency']}): {data['tasks_per_s']:.0f} tasks/s from worker start "
         f"({data['tasks_per_s_after_assignment']:.0f}/s after partition assignment at "
-        f"{data['startup_s']:.2f} s, {data['tasks_per_s_from_first_enqueue']:.0f}/s from the first enqueue); "
+        f"{data['startup_s']:.2f} s{every}, {data['tasks_per_s_from_first_enqueue']:.0f}/s from the first "
+        "enqueue); "
         f"{launch}worker CPU {data['worker_cpu_ms_per_task']:.2f} ms/task; "
         f"Postgres WAL {data['wal_bytes_per_task']:.0f} B/task; "
         f"enqueue-to-start p50 {start['p50']:.0f} ms, p99 {start['p99']:.0f} ms, "

@@ -98,6 +98,7 @@ def test_bench_worker_runs_every_task_and_removes_its_namespace(
 ) -> None:
     data = _bench(env_of(), "worker", "-n", "300", "--concurrency", "4")
     assert data["completed"] == 300 and data["processes"] == 1
+    assert data["all_assigned_s"] == data["startup_s"]  # one process: its assignment is every process's
     assert data["tasks_per_s"] > 0 and data["tasks_per_s_from_first_enqueue"] > 0
     assert data["worker_cpu_ms_per_task"] > 0 and data["wal_bytes_per_task"] > 0
     assert 0 < data["machine_busy"] <= 1  # the workers at least ran on it
@@ -142,6 +143,9 @@ def test_bench_worker_processes_share_the_tasks(
 ) -> None:
     data = _bench(env_of(), "worker", "-n", "200", "--processes", "2", "--concurrency", "2")
     assert data["completed"] == 200 and data["processes"] == 2
+    # When the last process got its first partitions, no sooner than the first did; none if one got none
+    # before these few tasks were done (a member joining gets partitions only once another gave them up).
+    assert data["all_assigned_s"] is None or data["all_assigned_s"] >= data["startup_s"] > 0
     # The CPU of both processes is counted (each reports its own), and every key's start came back too.
     assert data["worker_cpu_ms_per_task"] > 0
     assert _percentiles(data["enqueue_to_start_ms"]) and _percentiles(data["attempt_to_recorded_ms"])

@@ -477,6 +477,8 @@ class _Workers:
         self.completed: dict[str, float] = {}
         self.partitions: dict[int, int] = {}
         self.assigned_at: float | None = None
+        #: Each runner's first partition assignment: a group's members get theirs over a few heartbeats.
+        self.first_assigned: dict[int, float] = {}
         self.launched_at: float | None = None
         #: When the first runner was started (a spawned process's interpreter start and imports follow it).
         self.spawned_at: float | None = None
@@ -516,6 +518,7 @@ class _Workers:
         self.partitions[report.runner] = report.partitions
         if report.assigned_at is not None:
             self.assigned_at = min(self.assigned_at or report.assigned_at, report.assigned_at)
+            self.first_assigned.setdefault(report.runner, report.assigned_at)
         if report.final:
             self._finals.append(report)
             self.cpu_s += report.cpu_s or 0.0

@@ -115,6 +115,14 @@ def bench_worker(
         "elapsed_s": t_end - t_launch,
         "tasks_per_s": done / (t_end - t_launch),
         "startup_s": t_assigned - t_launch,
+        # Until the last process's first assignment: a member joining a group gets its partitions only once
+        # the others gave them up, each step at a heartbeat (KIP-848), so a second process idles meanwhile.
+        # None if a process got none before the run ended.
+        "all_assigned_s": (
+            max(workers.first_assigned.values()) - t_launch
+            if len(workers.first_assigned) == processes
+            else None
+        ),
         "tasks_per_s_after_assignment": done / (t_end - t_assigned),
         # From the moment the worker processes were spawned (interpreter start and imports included, as for
         # `taskq worker`) to the first attempt's start, to FULL_BATCH attempts started, and to the last
