@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,11 @@ import pytest
 
 from taskq._core.db import Database
 from taskq._core.envelope import Envelope
+from taskq._core.errors import StoreUnavailableError
 from taskq._core.kafka import KafkaBroker, Record, RecordSink, RecordSource, TopicAdmin
 from taskq._core.settings import Settings
 from taskq.consumer.forwarder import Forwarder
+from taskq.consumer.store import ClaimRequest, IdempotencyStore, SlotRequest, WorkerRecord
 from taskq.producer.admin import create_topics
 from taskq.schemas import Registry
 from taskq.schemas.errors import RegistryUnavailableError
@@ -276,6 +278,25 @@ def _out_of_reach(app: App) -> Iterator[None]:
             keeper.execute("SELECT pg_reload_conf()")
 
 
+def _judges(app: App, stale: float, *owners: str) -> list[IdempotencyStore]:
+    """Stores of the app's namespace, as the workers (or tools) `owners` claim through them."""
+    ns = app.settings.namespace
+    return [IdempotencyStore(app.db, owner=o, namespace=ns, stale_after=stale) for o in owners]
+
+
+def _record(store: IdempotencyStore) -> WorkerRecord:
+    """The liveness record of the worker claiming through `store`."""
+    return WorkerRecord(store.owner, store.namespace, "g", "h", 1, 4, datetime.now(UTC))
+
+
+def _answered(call: Callable[[], Any]) -> Any:
+    """`call()`, or None where a connection an outage ended failed it (the next call reconnects)."""
+    try:
+        return call()
+    except StoreUnavailableError:
+        return None
+
+
 def test_workers_ride_out_postgres_out_of_reach_without_a_restart_and_take_no_key_of_one_another(
     private_stack: PrivateStack, private_app: App
 ) -> None:
@@ -304,43 +325,29 @@ def test_after_postgres_was_out_of_reach_no_worker_is_presumed_dead_until_its_ju
     # The case for certain: a holds a key (an hour's lease) and a slot, Postgres goes out of reach for longer
     # than stale_after and comes back without a restart, and b claims first. Judged by the heartbeats and
     # the server's start alone, a was dead (its key taken over, its slot given away).
-    from datetime import UTC, datetime
-
-    from taskq._core.errors import StoreUnavailableError
-    from taskq.consumer.store import ClaimRequest, IdempotencyStore, SlotRequest, WorkerRecord
-
     stale = 3.0
-    ns = private_app.settings.namespace
-    a, b = (IdempotencyStore(private_app.db, owner=o, namespace=ns, stale_after=stale) for o in "ab")
+    a, b = _judges(private_app, stale, "a", "b")
     request = [ClaimRequest("k", "id-k", "t.Task", 3600.0)]
     slot, other = ([SlotRequest(k, "t.Call", "partner", 1, 3600.0)] for k in ("k2", "k3"))
-
-    def record(store: IdempotencyStore) -> WorkerRecord:
-        return WorkerRecord(store.owner, ns, "g", "h", 1, 4, datetime(2026, 1, 1, tzinfo=UTC))
-
-    def answered(call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except StoreUnavailableError:
-            return None  # a connection the outage ended: the next call reconnects
-
     try:
         for store in (a, b):
-            store.enter(record(store), lambda pid: True)
+            store.enter(_record(store), lambda pid: True)
         assert a.claim(request)[0].outcome == "claimed"
         assert a.acquire_slots(slot) == {"k2"}
         with _out_of_reach(private_app):
             time.sleep(stale + 1)
-        first = wait_until(lambda: answered(lambda: b.claim(request)[0]), timeout=60, what="a claim after it")
+        first = wait_until(
+            lambda: _answered(lambda: b.claim(request)[0]), timeout=60, what="a claim after it"
+        )
         assert (first.outcome, first.takeovers) == ("running", 0), first
-        assert answered(lambda: b.acquire_slots(other)) == set()  # a's slot still counts
+        assert _answered(lambda: b.acquire_slots(other)) == set()  # a's slot still counts
         # b beats again: a, alive, would beat within stale_after of that.
-        b.beat(record(b), 0)
+        b.beat(_record(b), 0)
         assert b.claim(request)[0].outcome == "running"
 
         # A worker that beats no more is presumed dead once its judge has beaten for stale_after.
         def taken_over() -> Any:
-            b.beat(record(b), 0)
+            b.beat(_record(b), 0)
             return (c := b.claim(request)[0]).outcome == "claimed" and c
 
         assert wait_until(taken_over, timeout=30, what="a takeover").takeovers == 1
@@ -555,17 +562,10 @@ def test_right_after_a_postgres_restart_no_worker_is_presumed_dead_until_it_coul
     # stale the moment Postgres came back: a live worker's keys were taken over by the first claim of another
     # (its outcome then refused, its run redone, and an interruption charged to a key it ran in quarantine,
     # two of which dead-letter a healthy task). Staleness counts from the server's start at the earliest.
-    from datetime import UTC, datetime
-
-    from taskq._core.errors import StoreUnavailableError
-    from taskq.consumer.store import ClaimRequest, IdempotencyStore, SlotRequest, WorkerRecord
-
     stale = 5.0
-    ns = private_app.settings.namespace
-    a, b = (IdempotencyStore(private_app.db, owner=o, namespace=ns, stale_after=stale) for o in "ab")
     # A claimer without a liveness record of its own (a tool) judges by the heartbeats and the restart alone:
     # b, a worker, also waits until it has beaten again for stale_after (the outage left its record stale).
-    tool = IdempotencyStore(private_app.db, owner="tool", namespace=ns, stale_after=stale)
+    a, b, tool = _judges(private_app, stale, "a", "b", "tool")
     request = [ClaimRequest("k", "id-k", "t.Task", 3600.0)]
 
     # And the concurrency slots, whose holders count while they are alive: a key with a limit of one slot.
@@ -573,20 +573,14 @@ def test_right_after_a_postgres_restart_no_worker_is_presumed_dead_until_it_coul
     other = [SlotRequest("k3", "t.Call", "partner", 1, 3600.0)]
 
     def claim(store: IdempotencyStore) -> Any:
-        try:
-            return store.claim(request)[0]
-        except StoreUnavailableError:
-            return None  # the connection the restart broke: the next call reconnects
+        return _answered(lambda: store.claim(request)[0])
 
     def slot_taken(store: IdempotencyStore) -> bool | None:
-        try:
-            return bool(store.acquire_slots(other))
-        except StoreUnavailableError:
-            return None
+        return _answered(lambda: bool(store.acquire_slots(other)))
 
     try:
         for store in (a, b):
-            store.enter(WorkerRecord(store.owner, ns, "g", "h", 1, 4, datetime.now(UTC)), lambda pid: True)
+            store.enter(_record(store), lambda pid: True)
         assert a.claim(request)[0].outcome == "claimed"  # leased for an hour, by a worker alive throughout
         assert a.acquire_slots(slot) == {"k2"}
         private_stack.run("stop", "postgres")
@@ -604,10 +598,7 @@ def test_right_after_a_postgres_restart_no_worker_is_presumed_dead_until_it_coul
         # A worker that then beats no more is presumed dead once stale_after has passed since the restart (and
         # since its judge, which beats as a live worker does, began beating again).
         def taken_over() -> Any:
-            try:
-                b.beat(WorkerRecord(b.owner, ns, "g", "h", 1, 4, datetime.now(UTC)), 0)
-            except StoreUnavailableError:
-                return None
+            _answered(lambda: b.beat(_record(b), 0))  # a failed beat: the claim below fails too
             return (c := claim(b)) is not None and c.outcome == "claimed" and c
 
         taken = wait_until(taken_over, timeout=30, what="a takeover")

@@ -267,6 +267,13 @@ def test_a_key_leased_by_a_worker_whose_heartbeat_is_stale_is_taken_over_as_the_
     assert b.reset_for_replay("k") and b.get("k")["takeovers"] == 0
 
 
+def _taken_beating(store: Any, key: str) -> Any:
+    """The store's worker beats, as a live one does (only then does it judge others by theirs), and claims
+    `key`: the claim if it was taken over, else None."""
+    store.beat(worker(store.owner), 0)
+    return next((c for c in store.claim([req(key)]) if c.outcome == "claimed"), None)
+
+
 def test_a_takeover_counts_as_an_interruption_only_when_the_dead_worker_had_marked_the_run_started(
     stores: tuple[Any, Any],
 ) -> None:
@@ -276,11 +283,9 @@ def test_a_takeover_counts_as_an_interruption_only_when_the_dead_worker_had_mark
     a.stale_after = b.stale_after = 0.3  # seconds; the owner beats no more, and its taker beats as it waits
 
     def take(store: Any) -> Any:
-        def taken() -> Any:
-            store.beat(worker(store.owner), 0)  # a live worker beats: only then does it judge others'
-            return next((c for c in store.claim([req("k")]) if c.outcome == "claimed"), None)
-
-        return wait_until(taken, timeout=10, what="the owner's heartbeat to go stale")
+        return wait_until(
+            lambda: _taken_beating(store, "k"), timeout=10, what="the owner's heartbeat to go stale"
+        )
 
     a.claim([req("k", lease=300)])
     # a claimed the key ahead and died without starting it (a plain run marks nothing either): a takeover.
@@ -344,11 +349,8 @@ def test_after_an_outage_every_worker_sat_out_no_worker_is_presumed_dead_until_i
         time.sleep(0.05)
 
     # A worker that stays silent once its judge has beaten for stale_after is presumed dead, as ever.
-    def taken() -> Any:
-        b.beat(worker("b"), 0)
-        return next((c for c in b.claim([req("k")]) if c.outcome == "claimed"), None)
-
-    assert wait_until(taken, timeout=10, what="a's heartbeat to go stale").takeovers == 1
+    taken = wait_until(lambda: _taken_beating(b, "k"), timeout=10, what="a's heartbeat to go stale")
+    assert taken.takeovers == 1
 
 
 def test_keys_of_a_worker_without_a_liveness_record_wait_for_their_lease(stores: tuple[Any, Any]) -> None:
