@@ -476,7 +476,6 @@ class _Workers:
         self.started: dict[str, float] = {}
         self.completed: dict[str, float] = {}
         self.partitions: dict[int, int] = {}
-        self.assigned_at: float | None = None
         #: Each runner's first partition assignment: a group's members get theirs over a few heartbeats.
         self.first_assigned: dict[int, float] = {}
         self.launched_at: float | None = None
@@ -499,6 +498,11 @@ class _Workers:
             # Started as programs (never forked: this process already runs librdkafka and psycopg threads).
             self._runners += [_Runner(bare, i, spec, self._out) for i in range(processes)]
 
+    @property
+    def assigned_at(self) -> float | None:
+        """The group's first partition assignment, to any runner."""
+        return min(self.first_assigned.values(), default=None)
+
     def __enter__(self) -> _Workers:
         # The monotonic clock is the machine's: the spawned processes' times compare with this one.
         self.spawned_at = time.monotonic()
@@ -517,7 +521,6 @@ class _Workers:
             self.completed.setdefault(key, t)  # a copy redelivered across a rebalance counts once
         self.partitions[report.runner] = report.partitions
         if report.assigned_at is not None:
-            self.assigned_at = min(self.assigned_at or report.assigned_at, report.assigned_at)
             self.first_assigned.setdefault(report.runner, report.assigned_at)
         if report.final:
             self._finals.append(report)
