@@ -174,7 +174,7 @@ def cmd_bench_ceiling(args: argparse.Namespace) -> int:
             f"{data['lean_wal_bytes_per_task']:.0f} B of WAL a task)",
         ),
         row(
-            "+ a savepoint and an INSERT per task",
+            "+ an INSERT per task, in groups",
             data["transactional_per_s"],
             f"(the ceiling of a transactional worker, groups of {data['group_max']}; "
             f"{data['transactional_effects']} effects, {data['transactional_completed']} completions)",

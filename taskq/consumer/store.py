@@ -46,6 +46,18 @@ __all__ = [
 #: a key leased by a forgotten worker is free by then anyway.
 FORGET_WORKERS_AFTER = 24 * 3600.0
 
+#: Groups run without a savepoint per member while fewer than this share of recent groups had a member
+#: that raised. A savepoint is a statement and a subtransaction a member, a quarter of an exactly-once
+#: task's cost; without them a member that raises costs its group a second pass, with them. Counted over
+#: about the last eight groups (a moving average), so a task type that keeps failing turns them back on
+#: within two or three groups, and they go again a few clean groups after it stops.
+SAVEPOINTS_ABOVE = 0.2
+
+#: How a pass of a group ended: committed; dropped because a member raised where it had no savepoint (run
+#: it again with savepoints); dropped for a statement that failed at the server (run it again member by
+#: member).
+_COMMITTED, _RAISED, _FAILED = "committed", "raised", "failed"
+
 
 class LeaseLostError(Exception):
     """Another worker took over this key's lease; this attempt's completion was not recorded."""
@@ -68,7 +80,7 @@ def _never() -> bool:
 class Member:
     """One attempt of a group commit: its key, and the handler call to run on the group's connection.
 
-    After the group ran: `error` is what the call raised (its writes rolled back to its savepoint), or
+    After the group ran: `error` is what the call raised (its writes rolled back, and no other's), or
     NotStarted if `skip()` was true when its turn came, or None and `result` what it returned; `seconds`
     its wall time.
     """
@@ -137,6 +149,8 @@ class IdempotencyStore:
         self._thread_conns: list[Connection] = []
         self._slots_conn: Connection | None = None
         self._wf_conn: Connection | None = None
+        #: The recent share of groups with a member that raised (see SAVEPOINTS_ABOVE).
+        self._raising = 0.0
 
     def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim each key for one attempt; answers in request order. A key twice in one batch: 'duplicate'."""
@@ -314,60 +328,74 @@ class IdempotencyStore:
     def run_group(self, members: Sequence[Member]) -> None:
         """Run transactional attempts in one transaction on one connection (group commit).
 
-        Each call runs under a savepoint: one that raises is rolled back alone and keeps its error. The
-        completions of the others are recorded in the same transaction, so the commit makes every effect
-        and its completion durable together, and a failed commit raises (the driver's error) and leaves
-        none. If another worker took over a member's lease, the whole group is rolled back: LeaseLostError
-        names the lost keys, and nothing of the group is recorded.
+        A call that raises is rolled back alone and keeps its error. The completions of the others are
+        recorded in the same transaction, so the commit makes every effect and its completion durable
+        together, and a failed commit raises (the driver's error) and leaves none. If another worker took
+        over a member's lease, the whole group is rolled back: LeaseLostError names the lost keys, and
+        nothing of the group is recorded.
 
         The members' statements are pipelined: sent as they are made, answered together at the end, so a
-        group costs a few round trips, not one per statement. A statement that fails at the server cannot
-        be told from the others' there: the group is then rolled back whole and run again with each
-        member answered before the next, so the failing member fails alone (its handler, and those of
-        the group's other members, are called twice in that attempt; only the second call's writes count).
+        group costs a few round trips, not one per statement. While members seldom raise, they run without
+        a savepoint each (SAVEPOINTS_ABOVE): a member that raises then drops the pass, and the group runs
+        again with one per member, the members before it and itself called a second time. A statement that
+        fails at the server cannot be told from the others' there: the group is then rolled back whole and
+        run again with each member answered before the next, so the failing member fails alone. Either way
+        only the last call's writes count.
         """
         conn = self._thread_connection()
         try:
-            if not self._run_members(conn, members, answer_each=False):
-                for member in members:
-                    if not isinstance(member.error, NotStarted):  # one not started stays so
-                        member.result, member.error, member.seconds = None, None, 0.0
-                self._run_members(conn, members, answer_each=True)
+            savepoints = self._raising >= SAVEPOINTS_ABOVE
+            ended = self._run_members(conn, members, savepoints=savepoints, answer_each=False)
+            if ended == _RAISED:
+                _restart(members)
+                ended = self._run_members(conn, members, savepoints=True, answer_each=False)
+            if ended == _FAILED:
+                _restart(members)
+                self._run_members(conn, members, savepoints=True, answer_each=True)
+            raised = any(m.error is not None and not isinstance(m.error, NotStarted) for m in members)
+            # Groups run side by side on their threads: an update lost between two of them is harmless.
+            self._raising += (raised - self._raising) / 8
         finally:
             self._check_in(conn)
 
-    def _run_members(self, conn: Connection, members: Sequence[Member], *, answer_each: bool) -> bool:
-        """One pass of `run_group`; False if it was rolled back for a statement that failed at the server
-        (only when not `answer_each`)."""
+    def _run_members(
+        self, conn: Connection, members: Sequence[Member], *, savepoints: bool, answer_each: bool
+    ) -> str:
+        """One pass of `run_group`: how it ended (_COMMITTED, _RAISED or _FAILED; only _COMMITTED when
+        `answer_each`)."""
         # Autocommit for the pass, so the transaction below sends the only BEGIN: with it off, the driver
         # adds its own before the first statement (it cannot see the first BEGIN unanswered in the pipeline),
         # a statement and a server warning per group. Set on the client alone, no round trip.
         conn.autocommit = True
         try:
-            return self._run_pass(conn, members, answer_each=answer_each)
+            return self._run_pass(conn, members, savepoints=savepoints, answer_each=answer_each)
         finally:
             if not conn.closed:
                 conn.autocommit = False
 
-    def _run_pass(self, conn: Connection, members: Sequence[Member], *, answer_each: bool) -> bool:
-        committing = False
+    def _run_pass(
+        self, conn: Connection, members: Sequence[Member], *, savepoints: bool, answer_each: bool
+    ) -> str:
+        ended = _FAILED
         with conn.pipeline() as pipeline:
             # The group's transaction, its BEGIN and COMMIT sent with the group's statements: two round trips
             # a group (its statements and completions answered together, then the commit), where
             # `conn.transaction()` would sync the pipeline on entry and exit. Committed on a clean exit.
             with psycopg.Transaction(conn):
-                savepoints = conn.cursor()  # one cursor for every member's savepoint: none built per member
+                cursor = conn.cursor()  # one cursor for every member's savepoint: none built per member
                 for i, member in enumerate(members):
                     if isinstance(member.error, NotStarted) or member.skip():
                         member.error = member.error or NotStarted(f"{member.idempotency_key}: not started")
                         continue
                     started = time.monotonic()
-                    # A savepoint per member, so a failing member rolls back alone. Never released: a RELEASE
-                    # would be one more statement per member, and the group commits them all. Each its own
-                    # name: a rollback to the savepoint of a member whose statements the server skipped fails,
-                    # where a shared name would roll back an earlier member's failed writes and hide them.
+                    # With `savepoints`, one per member, so a failing member rolls back alone. Never
+                    # released: a RELEASE would be one more statement per member, and the group commits them
+                    # all. Each its own name: a rollback to the savepoint of a member whose statements the
+                    # server skipped fails, where a shared name would roll back an earlier member's failed
+                    # writes and hide them.
                     savepoint = f"taskq_member_{i}"
-                    savepoints.execute(f"SAVEPOINT {savepoint}", prepare=False)
+                    if savepoints:
+                        cursor.execute(f"SAVEPOINT {savepoint}", prepare=False)
                     try:
                         member.result = member.call(conn)
                         if answer_each:
@@ -379,11 +407,20 @@ class IdempotencyStore:
                                 )
                     except Exception as exc:
                         member.error = exc
+                        member.seconds = time.monotonic() - started
+                        if not savepoints:
+                            # Its writes cannot be rolled back alone: this pass is dropped, and the group
+                            # runs again with savepoints (member by member if a statement failed at the
+                            # server). Answered first, as below: a ROLLBACK into an aborted pipeline fails.
+                            if _answer(conn, pipeline) and not isinstance(exc, psycopg.Error):
+                                ended = _RAISED
+                            raise psycopg.Rollback from None
                         if answer_each:
                             _answer(conn, pipeline)  # statements it left queued: their errors are its own
-                        savepoints.execute(f"ROLLBACK TO SAVEPOINT {savepoint}", prepare=False)
+                        cursor.execute(f"ROLLBACK TO SAVEPOINT {savepoint}", prepare=False)
                         if answer_each:
                             pipeline.sync()
+                        continue
                     member.seconds = time.monotonic() - started
                 # Delivery guarantee: a server-side failure in an unanswered pipeline may belong to any member
                 # (a handler may have seen another's error), so nothing of this pass is kept; the caller runs
@@ -416,9 +453,9 @@ class IdempotencyStore:
                 if lost:
                     # Raised inside the transaction: every member's writes roll back with it.
                     raise LeaseLostError(f"leases taken over during a group commit: {sorted(lost)}", lost)
-                committing = True
+                ended = _COMMITTED
         # Leaving the pipeline sent the COMMIT and waited for it: a failed commit raised the driver's error.
-        return committing
+        return ended
 
     def enter(self, worker: WorkerRecord, alive: Callable[[int], bool]) -> set[str]:
         """Write the worker's liveness record, and mark dead the workers of its host started before it whose
@@ -542,6 +579,13 @@ class IdempotencyStore:
                 if not conn.closed and not in_transaction(conn):
                     conn.close()
             self._thread_conns = []
+
+
+def _restart(members: Sequence[Member]) -> None:
+    """Forget what a dropped pass left on the members, for the next one (one not started stays so)."""
+    for member in members:
+        if not isinstance(member.error, NotStarted):
+            member.result, member.error, member.seconds = None, None, 0.0
 
 
 def _answer(conn: Connection, pipeline: psycopg.Pipeline) -> bool:

@@ -377,14 +377,14 @@ def test_sigterm_finishes_in_flight_tasks_and_the_rest_run_once_elsewhere(app: A
     app.enqueue_ledger(keys, copies=1, sleep=1.5)
     shutdown_timeout = 10
     first = app.spawn("--concurrency", "2", "--shutdown-timeout", str(shutdown_timeout))
-    # A task in flight: a handler running in its group's transaction, its savepoint the last statement
-    # (pipelined, not yet answered: the session is 'active') - a key in state 'running' is only claimed,
-    # possibly still waiting in the buffer.
+    # A task in flight: a handler running in its group's transaction, its marker the last statement
+    # (pipelined, perhaps not yet answered: the session is 'active') - a key in state 'running' is only
+    # claimed, possibly still waiting in the buffer.
     wait_until(
         lambda: app.scalar(
             "SELECT count(*) FROM pg_stat_activity "
-            "WHERE state IN ('active', 'idle in transaction') AND query LIKE %s AND application_name = %s",
-            "SAVEPOINT taskq\\_member%",
+            "WHERE state IN ('active', 'idle in transaction') AND query = %s AND application_name = %s",
+            "SELECT 'ledger task in flight'",
             app.ns,  # the worker's sessions (env_of's PGAPPNAME), not those of tests running beside this one
         )
         >= 1,
@@ -412,8 +412,8 @@ def test_a_second_signal_exits_at_once(app: App) -> None:
     wait_until(
         lambda: app.scalar(
             "SELECT count(*) FROM pg_stat_activity "
-            "WHERE state IN ('active', 'idle in transaction') AND query LIKE %s AND application_name = %s",
-            "SAVEPOINT taskq\\_member%",
+            "WHERE state IN ('active', 'idle in transaction') AND query = %s AND application_name = %s",
+            "SELECT 'ledger task in flight'",
             app.ns,  # the worker's sessions (env_of's PGAPPNAME), not those of tests running beside this one
         )
         == 1,

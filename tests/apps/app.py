@@ -101,6 +101,8 @@ CREATE TABLE IF NOT EXISTS limit_pauses (
 @handlers.task(f"{NS}.Ledger", schema=S["Ledger"], transactional=True, timeout=4)
 def ledger(payload: dict[str, Any], ctx: TaskContext) -> None:
     if payload["sleep"]:
+        # Sent at once (the group's statements are pipelined): pg_stat_activity shows a ledger task in flight.
+        ctx.db.execute("SELECT 'ledger task in flight'")
         time.sleep(payload["sleep"])
     ctx.db.execute(
         "INSERT INTO ledger (key, amount, task_id, priority, worker) VALUES (%s, %s, %s, %s, %s)",

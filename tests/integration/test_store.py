@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+from psycopg import pq
 
 from taskq._core.db import Database, Transaction
 from taskq._core.errors import StoreUnavailableError
@@ -339,6 +341,99 @@ def test_a_group_commit_records_the_members_that_returned_and_rolls_back_the_one
     assert [type(m.error).__name__ if m.error else None for m in members] == [None, "ValueError", None]
     assert _group_effects(db) == ["a", "c"]  # the raising member's write rolled back to its savepoint, alone
     assert [store.get(k)["state"] for k in ("a", "b", "c")] == ["completed", "running", "completed"]
+    store.close()
+
+
+def _statements_sent(conn: Any, run: Any) -> list[str]:
+    """The statements `run()` sent on `conn`, read from libpq's trace of the wire (what the server got)."""
+    with tempfile.TemporaryFile() as trace:
+        conn.pgconn.trace(trace.fileno())
+        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        try:
+            run()
+        finally:
+            conn.pgconn.untrace()
+        trace.seek(0)
+        lines = trace.read().decode().splitlines()
+    return [line.split('"')[3] for line in lines if line.startswith("F") and "\tParse\t" in line]
+
+
+def _a_group_connection(store: IdempotencyStore) -> Any:
+    """The connection this thread's groups run on (a first group opens it)."""
+    conns: list[Any] = []
+    store.run_group([Member("a", 1, lambda conn: conns.append(conn))])
+    return conns[0]
+
+
+def test_a_group_whose_members_all_return_sends_no_savepoint(db: Database) -> None:
+    # A savepoint per member was a statement and a subtransaction per task, a quarter of an exactly-once
+    # task's cost; with no member raising, nothing needs rolling back alone.
+    store = _group_store(db)
+    store.claim([ClaimRequest(k, k, "t", 60.0) for k in ("d", "e")])
+    conn = _a_group_connection(store)
+    sent = _statements_sent(conn, lambda: store.run_group([Member(k, 1, _insert(k)) for k in ("b", "c", "d")]))
+    assert not [s for s in sent if "SAVEPOINT" in s], sent
+    assert sent.count("INSERT INTO group_effects (k) VALUES ($1)") == 3
+    assert _group_effects(db) == ["b", "c", "d"]
+    assert [store.get(k)["state"] for k in ("a", "b", "c", "d")] == ["completed"] * 4
+    store.close()
+
+
+def test_a_member_that_raises_costs_its_group_a_second_pass_with_savepoints(db: Database) -> None:
+    # Its writes cannot be rolled back alone without a savepoint: the pass is dropped, and the group runs
+    # again with one per member. The members before it and itself are called twice in that attempt; only
+    # the second calls' writes count.
+    store = _group_store(db)
+    conn = _a_group_connection(store)
+    calls: list[str] = []
+
+    def member(key: str, *, then_raise: bool = False) -> Member:
+        insert = _insert(key, then_raise=then_raise)
+
+        def call(conn: Any) -> None:
+            calls.append(key)
+            insert(conn)
+
+        return Member(key, 1, call)
+
+    members = [member("b"), member("c", then_raise=True), member("d")]
+    store.claim([ClaimRequest("d", "d", "t", 60.0)])
+    sent = _statements_sent(conn, lambda: store.run_group(members))
+    assert calls == ["b", "c", "b", "c", "d"]
+    assert [type(m.error).__name__ if m.error else None for m in members] == [None, "ValueError", None]
+    assert _group_effects(db) == ["b", "d"]
+    assert [store.get(k)["state"] for k in ("b", "c", "d")] == ["completed", "running", "completed"]
+    assert [s for s in sent if s.startswith("SAVEPOINT")] == [f"SAVEPOINT taskq_member_{i}" for i in range(3)]
+    store.close()
+
+
+def test_groups_keep_savepoints_while_members_keep_raising_and_drop_them_once_they_stop(db: Database) -> None:
+    # Where most groups have a member that raises, a first pass without savepoints is mostly wasted: the
+    # store sends them from the start until groups stop raising.
+    store = _group_store(db)
+    keys = [f"k{i}" for i in range(40)]
+    store.claim([ClaimRequest(k, k, "t", 60.0) for k in keys])
+    conn = _a_group_connection(store)
+
+    def raising_group(key: str) -> int:
+        calls: list[str] = []
+
+        def call(conn: Any) -> None:
+            calls.append(key)
+            raise ValueError("always")
+
+        store.run_group([Member(key, 1, call)])
+        return len(calls)
+
+    assert raising_group(keys[0]) == 2  # the first pass, without savepoints, and the second, with
+    passes = [raising_group(k) for k in keys[1:6]]
+    assert passes[-1] == 1, passes  # raising groups no longer pay a first pass
+    sent = _statements_sent(conn, lambda: store.run_group([Member(keys[6], 1, _insert(keys[6]))]))
+    assert "SAVEPOINT taskq_member_0" in sent  # nor does a clean group right after them
+    for k in keys[7:30]:
+        store.run_group([Member(k, 1, _insert(k))])
+    sent = _statements_sent(conn, lambda: store.run_group([Member(keys[30], 1, _insert(keys[30]))]))
+    assert not [s for s in sent if "SAVEPOINT" in s], sent  # clean groups again: no savepoints
     store.close()
 
 
