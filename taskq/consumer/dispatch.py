@@ -497,6 +497,8 @@ class Dispatch:
                 ctx.db = conn
                 ctx.deadline = time.monotonic() + timeout if timeout else None
                 if self._tracer.active():
+                    if task.span is not None:  # a call of a pass its group dropped: its writes rolled back
+                        self._tracer.finish(task.span, "rerun")
                     task.span, trace = self._attempt_span(task)
                     returned = trace.run(task.spec.fn, task.payload, ctx)
                 else:

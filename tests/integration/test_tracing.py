@@ -140,3 +140,50 @@ def test_a_task_staged_in_the_outbox_keeps_the_context_of_its_enqueue(
     sc = send.context
     expected = f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"
     assert dict(record.headers)["traceparent"] == expected.encode()
+
+
+def test_a_call_run_again_in_its_group_ends_its_span_as_rerun(
+    settings: Settings, task_schema: Any, exporter: InMemorySpanExporter
+) -> None:
+    # A transactional handler that raises in a group without savepoints is called again in the same
+    # attempt: the first call's span ends too, and says so, instead of never being exported.
+    schema = task_schema("Rerun", [{"name": "id", "type": "string"}])
+    task_type = f"{settings.namespace}.Rerun"
+    handlers = Handlers()
+    calls: list[int] = []
+
+    @handlers.task(
+        task_type,
+        schema=schema,
+        transactional=True,
+        retry=RetryPolicy(max_attempts=2, base=timedelta(milliseconds=50), jitter=0),
+    )
+    def flaky(payload: dict[str, Any], ctx: Any) -> None:
+        calls.append(trace.get_current_span().get_span_context().span_id)
+        if ctx.attempt == 1:
+            raise RuntimeError("the first attempt fails")
+
+    with TaskProducer(settings, schemas=[schema], auto_register=True) as producer:
+        receipt = producer.enqueue(task_type, {"id": "r"}, wait=True)
+    events = RecordingHook()
+    worker = Worker(handlers, settings, WorkerConfig(concurrency=2, commit_interval=0.2), hooks=[events])
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        events.count(TaskCompleted, 1, timeout=30)
+    finally:
+        worker.stop()
+        thread.join(60)
+
+    attempts = [
+        s
+        for s in _named(exporter.get_finished_spans(), "process ")
+        if s.attributes and s.attributes["messaging.message.id"] == receipt.task_id
+    ]
+    assert len(calls) == 3  # attempt 1 without savepoints, then with them; attempt 2
+    assert sorted(calls) == sorted(s.context.span_id for s in attempts)
+    assert [((s.attributes or {}).get("taskq.attempt"), (s.attributes or {}).get("taskq.outcome")) for s in attempts] == [
+        (1, "rerun"),
+        (1, "retried"),
+        (2, "completed"),
+    ]
