@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -48,9 +49,10 @@ FORGET_WORKERS_AFTER = 24 * 3600.0
 
 #: Groups run without a savepoint per member while fewer than this share of recent groups had a member
 #: that raised. A savepoint is a statement and a subtransaction a member, a quarter of an exactly-once
-#: task's cost; without them a member that raises costs its group a second pass, with them. Counted over
-#: about the last eight groups (a moving average), so a task type that keeps failing turns them back on
-#: within two or three groups, and they go again a few clean groups after it stops.
+#: task's cost. Without them a member that raises before sending a statement costs nothing more, but one
+#: that raises after costs its group a second pass, with them. Counted over about the last eight groups (a
+#: moving average), so a task type that keeps failing turns them back on within two or three groups, and
+#: they go again a few clean groups after it stops.
 SAVEPOINTS_ABOVE = 0.2
 
 #: How a pass of a group ended: committed; dropped because a member raised where it had no savepoint (run
@@ -336,8 +338,9 @@ class IdempotencyStore:
 
         The members' statements are pipelined: sent as they are made, answered together at the end, so a
         group costs a few round trips, not one per statement. While members seldom raise, they run without
-        a savepoint each (SAVEPOINTS_ABOVE): a member that raises then drops the pass, and the group runs
-        again with one per member, the members before it and itself called a second time. A statement that
+        a savepoint each (SAVEPOINTS_ABOVE). A member that raises before sending a statement has nothing to
+        roll back, and the pass goes on; one that raises after drops the pass, and the group runs again
+        with a savepoint per member, the members before it and itself called a second time. A statement that
         fails at the server cannot be told from the others' there: the group is then rolled back whole and
         run again with each member answered before the next, so the failing member fails alone. Either way
         only the last call's writes count.
@@ -378,10 +381,15 @@ class IdempotencyStore:
     ) -> str:
         ended = _FAILED
         with conn.pipeline() as pipeline:
+            # Every command the driver sends in the pipeline, whichever cursor sends it, queues its result
+            # here first: a member that queued none sent nothing, and its writes are none.
+            queued = pipeline.result_queue = _Counted()
             # The group's transaction, its BEGIN and COMMIT sent with the group's statements: two round trips
             # a group (its statements and completions answered together, then the commit), where
             # `conn.transaction()` would sync the pipeline on entry and exit. Committed on a clean exit.
             with psycopg.Transaction(conn):
+                if not queued.total:  # the BEGIN was not counted: a driver that queues elsewhere
+                    savepoints = True
                 cursor = conn.cursor()  # one cursor for every member's savepoint: none built per member
                 for i, member in enumerate(members):
                     if isinstance(member.error, NotStarted) or member.skip():
@@ -396,6 +404,7 @@ class IdempotencyStore:
                     savepoint = f"taskq_member_{i}"
                     if savepoints:
                         cursor.execute(f"SAVEPOINT {savepoint}", prepare=False)
+                    before = queued.total
                     try:
                         member.result = member.call(conn)
                         if answer_each:
@@ -409,6 +418,8 @@ class IdempotencyStore:
                         member.error = exc
                         member.seconds = time.monotonic() - started
                         if not savepoints:
+                            if queued.total == before and not isinstance(exc, psycopg.Error):
+                                continue  # it sent nothing: nothing of it to roll back, and the pass goes on
                             # Its writes cannot be rolled back alone: this pass is dropped, and the group
                             # runs again with savepoints (member by member if a statement failed at the
                             # server). Answered first, as below: a ROLLBACK into an aborted pipeline fails.
@@ -579,6 +590,16 @@ class IdempotencyStore:
                 if not conn.closed and not in_transaction(conn):
                     conn.close()
             self._thread_conns = []
+
+
+class _Counted(deque[Any]):
+    """A pipeline's queue of pending results that counts what was ever queued on it (`total`)."""
+
+    total = 0
+
+    def append(self, item: Any) -> None:
+        self.total += 1
+        super().append(item)
 
 
 def _restart(members: Sequence[Member]) -> None:

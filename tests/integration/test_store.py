@@ -407,9 +407,41 @@ def test_a_member_that_raises_costs_its_group_a_second_pass_with_savepoints(db: 
     store.close()
 
 
+def test_a_member_that_raises_before_sending_a_statement_is_called_once_and_its_group_goes_on(
+    db: Database,
+) -> None:
+    # Nothing of it is in the transaction, so nothing needs rolling back: no second pass, and each attempt
+    # is one call (a handler that fails on its input, or on a service it calls before writing, the usual way).
+    store = _group_store(db)
+    conn = _a_group_connection(store)
+    calls: list[str] = []
+
+    def member(key: str, *, raise_first: bool = False) -> Member:
+        insert = _insert(key)
+
+        def call(conn: Any) -> None:
+            calls.append(key)
+            if raise_first:
+                raise ValueError(f"member {key} failed before writing")
+            insert(conn)
+
+        return Member(key, 1, call)
+
+    members = [member("b"), member("c", raise_first=True)]
+    store.claim([ClaimRequest("d", "d", "t", 60.0)])
+    members.append(member("d"))
+    sent = _statements_sent(conn, lambda: store.run_group(members))
+    assert calls == ["b", "c", "d"]
+    assert [type(m.error).__name__ if m.error else None for m in members] == [None, "ValueError", None]
+    assert _group_effects(db) == ["b", "d"]
+    assert [store.get(k)["state"] for k in ("b", "c", "d")] == ["completed", "running", "completed"]
+    assert not [s for s in sent if "SAVEPOINT" in s], sent
+    store.close()
+
+
 def test_groups_keep_savepoints_while_members_keep_raising_and_drop_them_once_they_stop(db: Database) -> None:
-    # Where most groups have a member that raises, a first pass without savepoints is mostly wasted: the
-    # store sends them from the start until groups stop raising.
+    # Where most groups have a member that raises after writing, a first pass without savepoints is mostly
+    # wasted: the store sends them from the start until groups stop raising.
     store = _group_store(db)
     keys = [f"k{i}" for i in range(40)]
     store.claim([ClaimRequest(k, k, "t", 60.0) for k in keys])
@@ -420,7 +452,7 @@ def test_groups_keep_savepoints_while_members_keep_raising_and_drop_them_once_th
 
         def call(conn: Any) -> None:
             calls.append(key)
-            raise ValueError("always")
+            _insert(key, then_raise=True)(conn)
 
         store.run_group([Member(key, 1, call)])
         return len(calls)

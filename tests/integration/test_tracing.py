@@ -49,6 +49,25 @@ def _named(spans: tuple[ReadableSpan, ...], prefix: str) -> list[ReadableSpan]:
     return sorted((s for s in spans if s.name.startswith(prefix)), key=lambda s: s.start_time or 0)
 
 
+def _attempts(spans: tuple[ReadableSpan, ...], task_id: str) -> list[ReadableSpan]:
+    """The `process` spans of a task's handler calls, in the order they started."""
+    calls = _named(spans, "process ")
+    return [s for s in calls if (s.attributes or {}).get("messaging.message.id") == task_id]
+
+
+def _run_until_one_completes(handlers: Handlers, settings: Settings) -> None:
+    """Run a worker until it has completed a task, then stop it."""
+    events = RecordingHook()
+    worker = Worker(handlers, settings, WorkerConfig(concurrency=2, commit_interval=0.2), hooks=[events])
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        events.count(TaskCompleted, 1, timeout=30)
+    finally:
+        worker.stop()
+        thread.join(60)
+
+
 def test_a_trace_runs_from_enqueue_through_a_retry_to_completion(
     settings: Settings, task_schema: Any, exporter: InMemorySpanExporter
 ) -> None:
@@ -71,15 +90,7 @@ def test_a_trace_runs_from_enqueue_through_a_retry_to_completion(
         TaskProducer(settings, schemas=[schema], auto_register=True) as producer,
     ):
         receipt = producer.enqueue(task_type, {"id": "a"}, wait=True)
-    events = RecordingHook()
-    worker = Worker(handlers, settings, WorkerConfig(concurrency=2, commit_interval=0.2), hooks=[events])
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
-        events.count(TaskCompleted, 1, timeout=30)
-    finally:
-        worker.stop()
-        thread.join(60)
+    _run_until_one_completes(handlers, settings)
 
     spans = exporter.get_finished_spans()
     tier = Topics(settings.namespace, settings.delay_tiers).tier("normal")
@@ -89,11 +100,7 @@ def test_a_trace_runs_from_enqueue_through_a_retry_to_completion(
     assert send.attributes is not None and send.attributes["messaging.message.id"] == receipt.task_id
     trace_id, send_id = send.context.trace_id, send.context.span_id
 
-    attempts = [
-        s
-        for s in _named(spans, "process ")
-        if s.attributes and s.attributes["messaging.message.id"] == receipt.task_id
-    ]
+    attempts = _attempts(spans, receipt.task_id)
     assert [(s.attributes or {}).get("taskq.attempt") for s in attempts] == [1, 2]
     assert [(s.attributes or {}).get("taskq.outcome") for s in attempts] == ["retried", "completed"]
     for span in attempts:
@@ -145,8 +152,8 @@ def test_a_task_staged_in_the_outbox_keeps_the_context_of_its_enqueue(
 def test_a_call_run_again_in_its_group_ends_its_span_as_rerun(
     settings: Settings, task_schema: Any, exporter: InMemorySpanExporter
 ) -> None:
-    # A transactional handler that raises in a group without savepoints is called again in the same
-    # attempt: the first call's span ends too, and says so, instead of never being exported.
+    # A transactional handler that raises after a statement in a group without savepoints is called again
+    # in the same attempt: the first call's span ends too, and says so, instead of never being exported.
     schema = task_schema("Rerun", [{"name": "id", "type": "string"}])
     task_type = f"{settings.namespace}.Rerun"
     handlers = Handlers()
@@ -160,30 +167,16 @@ def test_a_call_run_again_in_its_group_ends_its_span_as_rerun(
     )
     def flaky(payload: dict[str, Any], ctx: Any) -> None:
         calls.append(trace.get_current_span().get_span_context().span_id)
+        ctx.db.execute("SELECT 1")
         if ctx.attempt == 1:
             raise RuntimeError("the first attempt fails")
 
     with TaskProducer(settings, schemas=[schema], auto_register=True) as producer:
         receipt = producer.enqueue(task_type, {"id": "r"}, wait=True)
-    events = RecordingHook()
-    worker = Worker(handlers, settings, WorkerConfig(concurrency=2, commit_interval=0.2), hooks=[events])
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
-        events.count(TaskCompleted, 1, timeout=30)
-    finally:
-        worker.stop()
-        thread.join(60)
+    _run_until_one_completes(handlers, settings)
 
-    attempts = [
-        s
-        for s in _named(exporter.get_finished_spans(), "process ")
-        if s.attributes and s.attributes["messaging.message.id"] == receipt.task_id
-    ]
+    attempts = _attempts(exporter.get_finished_spans(), receipt.task_id)
     assert len(calls) == 3  # attempt 1 without savepoints, then with them; attempt 2
     assert sorted(calls) == sorted(s.context.span_id for s in attempts)
-    assert [((s.attributes or {}).get("taskq.attempt"), (s.attributes or {}).get("taskq.outcome")) for s in attempts] == [
-        (1, "rerun"),
-        (1, "retried"),
-        (2, "completed"),
-    ]
+    ends = [(a["taskq.attempt"], a["taskq.outcome"]) for a in (s.attributes or {} for s in attempts)]
+    assert ends == [(1, "rerun"), (1, "retried"), (2, "completed")]
