@@ -383,7 +383,7 @@ class IdempotencyStore:
         with conn.pipeline() as pipeline:
             # Every command the driver sends in the pipeline, whichever cursor sends it, queues its result
             # here first: a member that queued none sent nothing, and its writes are none.
-            queued = pipeline.result_queue = _Counted()
+            queued = pipeline.result_queue = _Counted(pipeline.result_queue)
             # The group's transaction, its BEGIN and COMMIT sent with the group's statements: two round trips
             # a group (its statements and completions answered together, then the commit), where
             # `conn.transaction()` would sync the pipeline on entry and exit. Committed on a clean exit.
@@ -593,7 +593,8 @@ class IdempotencyStore:
 
 
 class _Counted(deque[Any]):
-    """A pipeline's queue of pending results that counts what was ever queued on it (`total`)."""
+    """A pipeline's queue of pending results that counts what is queued on it from now on (`total`); made
+    from the queue it replaces, so results already pending stay in line."""
 
     total = 0
 
