@@ -401,8 +401,8 @@ class IdempotencyStore:
                     # all. Each its own name: a rollback to the savepoint of a member whose statements the
                     # server skipped fails, where a shared name would roll back an earlier member's failed
                     # writes and hide them.
-                    savepoint = f"taskq_member_{i}"
-                    if savepoints:
+                    savepoint = f"taskq_member_{i}" if savepoints else ""
+                    if savepoint:
                         cursor.execute(f"SAVEPOINT {savepoint}", prepare=False)
                     before = queued.total
                     try:
