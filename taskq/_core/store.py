@@ -161,7 +161,8 @@ class Store:
     """Every named query of sql/queries.sql, one method each: the only code that names a query.
 
     Idempotency records belong to a namespace (namespaces may share a database): each of their methods
-    takes the namespace first and reads or writes that namespace's records only.
+    takes the namespace first and reads or writes that namespace's records only. Claims, completions and
+    failures outside a transaction, the worker's round trips, go through libpq (`Database.round_trip`).
     """
 
     def __init__(self, database: Database) -> None:
@@ -176,28 +177,40 @@ class Store:
         Keys leased by a worker whose heartbeat is older than `stale_after` seconds, or that was marked
         dead, are taken over.
         """
-        rows = self.database.all("claim", **_claim_params(namespace, owner, requests, stale_after))
+        [rows] = self.database.round_trip(("claim", _claim_params(namespace, owner, requests, stale_after)))
         return _claims(requests, rows)
 
-    def send_claim(
+    def finish_and_claim(
         self,
         namespace: str,
         owner: str,
+        done: Sequence[Finished],
+        failed: Sequence[Finished],
         requests: Sequence[ClaimRequest],
         *,
         stale_after: float,
-        tx: Transaction,
-    ) -> Callable[[], list[Claim]]:
-        """`claim`, sent in `tx`, whose connection is in pipeline mode; once the pipeline has synced, the
-        returned call gives the claims."""
-        cursor = tx.send("claim", **_claim_params(namespace, owner, requests, stale_after))
-        return lambda: _claims(requests, cursor.fetchall())
+    ) -> tuple[set[str], set[str], list[Claim]]:
+        """`complete(done)`, `fail(failed)` and `claim(requests)` (keys unique) in one round trip and one
+        transaction, any of them empty: (the keys completed, the keys failed, the claims in order). The
+        recorder's round trip of every loop pass: sent through libpq (`Database.round_trip`)."""
+        named: list[tuple[str, dict[str, object]]] = []
+        if done:
+            named.append(("complete", _complete_params(namespace, owner, done)))
+        if failed:
+            named.append(("fail", _fail_params(namespace, owner, failed)))
+        if requests:
+            named.append(("claim", _claim_params(namespace, owner, requests, stale_after)))
+        answers = iter(self.database.round_trip(*named) if named else [])
+        completed = _recorded(done, next(answers)) if done else set()
+        recorded = {r["idempotency_key"] for r in next(answers)} if failed else set()
+        return completed, recorded, _claims(requests, next(answers)) if requests else []
 
     def complete(
         self, namespace: str, owner: str, done: Sequence[Finished], *, tx: Transaction | None = None
     ) -> set[str]:
         """Record completions held by `owner`'s lease, in `tx` if given; returns the keys recorded."""
-        rows = (tx or self.database).all("complete", **_complete_params(namespace, owner, done))
+        params = _complete_params(namespace, owner, done)
+        [rows] = [tx.all("complete", **params)] if tx else self.database.round_trip(("complete", params))
         return _recorded(done, rows)
 
     def send_complete(
@@ -217,16 +230,9 @@ class Store:
     ) -> dict[str, str]:
         """Record failed or dead attempts held by `owner`'s lease, in `tx` if given; returns the keys
         recorded with the state each now has (a failed attempt of a task asked to stop is cancelled)."""
-        rows = (tx or self.database).all("fail", **_fail_params(namespace, owner, failed))
+        params = _fail_params(namespace, owner, failed)
+        [rows] = [tx.all("fail", **params)] if tx else self.database.round_trip(("fail", params))
         return {r["idempotency_key"]: r["state"] for r in rows}
-
-    def send_fail(
-        self, namespace: str, owner: str, failed: Sequence[Finished], *, tx: Transaction
-    ) -> Callable[[], set[str]]:
-        """`fail`, sent in `tx`, whose connection is in pipeline mode; once the pipeline has synced, the
-        returned call gives the keys recorded."""
-        cursor = tx.send("fail", **_fail_params(namespace, owner, failed))
-        return lambda: {r["idempotency_key"] for r in cursor.fetchall()}
 
     def cancel(self, namespace: str, idempotency_key: str, task_id: str = "") -> tuple[str, int, bool]:
         """Cancel a key (see the query): (its state before, or "unknown" if it had no record; its attempts;

@@ -168,48 +168,28 @@ class IdempotencyStore:
 
     def finish(self, finished: Sequence[Finished]) -> set[str]:
         """Record completions and failures; returns the keys whose lease was lost (nothing recorded)."""
-        if any(f.workflow is not None for f in finished):
-            return self._finish_steps(finished)
-        lost: set[str] = set()
-        done = [f for f in finished if f.state == "completed"]
-        failed = [f for f in finished if f.state != "completed"]
-        if done:
-            lost |= {f.idempotency_key for f in done} - self._store.complete(self.namespace, self.owner, done)
-        if failed:
-            lost |= {f.idempotency_key for f in failed} - self._store.fail(self.namespace, self.owner, failed)
-        return lost
+        return self.finish_and_claim(finished, [])[0]
 
     def finish_and_claim(
         self, finished: Sequence[Finished], requests: Sequence[ClaimRequest]
     ) -> tuple[set[str], list[Claim]]:
         """`finish(finished)`, then `claim(requests)`: (the keys whose lease was lost, the claims).
 
-        One round trip and one transaction (a pipeline), where the worker's loop had a claim and a
-        completion statement, each with its own commit. A key finished here and claimed again (a
-        redelivered copy) is answered as finished. Steps of workflows end on a connection of their own
-        (`_finish_steps`), before the pipeline.
+        One round trip and one transaction, where the worker's loop had a claim and a completion
+        statement, each with its own commit. A key finished here and claimed again (a redelivered copy) is
+        answered as finished. Steps of workflows end on a connection of their own (`_finish_steps`), before
+        the round trip.
         """
-        unique = list({r.idempotency_key: r for r in requests[::-1]}.values())  # each key once
         if any(f.workflow is not None for f in finished):
             return self._finish_steps(finished), self.claim(requests) if requests else []
+        unique = list({r.idempotency_key: r for r in requests[::-1]}.values())  # each key once
         done = [f for f in finished if f.state == "completed"]
         failed = [f for f in finished if f.state != "completed"]
-        with self.database.pipeline() as tx:
-            completed = self._store.send_complete(self.namespace, self.owner, done, tx=tx) if done else None
-            recorded = self._store.send_fail(self.namespace, self.owner, failed, tx=tx) if failed else None
-            claimed = (
-                self._store.send_claim(
-                    self.namespace, self.owner, unique, stale_after=self.stale_after, tx=tx
-                )
-                if unique
-                else None
-            )
-        lost: set[str] = set()
-        if completed is not None:
-            lost |= {f.idempotency_key for f in done} - completed()
-        if recorded is not None:
-            lost |= {f.idempotency_key for f in failed} - recorded()
-        return lost, _in_request_order(requests, claimed() if claimed is not None else [])
+        completed, recorded, claims = self._store.finish_and_claim(
+            self.namespace, self.owner, done, failed, unique, stale_after=self.stale_after
+        )
+        lost = {f.idempotency_key for f in done} - completed | {f.idempotency_key for f in failed} - recorded
+        return lost, _in_request_order(requests, claims)
 
     def _finish_steps(self, finished: Sequence[Finished]) -> set[str]:
         """`finish` for a batch holding steps of workflows: the outcomes and what they move on, in one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import select
 import tempfile
 import threading
@@ -17,7 +18,7 @@ from psycopg import pq
 from taskq._core.db import Database, Transaction
 from taskq._core.errors import StoreUnavailableError
 from taskq._core.settings import Settings
-from taskq._core.store import ClaimRequest, Finished, Store
+from taskq._core.store import Claim, ClaimRequest, Finished, Store
 from taskq.consumer.store import IdempotencyStore, LeaseLostError, Member
 from tests.acceptance.helpers import wait_until
 
@@ -153,6 +154,99 @@ def test_the_kept_connection_is_dropped_after_it_breaks_and_the_next_query_recon
     assert db._conn is None
     assert db.all("counts", namespace="ns") == []
     assert _backend_pid(db) != pid
+
+
+def _wire_trace(conn: Any, run: Any) -> list[tuple[str, str]]:
+    """(message, statement name) of each Parse and Bind `run()` sent on `conn`, from libpq's trace."""
+    with tempfile.TemporaryFile() as trace:
+        conn.pgconn.trace(trace.fileno())
+        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        try:
+            run()
+        finally:
+            conn.pgconn.untrace()
+        trace.seek(0)
+        text = trace.read().decode()
+    # `F <length> Parse "statement" ...` and `F <length> Bind "portal" "statement" ...`
+    found = re.finditer(r'^F\t\d+\t(?:(Parse)\t "([^"]*)"|(Bind)\t "[^"]*" "([^"]*)")', text, re.M)
+    return [(m.group(1) or m.group(3), m.group(2) or m.group(4)) for m in found]
+
+
+def test_the_recorders_round_trip_prepares_its_statements_once_per_connection(db: Database) -> None:
+    # Claims and outcomes go through libpq as statements prepared on the kept connection: the same round
+    # trip through psycopg's cursors cost the process five times the CPU. A new connection (the last one
+    # was lost) has none of them, and prepares them again.
+    store = IdempotencyStore(db, owner="w", namespace="ns")
+    assert store.get("k0") is None  # the kept connection, opened by a query through psycopg
+
+    def steps(first: int) -> None:
+        for i in range(first, first + 3):
+            done = [Finished(f"k{i}", 1, "completed")]
+            claims = [ClaimRequest(f"k{i + 1}", "t", "t", 60.0)]
+            assert store.finish_and_claim(done, claims) == (set(), [Claim(f"k{i + 1}", "claimed", 1)])
+
+    def claim_then_steps() -> None:
+        store.claim([ClaimRequest("k0", "k0", "t", 60.0)])
+        steps(0)
+
+    sent = _wire_trace(db._conn, claim_then_steps)
+    # Named by their parameters' types: keys text[], attempts int[], results jsonb[], leases float8[], ...
+    complete, claim = "taskq_complete_1009_1007_3807_25_25", "taskq_claim_1009_1009_1009_1022_25_25_701"
+    assert sent == [("Parse", claim), ("Bind", claim), ("Parse", complete)] + [
+        ("Bind", complete),
+        ("Bind", claim),
+    ] * 3
+    _terminate(db, _backend_pid(db))
+    with pytest.raises(StoreUnavailableError, match="pipeline failed"):
+        store.finish_and_claim([Finished("k3", 1, "completed")], [])
+    assert db._conn is None
+    assert store.get("other") is None  # a new kept connection
+    sent = _wire_trace(db._conn, lambda: steps(3))
+    assert sent[:2] == [("Parse", complete), ("Parse", claim)]
+    states = [row["state"] for row in map(store.get, [f"k{i}" for i in range(7)])]
+    assert states == ["completed"] * 6 + ["running"]
+
+
+def test_a_round_trip_whose_statement_fails_records_nothing_and_the_next_one_does(db: Database) -> None:
+    # One transaction: a claim the server refuses (its lease overflows an interval) takes the completion
+    # sent with it back too, and the completion is recorded by the next round trip.
+    store = IdempotencyStore(db, owner="w", namespace="ns")
+    store.claim([ClaimRequest("a", "a", "t", 60.0)])
+    with pytest.raises(StoreUnavailableError, match="interval out of range"):
+        store.finish_and_claim([Finished("a", 1, "completed")], [ClaimRequest("b", "b", "t", 1e300)])
+    row = store.get("a")
+    assert row is not None and row["state"] == "running" and store.get("b") is None
+    assert store.finish_and_claim([Finished("a", 1, "completed")], []) == (set(), [])
+    row = store.get("a")
+    assert row is not None and row["state"] == "completed"
+
+
+def test_a_round_trip_sends_what_its_statements_take_and_reads_back_what_they_answer(db: Database) -> None:
+    # Parameters in binary, built by hand: text and jsonb beyond ASCII, NULL and large elements of integer
+    # arrays; rows read by their columns' types.
+    a = IdempotencyStore(db, owner="w", namespace="ns")
+    b = IdempotencyStore(db, owner="w2", namespace="ns")
+    keys = ["ключ-é", "d", "f", "held"]
+    a.claim([ClaimRequest(k, f"id-{k}", "t", 60.0) for k in keys])
+    held = [ClaimRequest("held", "id-held", "t", 30.0)]
+    lost, claims = b.finish_and_claim([Finished("held", 1, "completed")], held)
+    assert lost == {"held"} and [(c.outcome, c.attempts) for c in claims] == [("running", 1)]
+    assert 50 < claims[0].lease_left <= 60
+    result = {"s": "é ✓", "n": [1, 2.5, None], "t": True}
+    finished = [
+        Finished("ключ-é", 1, "completed", result=result),
+        Finished("d", 1, "dead", error="bad input ✗", dlq=(3, 2**40)),
+        Finished("f", 1, "failed", error="boom"),
+    ]
+    assert a.finish_and_claim(finished, [ClaimRequest("f", "id-f", "t", 60.0)]) == (
+        set(),
+        [Claim("f", "claimed", 2)],
+    )
+    row = a.get("ключ-é")
+    assert row is not None and (row["state"], row["result"]) == ("completed", result)
+    row = a.get("d")
+    assert row is not None and (row["state"], row["last_error"]) == ("dead", "bad input ✗")
+    assert (row["dlq_partition"], row["dlq_offset"]) == (3, 2**40)
 
 
 def test_the_store_records_claims_and_outcomes_under_the_owners_lease(db: Database) -> None:

@@ -18,7 +18,7 @@ import psycopg
 # (producer_config, consumer_config).
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
-from taskq._core.db import Database, Transaction
+from taskq._core.db import Database, Statement, Transaction
 from taskq._core.envelope import H, Topics
 from taskq._core.errors import ConfigurationError, TaskqError
 from taskq._core.kafka import consumer_config, producer_config
@@ -46,16 +46,22 @@ _LEAN_TABLE = "bench_lean"
 # reaches its rows by the primary key (`= ANY(keys)`), as the project's does: joined alone, its plan is a
 # scan of the whole table per batch on a table without statistics, and the reference would slow down as
 # its table grows.
-_LEAN_CLAIM = f"""INSERT INTO {_LEAN_TABLE} AS l (key, owner, attempts, lease_expires_at)
+_LEAN_CLAIM = Statement(
+    "bench_lean_claim",
+    f"""INSERT INTO {_LEAN_TABLE} AS l (key, owner, attempts, lease_expires_at)
 SELECT key, %(owner)s, 1, now() + %(lease)s * interval '1 second' FROM unnest(%(keys)s::text[]) AS key
 ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, attempts = l.attempts + 1,
     lease_expires_at = EXCLUDED.lease_expires_at
 WHERE NOT l.done AND l.lease_expires_at < now()
-RETURNING key, attempts"""
-_LEAN_COMPLETE = f"""UPDATE {_LEAN_TABLE} l SET done = true, lease_expires_at = NULL
+RETURNING key, attempts""",
+)
+_LEAN_COMPLETE = Statement(
+    "bench_lean_complete",
+    f"""UPDATE {_LEAN_TABLE} l SET done = true, lease_expires_at = NULL
 FROM unnest(%(keys)s::text[], %(attempts)s::int[]) AS c(key, attempts)
 WHERE l.key = ANY(%(keys)s::text[]) AND l.key = c.key AND l.owner = %(owner)s AND l.attempts = c.attempts
-RETURNING l.key"""
+RETURNING l.key""",
+)
 
 
 class _Offsets:
@@ -140,24 +146,25 @@ def _lean_pass(run: _Run, count: int, timeout: float) -> dict[str, float]:
             f"CREATE TABLE {_LEAN_TABLE} (key text PRIMARY KEY, owner text NOT NULL, attempts int NOT NULL, "
             "lease_expires_at timestamptz, done boolean NOT NULL DEFAULT false)"
         )
-    # The planner settings of the project's kept connection, so both reach rows the same way.
-    conn = db.connect(keyed=True)
+    # Sent as the project's pass sends its statements: on the kept connection (its planner settings, so
+    # both reach rows the same way), through libpq.
     owner = f"bench-ceiling:{os.getpid()}"
     claimed = 0
 
     def claim_and_complete(msgs: list[Message]) -> None:
         nonlocal claimed
         params = {"keys": _lean_keys(msgs), "owner": owner, "lease": _LEASE_SECONDS}
-        rows = conn.execute(_LEAN_CLAIM, params).fetchall()
+        [rows] = db.round_trip((_LEAN_CLAIM, params))
         keys, attempts = [r["key"] for r in rows], [r["attempts"] for r in rows]
-        conn.execute(_LEAN_COMPLETE, {"keys": keys, "attempts": attempts, "owner": owner})
+        db.round_trip((_LEAN_COMPLETE, {"keys": keys, "attempts": attempts, "owner": owner}))
         claimed += len(rows)
 
     try:
         result = _consume_pass(run, f"{s.namespace}.ceiling-lean", count, timeout, claim_and_complete)
-        row = conn.execute(f"SELECT count(*) AS n FROM {_LEAN_TABLE} WHERE done").fetchone()
+        with db.connection() as conn:
+            row = conn.execute(f"SELECT count(*) AS n FROM {_LEAN_TABLE} WHERE done").fetchone()
     finally:
-        conn.close()
+        db.close()
     return {**result, "claimed": claimed, "completed": int(row["n"]) if row else 0}
 
 
@@ -282,6 +289,7 @@ def bench_ceiling(
 
         def claim_and_complete(msgs: list[Message]) -> None:
             # The worker's own two statements, each once per batch: claim every key, complete the claimed.
+            # Sent as the worker sends them: prepared, through libpq (`Database.round_trip`).
             nonlocal claimed
             answers = store.claim(s.namespace, owner, _claim_requests(msgs), stale_after=10.0)
             claims = [c for c in answers if c.outcome == "claimed"]
