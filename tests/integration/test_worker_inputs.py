@@ -20,6 +20,7 @@ from taskq._core.envelope import Envelope, Topics
 from taskq._core.kafka import TP, Admin, Record, Sink, Source
 from taskq._core.settings import Settings
 from taskq.consumer.events import (
+    AttemptFailed,
     AttemptStarted,
     DeadLettered,
     DuplicateSkipped,
@@ -27,6 +28,7 @@ from taskq.consumer.events import (
     PartitionsRevoked,
     TaskCompleted,
 )
+from taskq.consumer.retry import RetryPolicy
 from taskq.consumer.routing import DLQ_OFFSET, DLQ_REASON, DLQ_TOPIC
 from taskq.consumer.store import ClaimRequest, IdempotencyStore, WorkerRecord
 from taskq.consumer.worker import Worker, WorkerConfig
@@ -365,6 +367,36 @@ def test_a_transactional_handler_that_raises_leaves_no_write_and_no_completion(
     assert [r["id"] for r in _query(settings, "SELECT id FROM effects")] == ["commits"]
     states = {r["idempotency_key"]: r["state"] for r in _query(settings, "SELECT * FROM taskq_tasks")}
     assert states == {"w:raises": "dead", "w:commits": "completed"}
+
+
+def test_an_error_message_postgres_cannot_hold_is_recorded_readably_and_the_worker_goes_on(
+    settings: Settings, task_schema: Callable[..., dict[str, Any]]
+) -> None:
+    # A lone surrogate (a file name decoded with surrogateescape, say) cannot be encoded for Postgres. The
+    # failure's record raised in the recorder, and the loop raised it: the worker stopped.
+    ns = settings.namespace
+    schema = task_schema("Read", ID_FIELDS)
+    _register(settings, schema)
+    with TaskProducer(settings) as producer:
+        producer.enqueue(f"{ns}.Read", {"id": "bad"}, idempotency_key="r:bad", max_attempts=2)
+        producer.enqueue(f"{ns}.Read", {"id": "ok"}, idempotency_key="r:ok")
+    h = Handlers()
+    calls: list[str] = []
+
+    @h.task(f"{ns}.Read", schema=schema, retry=RetryPolicy(max_attempts=2, base=timedelta(milliseconds=50)))
+    def read(payload: dict[str, Any], ctx: Any) -> None:
+        calls.append(payload["id"])
+        if payload["id"] == "bad" and calls.count("bad") == 1:
+            raise OSError("cannot open " + b"report-\xff.pdf".decode("utf-8", "surrogateescape"))
+
+    with running(h, settings) as (_, events):
+        events.count(TaskCompleted, 2, timeout=60)
+    assert [e.error for e in events.of(AttemptFailed)] == ["builtins.OSError: cannot open report-\\udcff.pdf"]
+    rows = _query(settings, "SELECT idempotency_key, state, attempts FROM taskq_tasks ORDER BY 1")
+    assert rows == [
+        {"idempotency_key": "r:bad", "state": "completed", "attempts": 2},
+        {"idempotency_key": "r:ok", "state": "completed", "attempts": 1},
+    ]
 
 
 class _Dispatched(RecordingHook):

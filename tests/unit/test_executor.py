@@ -499,6 +499,21 @@ def test_traceback_keeps_the_last_8_kib() -> None:
     assert bound_traceback("short") == "short"
 
 
+def test_an_error_text_utf8_cannot_encode_is_reported_with_escapes(ex: Executor) -> None:
+    # A lone surrogate (bytes decoded with surrogateescape) cannot go to Postgres or a Kafka header.
+    name = b"report-\xff.pdf".decode("utf-8", "surrogateescape")
+
+    def handler(payload: Any, ctx: TaskContext) -> None:
+        raise OSError(f"cannot open {name}")
+
+    done = Done()
+    ex.submit(job(spec_of(handler)), done)
+    outcome = done.wait()
+    assert outcome.message == "cannot open report-\\udcff.pdf"
+    assert "OSError: cannot open report-\\udcff.pdf" in outcome.traceback
+    outcome.traceback.encode("utf-8")
+
+
 def test_invalid_concurrency_is_rejected() -> None:
     with pytest.raises(ValueError, match="concurrency"):
         Executor(concurrency=0)

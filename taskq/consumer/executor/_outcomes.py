@@ -110,9 +110,21 @@ def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def storable(text: str) -> str:
+    """`text`, with what UTF-8 cannot encode written as backslash escapes: lone surrogates, which a name
+    decoded with surrogateescape (a file's, say) carries into an error's message. An error's text goes to
+    Postgres and into Kafka headers, both UTF-8 only; one that could not be encoded stopped the worker."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def bound_traceback(text: str, limit: int = TRACEBACK_LIMIT) -> str:
-    """The last `limit` bytes (UTF-8) of a traceback, marked when cut."""
-    data = text.encode("utf-8", "replace")
+    """The last `limit` bytes (UTF-8) of a traceback, marked when cut (and `storable`)."""
+    text = storable(text)
+    data = text.encode("utf-8")
     if len(data) <= limit:
         return text
     # A cut inside a multi-byte character leaves a partial one at the start: "ignore" drops it.
@@ -120,9 +132,9 @@ def bound_traceback(text: str, limit: int = TRACEBACK_LIMIT) -> str:
 
 
 def describe(exc: BaseException) -> str:
-    """str(exc), or a placeholder if its __str__ is broken."""
+    """str(exc) (`storable`), or a placeholder if its __str__ is broken."""
     try:
-        return str(exc)
+        return storable(str(exc))
     except Exception:  # a broken __str__ must not lose the outcome
         return f"<unprintable {qualified_name(type(exc))}>"
 
