@@ -174,27 +174,6 @@ class Database(_Queries):
             if conn is None:
                 tx.connection.close()
 
-    @contextmanager
-    def pipeline(self) -> Iterator[Transaction]:
-        """Named queries sent on the kept connection in one pipeline: `send` them in the block and read
-        their cursors after it. One round trip, and one implicit transaction: they commit, or fail, together.
-        """
-        with self._lock:
-            conn = self._conn
-            if conn is None or conn.closed:
-                conn = self._conn = self.connect(keyed=True)
-            try:
-                with conn.pipeline():
-                    yield Transaction(self, conn)
-            except psycopg.Error as exc:
-                conn.close()
-                self._conn = None
-                raise self._unavailable("pipeline failed", exc) from exc
-            except StoreUnavailableError:
-                conn.close()
-                self._conn = None
-                raise
-
     def close(self) -> None:
         """Close the kept connection; the next query opens a new one."""
         with self._lock:

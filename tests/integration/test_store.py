@@ -156,19 +156,12 @@ def test_the_kept_connection_is_dropped_after_it_breaks_and_the_next_query_recon
     assert _backend_pid(db) != pid
 
 
-def _wire_trace(conn: Any, run: Any) -> list[tuple[str, str]]:
+def _prepared_and_bound(conn: Any, run: Any) -> list[tuple[str, str]]:
     """(message, statement name) of each Parse and Bind `run()` sent on `conn`, from libpq's trace."""
-    with tempfile.TemporaryFile() as trace:
-        conn.pgconn.trace(trace.fileno())
-        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
-        try:
-            run()
-        finally:
-            conn.pgconn.untrace()
-        trace.seek(0)
-        text = trace.read().decode()
     # `F <length> Parse "statement" ...` and `F <length> Bind "portal" "statement" ...`
-    found = re.finditer(r'^F\t\d+\t(?:(Parse)\t "([^"]*)"|(Bind)\t "[^"]*" "([^"]*)")', text, re.M)
+    found = re.finditer(
+        r'^F\t\d+\t(?:(Parse)\t "([^"]*)"|(Bind)\t "[^"]*" "([^"]*)")', _traced(conn, run), re.M
+    )
     return [(m.group(1) or m.group(3), m.group(2) or m.group(4)) for m in found]
 
 
@@ -189,7 +182,7 @@ def test_the_recorders_round_trip_prepares_its_statements_once_per_connection(db
         store.claim([ClaimRequest("k0", "k0", "t", 60.0)])
         steps(0)
 
-    sent = _wire_trace(db._conn, claim_then_steps)
+    sent = _prepared_and_bound(db._conn, claim_then_steps)
     # Named by their parameters' types: keys text[], attempts int[], results jsonb[], leases float8[], ...
     complete, claim = "taskq_complete_1009_1007_3807_25_25", "taskq_claim_1009_1009_1009_1022_25_25_701"
     assert sent == [("Parse", claim), ("Bind", claim), ("Parse", complete)] + [
@@ -201,7 +194,7 @@ def test_the_recorders_round_trip_prepares_its_statements_once_per_connection(db
         store.finish_and_claim([Finished("k3", 1, "completed")], [])
     assert db._conn is None
     assert store.get("other") is None  # a new kept connection
-    sent = _wire_trace(db._conn, lambda: steps(3))
+    sent = _prepared_and_bound(db._conn, lambda: steps(3))
     assert sent[:2] == [("Parse", complete), ("Parse", claim)]
     states = [row["state"] for row in map(store.get, [f"k{i}" for i in range(7)])]
     assert states == ["completed"] * 6 + ["running"]
@@ -438,8 +431,8 @@ def test_a_group_commit_records_the_members_that_returned_and_rolls_back_the_one
     store.close()
 
 
-def _statements_sent(conn: Any, run: Any) -> list[str]:
-    """The statements `run()` sent on `conn`, read from libpq's trace of the wire (what the server got)."""
+def _traced(conn: Any, run: Any) -> str:
+    """libpq's trace of what `run()` sent on `conn` and got back: the wire as the server saw it."""
     with tempfile.TemporaryFile() as trace:
         conn.pgconn.trace(trace.fileno())
         conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
@@ -448,7 +441,12 @@ def _statements_sent(conn: Any, run: Any) -> list[str]:
         finally:
             conn.pgconn.untrace()
         trace.seek(0)
-        lines = trace.read().decode().splitlines()
+        return trace.read().decode()
+
+
+def _statements_sent(conn: Any, run: Any) -> list[str]:
+    """The statements `run()` sent on `conn` (their first lines), read from libpq's trace."""
+    lines = _traced(conn, run).splitlines()
     return [line.split('"')[3] for line in lines if line.startswith("F") and "\tParse\t" in line]
 
 
