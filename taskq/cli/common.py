@@ -18,7 +18,7 @@ Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 #: Commands that run until stopped: they wait out a broker that is away, the others report it.
 LONG_RUNNING = ("worker", "forwarder", "relay")
 #: WorkerConfig.claim_linger's default, in milliseconds (building the parser does not import the worker).
-CLAIM_LINGER_MS = 5.0
+CLAIM_LINGER_MS = 0.0
 
 
 def _linger_ms(text: str) -> float:
@@ -40,7 +40,7 @@ def add_claim_linger(parser: argparse.ArgumentParser) -> None:
         default=CLAIM_LINGER_MS,
         metavar="MS",
         help="a fetched task's claim waits up to this long for the next ones to go to Postgres in the same "
-        f"round trip: less CPU at steady rates for that much latency (default {CLAIM_LINGER_MS:g}; 0: none)",
+        f"round trip (default {CLAIM_LINGER_MS:g}: none; fetches already wait up to 5 ms to share theirs)",
     )
 
 

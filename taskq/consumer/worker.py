@@ -131,10 +131,12 @@ class WorkerConfig:
     #: wait for a slot; a task that waited over half of it renews its lease before it starts.
     claim_wait: float = 10.0
     #: A fetched task's claim waits up to this long (seconds) for the tasks fetched after it, to go to
-    #: Postgres in one round trip with them (at once when CLAIM_ENOUGH are waiting). At a steady rate of a
-    #: few tasks a loop pass, a round trip per pass costs more CPU than the tasks; 0 sends every pass's
-    #: claims at once. Only with claims on a thread of their own (the Postgres store's recorder).
-    claim_linger: float = 0.005
+    #: Postgres in one round trip with them (at once when CLAIM_ENOUGH are waiting). 0, the default, sends
+    #: every pass's claims at once: the consumer's fetches already wait up to 5 ms for their records to
+    #: share them (`fetch.min.bytes`, `consumer_config`), which saves more (librdkafka's and the loop's
+    #: wakeups as well as round trips), and the two waits would add up. Only with claims on a thread of
+    #: their own (the Postgres store's recorder).
+    claim_linger: float = 0.0
     #: The worker's liveness record is written this often (seconds), by a thread of its own.
     heartbeat_interval: float = 3.0
     #: A worker whose heartbeat is older than this (seconds) is presumed dead: the keys it leased are taken

@@ -312,6 +312,9 @@ def test_kafka_variables_override_the_tuning_defaults_of_every_client(protocol: 
     assert (producer["acks"], producer["enable.idempotence"]) == ("all", True)
     consumer = consumer_config(s, group="g")
     assert (consumer["fetch.wait.max.ms"], consumer["queued.max.messages.kbytes"]) == ("50", "4096")
+    # The default left alone: a fetch waits up to 5 ms for 4 KB, so a steady rate's records come several at
+    # once (one record a fetch woke the client's threads, the loop and a claim's round trip per task).
+    assert consumer["fetch.min.bytes"] == 4096 and consumer_config(Settings(), group="g")["fetch.wait.max.ms"] == 5
     assert (consumer["group.id"], consumer["isolation.level"]) == ("g", "read_committed")
     assert consumer["enable.auto.commit"] is False and consumer["enable.auto.offset.store"] is False
 
