@@ -251,6 +251,7 @@ def test_settings_from_env_passes_taskq_kafka_variables_through_to_librdkafka():
         "bootstrap.servers": s.bootstrap_servers,
         "logger": LIBRDKAFKA_LOG,
         "error_cb": conf["error_cb"],
+        "reconnect.backoff.ms": 20,
         **s.kafka,
     }
 
@@ -317,6 +318,12 @@ def test_kafka_variables_override_the_tuning_defaults_of_every_client(protocol: 
     assert consumer["fetch.min.bytes"] == 4096 and consumer_config(Settings(), group="g")["fetch.wait.max.ms"] == 5
     assert (consumer["group.id"], consumer["isolation.level"]) == ("g", "read_committed")
     assert consumer["enable.auto.commit"] is False and consumer["enable.auto.offset.store"] is False
+    # Every client reconnects after 20 ms, not librdkafka's 100: a new client connects to the brokers the
+    # bootstrap one named after half of it (a new consumer's join waited 50 ms for it in one start of two).
+    for conf in (producer, consumer, share_consumer_config(s, group="g", max_poll_records=4)):
+        assert conf["reconnect.backoff.ms"] == 20
+    chosen = Settings.from_env({**env, "TASKQ_KAFKA_RECONNECT_BACKOFF_MS": "100"})
+    assert producer_config(chosen)["reconnect.backoff.ms"] == "100"
 
 
 def test_a_share_consumer_takes_the_settings_meant_for_every_consumer() -> None:
