@@ -190,6 +190,34 @@ def unavailable(
     return KafkaUnavailableError(f"{what}: {err.str()} ({err.name()})")
 
 
+#: Seconds each of a new producer's early metadata requests waits for an answer (`_ask_for_metadata_early`).
+_EARLY_METADATA_TIMEOUT = 10.0
+
+
+def _ask_for_metadata_early(producer: Producer) -> None:
+    """Ask for the cluster's metadata twice, in a thread of its own, so that a new producer has its producer
+    id as soon as a broker can give it.
+
+    librdkafka (2.10 on) drops the bootstrap broker once the first metadata names the cluster's brokers. An
+    idempotent producer asks for its id at that moment, finds no broker up, and asks again after the next
+    metadata answer or when its 500 ms timer fires. A record sent as the producer was made had its topic's
+    metadata in that first answer, so nothing came before the timer: it waited half a second (as a script's
+    or a test's first record did; 506 ms from the Sink's making to the record's acknowledgement, now 20).
+    Here the first request is answered by the bootstrap broker, the second by a learned one, and the id
+    follows at once. The whole cluster's metadata, as the client cannot ask for none without naming a topic
+    (and a topic named here could be created by the broker's auto-creation). A broker that does not answer
+    leaves it to the timer, and the sends report it as before."""
+
+    def ask() -> None:
+        for _ in range(2):
+            try:
+                producer.list_topics(timeout=_EARLY_METADATA_TIMEOUT)
+            except KafkaException:
+                return
+
+    threading.Thread(target=ask, name="taskq-producer-id", daemon=True).start()
+
+
 class Sink:
     """A Kafka producer with acks=all and idempotence; optionally transactional."""
 
@@ -201,6 +229,7 @@ class Sink:
             conf["message.timeout.ms"] = TRANSACTION_ABORT_MS  # librdkafka requires it <= the above
         conf.update(overrides)
         self._p = new_client(Producer, conf)
+        _ask_for_metadata_early(self._p)
         self._servers = redact(settings.bootstrap_servers)
         self._message_timeout = float(conf["message.timeout.ms"]) / 1000
         self._stuck = ""  # why the producer was given up: a transactional call never returned
