@@ -49,10 +49,20 @@ def migrations() -> list[tuple[int, str, str]]:
     folder = resources.files(__package__).joinpath("sql/migrations")
     found = []
     for entry in folder.iterdir():
-        m = re.match(r"^(\d{4})_(\w+)\.sql$", entry.name)
+        m = _MIGRATION_FILE.match(entry.name)
         if m:
             found.append((int(m.group(1)), m.group(2), entry.read_text(encoding="utf-8")))
     return sorted(found)
+
+
+@cache
+def migration_versions() -> frozenset[int]:
+    """The version of every numbered migration file: what a start checks, without reading the files."""
+    folder = resources.files(__package__).joinpath("sql/migrations")
+    return frozenset(int(m.group(1)) for e in folder.iterdir() if (m := _MIGRATION_FILE.match(e.name)))
+
+
+_MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 
 class _Queries(ABC):
@@ -97,11 +107,16 @@ class Database(_Queries):
         self._wire: _Wire | None = None  # what the kept connection has prepared for `round_trip`
         self._lock = threading.Lock()
 
+    def _kept(self) -> Connection:
+        """The kept connection, opened if there is none (the caller holds the lock)."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = self._conn = self.connect(keyed=True)
+        return conn
+
     def _run(self, name: str, params: dict[str, object], read: Callable[[_Cursor], T]) -> T:
         with self._lock:
-            conn = self._conn
-            if conn is None or conn.closed:
-                conn = self._conn = self.connect(keyed=True)
+            conn = self._kept()
             try:
                 return self._query(conn, name, params, read)
             except StoreUnavailableError:
@@ -133,9 +148,7 @@ class Database(_Queries):
         CPU; through libpq, 50-60 (see `_Wire`). What a query may take is `_Wire`'s to say.
         """
         with self._lock:
-            conn = self._conn
-            if conn is None or conn.closed:
-                conn = self._conn = self.connect(keyed=True)
+            conn = self._kept()
             wire = self._wire
             if wire is None or wire.conn is not conn:
                 wire = self._wire = _Wire(conn)
@@ -203,11 +216,10 @@ class Database(_Queries):
 
         def connect() -> None:
             with self._lock:
-                if self._conn is None or self._conn.closed:
-                    try:
-                        self._conn = self.connect(keyed=True)
-                    except StoreUnavailableError:
-                        pass
+                try:
+                    self._kept()
+                except StoreUnavailableError:
+                    pass
 
         thread = threading.Thread(target=connect, name="taskq-db-connect", daemon=True)
         thread.start()
@@ -251,7 +263,22 @@ class Database(_Queries):
                     applied.append(f"{version:04d}_{name}")
         return applied
 
-    def _up_to_date(self, conn: Connection) -> bool:
+    def up_to_date(self) -> bool:
+        """`_up_to_date` asked on the kept connection. A worker's start opens its connections at once, each
+        in a thread (`warm`), and checks here: the check used to open and close one of its own first, a
+        connect (5-8 ms) before the liveness record's. It migrates (on a connection of its own, under the
+        lock) only when this says it must."""
+        with self._lock:
+            conn = self._kept()
+            try:
+                return self._up_to_date(conn)
+            except psycopg.Error as exc:
+                conn.close()
+                self._conn = None
+                raise self._unavailable("query of the migrations failed", exc) from exc
+
+    @staticmethod
+    def _up_to_date(conn: Connection) -> bool:
         """Whether every migration is applied already, in one statement and without the lock (migrations
         commit whole, each with its row, so one seen applied is applied); False where there is no schema or
         no migrations table yet."""
@@ -259,7 +286,7 @@ class Database(_Queries):
             done = {r["version"] for r in conn.execute("SELECT version FROM taskq_migrations")}
         except psycopg.errors.UndefinedTable:
             return False
-        return all(version in done for version, _, _ in migrations())
+        return migration_versions() <= done
 
     def drop_schema(self) -> None:
         """Drop the schema and everything in it (tests and `taskq db reset`)."""
