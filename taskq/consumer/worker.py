@@ -511,12 +511,14 @@ class Worker:
             )
         if self._pending_registry is not None:
             self._pending_registry.look_up_ahead([spec.task_type for spec in self.handlers])
-        for store in (self.store, self._beats, self._recorder):
+        for store in (self.store, self._beats):
             if isinstance(store, IdempotencyStore):
                 # Each connection opened now, in a thread of its own and all at once: the migrations' check
                 # (on the store's), the liveness record (the beats') and then the loop's first read and
                 # first claims would otherwise each wait for a connect, one after the other.
                 store.database.warm()
+        if isinstance(self._recorder, IdempotencyStore):
+            self._recorder.warm()  # its round trip's statements prepared too: the first claims wait less
         try:
             self._source.subscribe(self.topics.priority_topics)
             if self._database is not None and not self._database.up_to_date():
