@@ -7,7 +7,7 @@ import select
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from importlib import resources
@@ -49,20 +49,10 @@ def migrations() -> list[tuple[int, str, str]]:
     folder = resources.files(__package__).joinpath("sql/migrations")
     found = []
     for entry in folder.iterdir():
-        m = _MIGRATION_FILE.match(entry.name)
+        m = re.match(r"^(\d{4})_(\w+)\.sql$", entry.name)
         if m:
             found.append((int(m.group(1)), m.group(2), entry.read_text(encoding="utf-8")))
     return sorted(found)
-
-
-@cache
-def migration_versions() -> frozenset[int]:
-    """The version of every numbered migration file: what a start checks, without reading the files."""
-    folder = resources.files(__package__).joinpath("sql/migrations")
-    return frozenset(int(m.group(1)) for e in folder.iterdir() if (m := _MIGRATION_FILE.match(e.name)))
-
-
-_MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 
 class _Queries(ABC):
@@ -107,16 +97,11 @@ class Database(_Queries):
         self._wire: _Wire | None = None  # what the kept connection has prepared for `round_trip`
         self._lock = threading.Lock()
 
-    def _kept(self) -> Connection:
-        """The kept connection, opened if there is none (the caller holds the lock)."""
-        conn = self._conn
-        if conn is None or conn.closed:
-            conn = self._conn = self.connect(keyed=True)
-        return conn
-
     def _run(self, name: str, params: dict[str, object], read: Callable[[_Cursor], T]) -> T:
         with self._lock:
-            conn = self._kept()
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = self.connect(keyed=True)
             try:
                 return self._query(conn, name, params, read)
             except StoreUnavailableError:
@@ -148,9 +133,14 @@ class Database(_Queries):
         CPU; through libpq, 50-60 (see `_Wire`). What a query may take is `_Wire`'s to say.
         """
         with self._lock:
-            conn = self._kept()
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = self.connect(keyed=True)
+            wire = self._wire
+            if wire is None or wire.conn is not conn:
+                wire = self._wire = _Wire(conn)
             try:
-                return self._wire_of(conn).round_trip(named)
+                return wire.round_trip(named)
             except psycopg.Error as exc:
                 conn.close()
                 self._conn = None
@@ -159,13 +149,6 @@ class Database(_Queries):
                 conn.close()
                 self._conn = None
                 raise
-
-    def _wire_of(self, conn: Connection) -> _Wire:
-        """What the kept connection `conn` has prepared (the caller holds the lock)."""
-        wire = self._wire
-        if wire is None or wire.conn is not conn:
-            wire = self._wire = _Wire(conn)
-        return wire
 
     @contextmanager
     def transaction(self, conn: Connection | None = None) -> Iterator[Transaction]:
@@ -194,13 +177,9 @@ class Database(_Queries):
     def close(self) -> None:
         """Close the kept connection; the next query opens a new one."""
         with self._lock:
-            self._drop()
-
-    def _drop(self) -> None:
-        """Close the kept connection, if any (the caller holds the lock)."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     def connect(self, *, autocommit: bool = True, keyed: bool = False) -> Connection:
         """A new connection, search_path set to the project's schema; StoreUnavailableError if unreachable.
@@ -218,25 +197,17 @@ class Database(_Queries):
         except psycopg.Error as exc:
             raise self._unavailable(f"unreachable at {self.url}", exc) from exc
 
-    def warm(self, prepare: Sequence[tuple[str, dict[str, object]]] = ()) -> threading.Thread:
+    def warm(self) -> threading.Thread:
         """Open the kept connection in a thread of its own, so that a start does other work meanwhile (named
-        queries wait for it). A failure is left to the next query, which connects again and reports it.
-
-        `prepare`: named queries (with parameters of the types they will be sent with) to prepare there for
-        `round_trip`, not run. A new connection's first round trip spent 5-9 ms parsing its statements and
-        loading their tables' catalog entries, and a worker's first claim waited for it (2-3 ms once
-        prepared). One that cannot be prepared yet (a schema not migrated yet) is left to its first use."""
+        queries wait for it). A failure is left to the next query, which connects again and reports it."""
 
         def connect() -> None:
             with self._lock:
-                try:
-                    conn = self._kept()
-                    if prepare:
-                        self._wire_of(conn).prepare(prepare)
-                except StoreUnavailableError:
-                    pass
-                except psycopg.Error:  # the connection failed as it prepared: the next query opens another
-                    self._drop()
+                if self._conn is None or self._conn.closed:
+                    try:
+                        self._conn = self.connect(keyed=True)
+                    except StoreUnavailableError:
+                        pass
 
         thread = threading.Thread(target=connect, name="taskq-db-connect", daemon=True)
         thread.start()
@@ -280,22 +251,7 @@ class Database(_Queries):
                     applied.append(f"{version:04d}_{name}")
         return applied
 
-    def up_to_date(self) -> bool:
-        """`_up_to_date` asked on the kept connection. A worker's start opens its connections at once, each
-        in a thread (`warm`), and checks here: the check used to open and close one of its own first, a
-        connect (5-8 ms) before the liveness record's. It migrates (on a connection of its own, under the
-        lock) only when this says it must."""
-        with self._lock:
-            conn = self._kept()
-            try:
-                return self._up_to_date(conn)
-            except psycopg.Error as exc:
-                conn.close()
-                self._conn = None
-                raise self._unavailable("query of the migrations failed", exc) from exc
-
-    @staticmethod
-    def _up_to_date(conn: Connection) -> bool:
+    def _up_to_date(self, conn: Connection) -> bool:
         """Whether every migration is applied already, in one statement and without the lock (migrations
         commit whole, each with its row, so one seen applied is applied); False where there is no schema or
         no migrations table yet."""
@@ -303,7 +259,7 @@ class Database(_Queries):
             done = {r["version"] for r in conn.execute("SELECT version FROM taskq_migrations")}
         except psycopg.errors.UndefinedTable:
             return False
-        return migration_versions() <= done
+        return all(version in done for version, _, _ in migrations())
 
     def drop_schema(self) -> None:
         """Drop the schema and everything in it (tests and `taskq db reset`)."""
@@ -354,7 +310,13 @@ class _Wire:
             raise psycopg.InterfaceError("the kept connection is inside a transaction")
         # Everything is encoded before the pipeline starts: a value that cannot be sent leaves the
         # connection as it was.
-        sends = self._encoded(named)
+        sends = []
+        for name, params in named:
+            query = name if isinstance(name, Statement) else _statement(name)
+            typed = [_param(params[p], elems, self._encoding) for p, elems in query.params]
+            types = [oid for oid, _ in typed]
+            key = b"_".join([query.name, *(b"%d" % oid for oid in types)])
+            sends.append((query, key, types, [v for _, v in typed]))
         preparing: list[bytes] = []
         pg.enter_pipeline_mode()
         for query, key, types, _ in sends:  # the preparations first: their results come first
@@ -374,36 +336,6 @@ class _Wire:
         if len(answers) != len(named) or any(r.status != pq.ExecStatus.TUPLES_OK for r in answers):
             raise psycopg.InterfaceError(f"{len(named)} queries sent; their results were {results}")
         return [self._rows(r) for r in answers]
-
-    def prepare(self, named: Sequence[tuple[str | Statement, dict[str, object]]]) -> None:
-        """Prepare what `round_trip(named)` would, in one pipeline, without running it. A statement the
-        server refuses (its table is not there yet) stays unprepared: its first use prepares it."""
-        pg = self.conn.pgconn
-        sends = [s for s in self._encoded(named) if s[1] not in self._prepared]
-        if not sends or pg.transaction_status != pq.TransactionStatus.IDLE:
-            return
-        pg.enter_pipeline_mode()
-        for query, key, types, _ in sends:
-            pg.send_prepare(key, query.sql, param_types=types)
-        pg.pipeline_sync()
-        results = self._exchange(pg)
-        pg.exit_pipeline_mode()
-        done = [r.status == pq.ExecStatus.COMMAND_OK for r in results]
-        self._prepared.update(key for (_, key, _, _), ok in zip(sends, done, strict=True) if ok)
-
-    def _encoded(
-        self, named: Sequence[tuple[str | Statement, dict[str, object]]]
-    ) -> list[tuple[Statement, bytes, list[int], list[bytes | None]]]:
-        """Each query with the name it is prepared under (its parameters' types in it), the types and the
-        parameters' values in binary."""
-        sends = []
-        for name, params in named:
-            query = name if isinstance(name, Statement) else _statement(name)
-            typed = [_param(params[p], elems, self._encoding) for p, elems in query.params]
-            types = [oid for oid, _ in typed]
-            key = b"_".join([query.name, *(b"%d" % oid for oid in types)])
-            sends.append((query, key, types, [v for _, v in typed]))
-        return sends
 
     def _exchange(self, pg: pq.abc.PGconn) -> list[pq.abc.PGresult]:
         """Send what is queued and read results until the pipeline's sync."""

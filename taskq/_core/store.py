@@ -205,17 +205,6 @@ class Store:
         recorded = {r["idempotency_key"] for r in next(answers)} if failed else set()
         return completed, recorded, _claims(requests, next(answers)) if requests else []
 
-    def round_trip_statements(
-        self, namespace: str, owner: str, *, stale_after: float
-    ) -> list[tuple[str, dict[str, object]]]:
-        """The statements `finish_and_claim` sends, with parameters of the types it sends them with: what a
-        recorder's connection prepares as it opens (`Database.warm`)."""
-        return [
-            ("complete", _complete_params(namespace, owner, [])),
-            ("fail", _fail_params(namespace, owner, [])),
-            ("claim", _claim_params(namespace, owner, [], stale_after)),
-        ]
-
     def complete(
         self, namespace: str, owner: str, done: Sequence[Finished], *, tx: Transaction | None = None
     ) -> set[str]:

@@ -170,14 +170,6 @@ class IdempotencyStore:
         """Record completions and failures; returns the keys whose lease was lost (nothing recorded)."""
         return self.finish_and_claim(finished, [])[0]
 
-    def warm(self) -> threading.Thread:
-        """Open this store's connection in a thread of its own, the statements of `finish_and_claim` prepared
-        on it: a recorder's, as its worker starts (`Database.warm`)."""
-        statements = self._store.round_trip_statements(
-            self.namespace, self.owner, stale_after=self.stale_after
-        )
-        return self.database.warm(statements)
-
     def finish_and_claim(
         self, finished: Sequence[Finished], requests: Sequence[ClaimRequest]
     ) -> tuple[set[str], list[Claim]]:

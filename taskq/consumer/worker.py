@@ -511,17 +511,9 @@ class Worker:
             )
         if self._pending_registry is not None:
             self._pending_registry.look_up_ahead([spec.task_type for spec in self.handlers])
-        for store in (self.store, self._beats):
-            if isinstance(store, IdempotencyStore):
-                # Each connection opened now, in a thread of its own and all at once: the migrations' check
-                # (on the store's), the liveness record (the beats') and then the loop's first read and
-                # first claims would otherwise each wait for a connect, one after the other.
-                store.database.warm()
-        if isinstance(self._recorder, IdempotencyStore):
-            self._recorder.warm()  # its round trip's statements prepared too: the first claims wait less
         try:
             self._source.subscribe(self.topics.priority_topics)
-            if self._database is not None and not self._database.up_to_date():
+            if self._database is not None:
                 self._database.migrate(namespace=self.settings.namespace)
             if any(spec.transactional for spec in self.handlers):
                 # Every slot's connection for transactional attempts is opened now, on its pool thread,
@@ -529,6 +521,12 @@ class Worker:
                 # first wave's groups back by different amounts, and their effects left the weighted order.
                 self._slots_ready = self.executor.prepare_threads(self.store.prepare_thread)
             self._liveness.start()
+            for store in (self.store, self._recorder):
+                if isinstance(store, IdempotencyStore):
+                    # Opened now, each in a thread, while the first records are fetched: the loop's first
+                    # read (an operator's pauses) and the first claims would otherwise each wait for a
+                    # connect as the first records arrive.
+                    store.database.warm()
         except BaseException:
             # `run` closes nothing when `start` fails: leave the group and free the port now.
             self._source.close()

@@ -110,26 +110,6 @@ def test_migrations_are_idempotent(settings: Settings) -> None:
     assert versions == [v for v, _, _ in migrations()]
 
 
-def test_an_up_to_date_schema_is_checked_on_the_kept_connection_that_the_next_queries_use(
-    settings: Settings, request: pytest.FixtureRequest
-) -> None:
-    # Every worker's start checks the migrations on the connection its loop then reads on: one connect for
-    # both, opened in a thread as the start begins, not one of the check's own first.
-    db = Database(settings.database_url, schema=settings.database_schema)
-    request.addfinalizer(db.close)
-    opened: list[object] = []
-    connect = db.connect
-    db.connect = lambda **kw: opened.append(kw) or connect(**kw)  # type: ignore[method-assign]
-    assert db.up_to_date()
-    kept = db._conn
-    assert kept is not None and not kept.closed
-    assert db.all("counts", namespace=f"{settings.namespace}-none") == []
-    assert db._conn is kept and len(opened) == 1
-    behind = Database(settings.database_url, schema=f"{settings.database_schema}_none")
-    request.addfinalizer(behind.close)
-    assert not behind.up_to_date()  # no such schema: its migrations are to be applied
-
-
 def test_a_warmed_connection_is_the_one_named_queries_use_and_a_failed_warm_is_left_to_the_query(
     settings: Settings, request: pytest.FixtureRequest
 ) -> None:

@@ -200,29 +200,6 @@ def test_the_recorders_round_trip_prepares_its_statements_once_per_connection(db
     assert states == ["completed"] * 6 + ["running"]
 
 
-def test_a_warmed_recorder_sends_its_first_round_trips_prepared_and_an_unmigrated_schema_is_left_alone(
-    db: Database, base_settings: Settings
-) -> None:
-    # A worker's recorder opens its connection as the worker starts and prepares its statements there: a new
-    # connection's first round trip parsed them and loaded their tables' catalog entries (5-9 ms) while the
-    # first claims waited.
-    store = IdempotencyStore(db, owner="w", namespace="ns")
-    store.warm().join(10)
-    first = _prepared_and_bound(db._conn, lambda: store.claim([ClaimRequest("a", "a", "t", 60.0)]))
-    then = _prepared_and_bound(db._conn, lambda: store.finish_and_claim([], [ClaimRequest("b", "b", "t", 60.0)]))
-    ended = [Finished("a", 1, "completed"), Finished("b", 1, "failed", error="e")]
-    last = _prepared_and_bound(db._conn, lambda: store.finish_and_claim(ended, []))
-    assert [message for message, _ in first + then + last] == ["Bind"] * 4, first + then + last
-    assert [store.get(k)["state"] for k in ("a", "b")] == ["completed", "failed"]  # type: ignore[index]
-    # Where the tables are not there yet (the migrations are the start's next step), nothing is prepared
-    # and the connection is kept, ready: each statement is prepared at its first use, as before.
-    empty = Database(base_settings.database_url, schema="t" + uuid.uuid4().hex[:10])
-    IdempotencyStore(empty, owner="w", namespace="ns").warm().join(10)
-    assert empty._conn is not None and empty._wire is not None and not empty._wire._prepared
-    assert empty._conn.execute("SELECT 1 AS one").fetchone() == {"one": 1}
-    empty.close()
-
-
 def test_a_round_trip_whose_statement_fails_records_nothing_and_the_next_one_does(db: Database) -> None:
     # One transaction: a claim the server refuses (its lease overflows an interval) takes the completion
     # sent with it back too, and the completion is recorded by the next round trip.

@@ -708,24 +708,6 @@ def test_keys_of_a_worker_silent_for_the_configured_stale_after_are_taken_over(
     assert rows == [{"state": "completed", "takeovers": 1}]
 
 
-def test_a_starting_worker_checks_its_migrations_on_the_connection_its_loop_reads_on(settings: Settings) -> None:
-    # The check used a connection of its own, opened and closed before the liveness record's: a connect
-    # (5-8 ms) on every start's way to its first task. Now every connection is opened at once as the start
-    # begins, and the check waits at most for the one its loop reads on.
-    w = Worker(
-        Handlers(), settings, WorkerConfig(concurrency=1, forwarder=False, relay=False, metrics_port=None)
-    )
-    database = w.store.database  # type: ignore[attr-defined]
-    opened: list[dict[str, object]] = []
-    connect = database.connect
-    database.connect = lambda **kw: opened.append(kw) or connect(**kw)
-    w.start()
-    try:
-        assert opened == [{"keyed": True}]  # the kept connection only
-    finally:
-        w.close()
-
-
 def test_a_started_worker_has_the_connections_of_its_first_reads_and_claims_open_before_any_record(
     settings: Settings,
 ) -> None:
