@@ -202,7 +202,8 @@ def _ask_for_metadata_early(producer: Producer) -> None:
     idempotent producer asks for its id at that moment, finds no broker up, and asks again after the next
     metadata answer or when its 500 ms timer fires. A record sent as the producer was made had its topic's
     metadata in that first answer, so nothing came before the timer: it waited half a second (as a script's
-    or a test's first record did; 506 ms from the Sink's making to the record's acknowledgement, now 20).
+    or a test's first record did; 506 ms from the Sink's making to the record's acknowledgement, now 20),
+    and a transactional producer's registration waited for it too (508-512 ms in most, now 20-30).
     Here the first request is answered by the bootstrap broker, the second by a learned one, and the id
     follows at once. The whole cluster's metadata, as the client cannot ask for none without naming a topic
     (and a topic named here could be created by the broker's auto-creation). A broker that does not answer
