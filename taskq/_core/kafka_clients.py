@@ -196,7 +196,7 @@ _EARLY_METADATA_TIMEOUT = 10.0
 
 def _ask_for_metadata_early(producer: Producer) -> None:
     """Ask for the cluster's metadata twice, in a thread of its own, so that a new producer has its producer
-    id as soon as a broker can give it.
+    id as soon as a broker can give it (`Sink._ask_early`: at its first send or registration).
 
     librdkafka (2.10 on) drops the bootstrap broker once the first metadata names the cluster's brokers. An
     idempotent producer asks for its id at that moment, finds no broker up, and asks again after the next
@@ -230,7 +230,7 @@ class Sink:
             conf["message.timeout.ms"] = TRANSACTION_ABORT_MS  # librdkafka requires it <= the above
         conf.update(overrides)
         self._p = new_client(Producer, conf)
-        _ask_for_metadata_early(self._p)
+        self._asked = False  # whether `_ask_for_metadata_early` ran: at the first send or registration
         self._servers = redact(settings.bootstrap_servers)
         self._message_timeout = float(conf["message.timeout.ms"]) / 1000
         self._stuck = ""  # why the producer was given up: a transactional call never returned
@@ -264,6 +264,8 @@ class Sink:
                 if err is not None:
                     on_failure(self._failure(err))
 
+        if not self._asked:
+            self._ask_early()
         kw: dict[str, Any] = {"key": key, "value": value, "headers": headers, "on_delivery": cb}
         if partition is not None:
             kw["partition"] = partition
@@ -287,6 +289,8 @@ class Sink:
         """Queue records in order, with the least work per record: `on_delivery(i, error, record)` hears of
         the i-th record's acknowledgement or failure; `on_failure(error, record)` instead only of failures
         (one callback shared by the whole batch)."""
+        if not self._asked:
+            self._ask_early()
         shared: Callable[[KafkaError | None, Message], None] | None = None
         if on_delivery is not None:
 
@@ -330,6 +334,12 @@ class Sink:
             return RecordTooLargeError(f"producing to {topic}: a record of {size} bytes is too large")
         return unavailable(f"producing to {topic}", exc)
 
+    def _ask_early(self) -> None:
+        """At the first send or registration, not as the Sink is made: a worker makes its Sinks as it starts
+        and most send nothing for a while (the requests there cost its start some 8 ms: 2 cores)."""
+        self._asked = True
+        _ask_for_metadata_early(self._p)
+
     def _failure(self, err: KafkaError) -> str:
         if err.code() == KafkaError._MSG_TIMED_OUT:
             return (
@@ -362,6 +372,8 @@ class Sink:
     def init_transactions(self, timeout: float = TRANSACTION_TIMEOUT) -> None:
         """Register the transactional id, fencing any older instance that used it (and ending its
         transaction: a commit it had asked for completes, anything else is aborted)."""
+        if not self._asked:
+            self._ask_early()
         deadline = time.monotonic() + timeout
         while True:
             try:
