@@ -116,7 +116,7 @@ def add_worker(sub: Commands) -> None:
         "--metrics-host", default="127.0.0.1", help="address /metrics listens on (default: loopback)"
     )
     sp.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight tasks")
-    sp.add_argument("--buffer", type=int, default=500, help="max fetched tasks waiting for a slot")
+    sp.add_argument("--buffer", type=int, default=2000, help="max fetched tasks waiting for a slot")
     sp.add_argument("--buffer-mb", type=int, default=64, help="max megabytes of them (values and headers)")
     add_claim_linger(sp)
     sp.add_argument(

@@ -421,7 +421,7 @@ class Dispatch:
         weighted share of it."""
         if wave <= free:
             return False
-        capacity, claiming = self._config.buffer_capacity, self._claims.claiming
+        capacity, claiming = self.scheduler.capacity, self._claims.claiming
         return any(
             claiming[t] and self.scheduler.depth(t) * capacity < wave * self.scheduler.reserve(t)
             for t in PRIORITIES

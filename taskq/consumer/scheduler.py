@@ -49,21 +49,10 @@ class PriorityScheduler(Generic[T]):
             raise ConfigurationError(
                 f"unknown tiers in weights: {sorted(unknown)}; tiers are {list(PRIORITIES)}"
             )
-        # One task per tier at least, or an empty tier could not be fetched without exceeding capacity.
-        if not isinstance(capacity, int) or capacity < len(PRIORITIES):
-            raise ConfigurationError(
-                f"capacity must be an int >= {len(PRIORITIES)} (one task per tier), got {capacity!r}"
-            )
         self._weights: dict[Priority, int] = {tier: weights[tier] for tier in PRIORITIES}
-        self._capacity = capacity
-        total_weight = sum(self._weights.values())
-        # Reserves split half the capacity (or one task per tier, if more) by weight, one task each at
-        # least: the floors sum to at most budget - len(PRIORITIES), so sum(reserves) <= budget <= capacity.
-        budget = max(len(PRIORITIES), capacity // 2)
-        self._reserves: dict[Priority, int] = {
-            tier: 1 + (budget - len(PRIORITIES)) * weight // total_weight
-            for tier, weight in self._weights.items()
-        }
+        self._capacity = 0
+        self._reserves: dict[Priority, int] = {}
+        self.resize(capacity)
         self._buffers: dict[Priority, deque[T]] = {tier: deque() for tier in PRIORITIES}
         self._credit: dict[Priority, int] = dict.fromkeys(PRIORITIES, 0)
         self._len = 0
@@ -72,6 +61,23 @@ class PriorityScheduler(Generic[T]):
     def capacity(self) -> int:
         """Most tasks buffered at once across tiers, given that saturated tiers are paused."""
         return self._capacity
+
+    def resize(self, capacity: int) -> None:
+        """Bound the buffers at `capacity` from now on, the reserves with it; buffered items stay."""
+        # One task per tier at least, or an empty tier could not be fetched without exceeding capacity.
+        if not isinstance(capacity, int) or capacity < len(PRIORITIES):
+            raise ConfigurationError(
+                f"capacity must be an int >= {len(PRIORITIES)} (one task per tier), got {capacity!r}"
+            )
+        self._capacity = capacity
+        total_weight = sum(self._weights.values())
+        # Reserves split half the capacity (or one task per tier, if more) by weight, one task each at
+        # least: the floors sum to at most budget - len(PRIORITIES), so sum(reserves) <= budget <= capacity.
+        budget = max(len(PRIORITIES), capacity // 2)
+        self._reserves = {
+            tier: 1 + (budget - len(PRIORITIES)) * weight // total_weight
+            for tier, weight in self._weights.items()
+        }
 
     def reserve(self, tier: Priority) -> int:
         """Tasks of `tier` that may always be buffered, whatever the other tiers hold."""

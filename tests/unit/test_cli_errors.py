@@ -254,3 +254,10 @@ def test_the_cli_default_claim_linger_is_the_worker_config_default() -> None:
     from taskq.cli.common import CLAIM_LINGER_MS
 
     assert CLAIM_LINGER_MS / 1000 == WorkerConfig.claim_linger
+
+
+def test_the_worker_commands_buffer_defaults_are_the_worker_config_defaults() -> None:
+    # Written twice, as the claim linger's is.
+    args = cli.build_parser().parse_args(["worker", "tests.apps.app:handlers"])
+    assert args.buffer == WorkerConfig.buffer_capacity
+    assert args.buffer_mb * 1024 * 1024 == WorkerConfig.buffer_bytes

@@ -233,3 +233,24 @@ def test_pausing_saturated_tiers_bounds_memory_and_starves_no_tier(seed):
 def test_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PriorityScheduler(**kwargs)
+
+
+def test_resizing_moves_the_reserves_and_the_bound_and_keeps_what_is_buffered():
+    # A worker starts with a small buffer (its first wave waits for less) and widens it once running.
+    sched = PriorityScheduler(capacity=100)
+    for tier in PRIORITIES:
+        while not sched.saturated(tier):
+            sched.push(tier, (tier, 0))
+    assert len(sched) == 100
+    sched.resize(400)
+    assert sched.capacity == 400
+    assert {t: sched.reserve(t) for t in PRIORITIES} == {"critical": 105, "high": 53, "normal": 27, "low": 14}
+    assert len(sched) == 100 and not any(sched.saturated(t) for t in PRIORITIES)
+    for tier in PRIORITIES:
+        while not sched.saturated(tier):
+            sched.push(tier, (tier, 0))
+    assert len(sched) == 400
+    assert Counter(tiers_of(sched, 15)) == DEFAULT_WEIGHTS  # the weights hold across the resize
+    with pytest.raises(ValueError, match=r"capacity must be an int >= 4 \(one task per tier\), got 3"):
+        sched.resize(3)
+    assert sched.capacity == 400

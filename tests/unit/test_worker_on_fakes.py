@@ -16,7 +16,7 @@ from taskq._core.settings import Settings
 from taskq.consumer import events
 from taskq.consumer.events import Event, Hooks, LoopSampled, TaskCompleted
 from taskq.consumer.store import ClaimRequest, WorkerRecord
-from taskq.consumer.worker import SAMPLE_EVERY, Worker, WorkerConfig
+from taskq.consumer.worker import POLL_CHUNK, SAMPLE_EVERY, START_BUFFER, Worker, WorkerConfig
 from taskq.producer.admin import topic_specs
 from taskq.producer.producer import TaskProducer
 from taskq.schemas import avro
@@ -273,6 +273,38 @@ def test_a_saturated_tier_is_paused_and_resumed_with_memory_bounded() -> None:
     release.set()
     run(w, lambda: len(parts.rows) == 200 and w.idle(), "every task")
     assert not normal & w._paused
+    w.close()
+
+
+def test_a_worker_starts_on_the_start_buffer_and_buffers_its_whole_capacity_once_running() -> None:
+    # The first wave waits for what the start fetched and claimed, so the start holds START_BUFFER; a
+    # running worker buffers up to buffer_capacity (a pause drops what librdkafka fetched ahead, and the
+    # resume fetches it again: a small buffer pauses often), and tiers paused at the start resume.
+    handlers, release = Handlers(), threading.Event()
+
+    @handlers.task("unit.Job", schema=JOB)
+    def job(payload: dict[str, Any], ctx: TaskContext) -> None:
+        release.wait(10)
+
+    parts = Parts(handlers)
+    for i in range(3000):
+        parts.producer.enqueue("unit.Job", {"n": i}, priority=("critical", "normal")[i % 2])
+    parts.producer.flush()
+    w = parts.worker("a", concurrency=1, buffer_capacity=2000)
+    assert w._scheduler.capacity == START_BUFFER < 2000
+    while not w._dispatched:
+        w.step()
+        assert w._waiting() <= START_BUFFER + POLL_CHUNK  # the start's bound, plus what one take may add
+    paused_at_start = set(w._paused)
+    assert paused_at_start
+    run(w, lambda: w._waiting() > START_BUFFER + POLL_CHUNK, "the buffer to grow")
+    for _ in range(50):
+        w.step()
+        assert w._waiting() <= 2000 + 500  # the whole bound, plus what one poll may add
+    assert w._scheduler.capacity == 2000
+    assert {t.envelope.priority for t in w._scheduler} == {"critical", "normal"}
+    release.set()
+    run(w, lambda: len(parts.rows) == 3000 and w.idle(), "every task")
     w.close()
 
 
