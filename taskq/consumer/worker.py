@@ -98,7 +98,7 @@ log = logging.getLogger("taskq.worker")
 POLL_CHUNK = 16
 #: Dispatch waits at most this long (seconds) for newly assigned partitions' first fetch.
 SETTLE = 0.5
-#: A worker's buffer holds at most this many tasks until its first dispatch, then `buffer_capacity`: the
+#: A worker's buffer holds at most this many tasks until its first task starts, then `buffer_capacity`: the
 #: first wave waits for every tier's records (invariant 4) and for their claims, and a larger buffer is
 #: more of both to wait for (launch to first task 0.28 s at 500, 0.39 s at 2,000 and 0.53 s at 4,000).
 START_BUFFER = 500
@@ -740,6 +740,12 @@ class Worker:
         self._completer.settle()  # what earlier claims answered goes into the buffers first
         if self._settled():
             self._dispatcher.dispatch()
+            if self._dispatcher.running and self._scheduler.capacity < self.config.buffer_capacity:
+                # Running now: the whole buffer, and the tiers paused at the start's bound resume at once.
+                # Not sooner: the first dispatch may wait for its claims' answer, and the next pass would
+                # take and decode a buffer's worth of records first.
+                self._scheduler.resize(self.config.buffer_capacity)
+                self._resume_at = dict.fromkeys(PRIORITIES, self.config.buffer_capacity)
         self._collect(block=0.0)
         self._limits.flush()
         self._completer.flush(linger=0.005)
@@ -850,10 +856,6 @@ class Worker:
             ends = self._source.high_watermarks(waiting) if waiting else {}
             self._settling = {tp: self._settling[tp] for tp, end in ends.items() if end != 0}
         self._dispatched = not self._settling
-        if self._dispatched and self._scheduler.capacity < self.config.buffer_capacity:
-            # Running now: the whole buffer, and the tiers paused at the start's bound resume at once.
-            self._scheduler.resize(self.config.buffer_capacity)
-            self._resume_at = dict.fromkeys(PRIORITIES, self.config.buffer_capacity)
         return self._dispatched
 
     def _arrived_from(self, records: Sequence[Record]) -> None:

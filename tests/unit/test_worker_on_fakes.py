@@ -277,9 +277,9 @@ def test_a_saturated_tier_is_paused_and_resumed_with_memory_bounded() -> None:
 
 
 def test_a_worker_starts_on_the_start_buffer_and_buffers_its_whole_capacity_once_running() -> None:
-    # The first wave waits for what the start fetched and claimed, so the start holds START_BUFFER; a
-    # running worker buffers up to buffer_capacity (a pause drops what librdkafka fetched ahead, and the
-    # resume fetches it again: a small buffer pauses often), and tiers paused at the start resume.
+    # The first wave waits for what the start fetched and claimed, so the start holds START_BUFFER; once a
+    # task runs, the worker buffers up to buffer_capacity (a pause drops what librdkafka fetched ahead, and
+    # the resume fetches it again: a small buffer pauses often), and tiers paused at the start resume.
     handlers, release = Handlers(), threading.Event()
 
     @handlers.task("unit.Job", schema=JOB)
