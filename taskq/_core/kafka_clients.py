@@ -194,9 +194,10 @@ def unavailable(
 _EARLY_METADATA_TIMEOUT = 10.0
 
 
-def _ask_for_metadata_early(producer: Producer) -> None:
-    """Ask for the cluster's metadata twice, in a thread of its own, so that a new producer has its producer
-    id as soon as a broker can give it (`Sink._ask_early`: at its first send or registration).
+def _ask_for_metadata_early(producer: Producer, topic: str | None) -> None:
+    """Ask for `topic`'s metadata (the whole cluster's if None) twice, in a thread of its own, so that a new
+    producer has its producer id as soon as a broker can give it (`Sink._ask_early`: at its first send or
+    registration).
 
     librdkafka (2.10 on) drops the bootstrap broker once the first metadata names the cluster's brokers. An
     idempotent producer asks for its id at that moment, finds no broker up, and asks again after the next
@@ -205,14 +206,19 @@ def _ask_for_metadata_early(producer: Producer) -> None:
     or a test's first record did; 506 ms from the Sink's making to the record's acknowledgement, now 20),
     and a transactional producer's registration waited for it too (508-512 ms in most, now 20-30).
     Here the first request is answered by the bootstrap broker, the second by a learned one, and the id
-    follows at once. The whole cluster's metadata, as the client cannot ask for none without naming a topic
-    (and a topic named here could be created by the broker's auto-creation). A broker that does not answer
-    leaves it to the timer, and the sends report it as before."""
+    follows at once. A send names the topic it sends to, whose metadata the send asks for anyway (so the
+    broker's auto-creation, if on, creates nothing the send would not): the whole cluster's metadata is a
+    few MB on a cluster of thousands of topics. A registration has no topic to name, and the client cannot
+    ask for none without naming one: it asks for all. A broker that does not answer leaves it to the timer,
+    and the sends report it as before."""
 
     def ask() -> None:
         for _ in range(2):
             try:
-                producer.list_topics(timeout=_EARLY_METADATA_TIMEOUT)
+                if topic is None:
+                    producer.list_topics(timeout=_EARLY_METADATA_TIMEOUT)
+                else:
+                    producer.list_topics(topic, timeout=_EARLY_METADATA_TIMEOUT)
             except KafkaException:
                 return
 
@@ -265,7 +271,7 @@ class Sink:
                     on_failure(self._failure(err))
 
         if not self._asked:
-            self._ask_early()
+            self._ask_early(topic)
         kw: dict[str, Any] = {"key": key, "value": value, "headers": headers, "on_delivery": cb}
         if partition is not None:
             kw["partition"] = partition
@@ -290,7 +296,8 @@ class Sink:
         the i-th record's acknowledgement or failure; `on_failure(error, record)` instead only of failures
         (one callback shared by the whole batch)."""
         if not self._asked:
-            self._ask_early()
+            records = list(records)
+            self._ask_early(records[0][0] if records else None)
         shared: Callable[[KafkaError | None, Message], None] | None = None
         if on_delivery is not None:
 
@@ -334,11 +341,11 @@ class Sink:
             return RecordTooLargeError(f"producing to {topic}: a record of {size} bytes is too large")
         return unavailable(f"producing to {topic}", exc)
 
-    def _ask_early(self) -> None:
+    def _ask_early(self, topic: str | None = None) -> None:
         """At the first send or registration, not as the Sink is made: a worker makes its Sinks as it starts
         and most send nothing for a while (the requests there cost its start some 8 ms: 2 cores)."""
         self._asked = True
-        _ask_for_metadata_early(self._p)
+        _ask_for_metadata_early(self._p, topic)
 
     def _failure(self, err: KafkaError) -> str:
         if err.code() == KafkaError._MSG_TIMED_OUT:

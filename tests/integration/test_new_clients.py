@@ -3,6 +3,8 @@ project does so that it need not."""
 
 from __future__ import annotations
 
+import logging
+
 from taskq._core.envelope import Topics
 from taskq._core.kafka import Sink
 from taskq._core.settings import Settings
@@ -31,3 +33,28 @@ def test_a_new_transactional_producer_registers_its_id_without_waiting_for_the_t
     sink.begin()
     sink.send(Topics(settings.namespace).priority_topics[0], b"first", key=None, headers=[])
     sink.commit()
+
+
+def test_a_new_producers_early_metadata_requests_name_the_topic_it_sends_to(settings: Settings) -> None:
+    # The early requests' answers are what the producer id waits for, whatever they hold. The whole cluster's
+    # metadata is a few MB on a cluster of thousands of topics; the topic the first record goes to is what
+    # the send asks for anyway (and all a broker's auto-creation could act on).
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    log = logging.getLogger(f"test.new_clients.{settings.namespace}")
+    log.addHandler(Lines())
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    topic = Topics(settings.namespace).priority_topics[0]
+    sink = Sink(settings, debug="metadata", logger=log, **{"message.timeout.ms": 450})
+    outcomes: list[str | None] = []
+    sink.send(topic, b"first", key=None, headers=[], on_delivery=lambda err, _record: outcomes.append(err))
+    assert sink.flush(10) == 0
+    assert outcomes == [None]
+    requests = [line for line in lines if "Request metadata for" in line]
+    assert any("application requested" in line and "1 topic(s)" in line for line in requests), requests
+    assert not any("all topics" in line for line in requests), requests
