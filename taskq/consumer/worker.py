@@ -124,7 +124,7 @@ class WorkerConfig:
     #: At most this many fetched tasks wait for a slot; beyond it partitions are paused (invariant 5).
     #: Each pause drops the records librdkafka fetched ahead for the partition, and its resume fetches them
     #: again: a tier's reserve is its share of half of this, and a burn-down cycled the small tiers through
-    #: a pause every few tasks of theirs at 500 (0.09 ms of worker CPU a no-op task; 0.08 at 2,000).
+    #: a pause every few tasks of theirs at 500 (0.089 ms of worker CPU a no-op task; 0.073 at 2,000).
     buffer_capacity: int = 2000
     #: And at most about this many bytes of them (values and headers): a tier of large records is paused
     #: before it fills the buffer's task count (invariant 5).
