@@ -8,11 +8,12 @@ offset becomes committable only once its outcome is durable: the completion reco
 retry/DLQ record acknowledged by the broker (invariant 1). This module wires the stages and runs the loop.
 
 Longer than 800 lines because the loop's fetch side (records taken in chunks between flow control, the
-pausing and resuming of partitions, the first dispatch's wait for every tier and for the slots'
-connections, the wait for records while claims linger), the start (the group join overlapped with the
-schema check, the liveness record and the connections opened while the first records are fetched) and the
-rebalance and shutdown paths, which reach into every stage, still live here beside the wiring and the
-lifecycle of the services the worker runs (forwarder, relay, periodic scheduler, metrics).
+pausing and resuming of partitions, the first dispatch's wait for every tier and for the slots' connections,
+the start's smaller buffer and its widening once a task runs, the wait for records while claims linger), the
+start (the group join overlapped with the schema check, the liveness record and the connections opened while
+the first records are fetched) and the rebalance and shutdown paths, which reach into every stage, still
+live here beside the wiring and the lifecycle of the services the worker runs (forwarder, relay, periodic
+scheduler, metrics).
 """
 
 from __future__ import annotations
@@ -740,7 +741,7 @@ class Worker:
         self._completer.settle()  # what earlier claims answered goes into the buffers first
         if self._settled():
             self._dispatcher.dispatch()
-            if self._dispatcher.running and self._scheduler.capacity < self.config.buffer_capacity:
+            if self._scheduler.capacity < self.config.buffer_capacity and self._dispatcher.running:
                 # Running now: the whole buffer, and the tiers paused at the start's bound resume at once.
                 # Not sooner: the first dispatch may wait for its claims' answer, and the next pass would
                 # take and decode a buffer's worth of records first.
