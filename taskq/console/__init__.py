@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import signal
 from types import FrameType
+from typing import Any
 
 from taskq._core.errors import ConfigurationError
 from taskq._core.settings import Settings
@@ -73,13 +74,26 @@ def serve(
         shown = f"[{host}]" if ":" in host else host
         if log.level == logging.NOTSET:
             log.setLevel(logging.INFO)  # a long-running command: its start line is shown
-        log.info("taskq console: namespace %s on http://%s:%d/", settings.namespace, shown, port)
+        started = ("taskq console: namespace %s on http://%s:%d/", settings.namespace, shown, port)
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets: Any = None) -> None:
+                await super().startup(sockets)
+                if self.started:
+                    # Said once it listens, not before: a signal sent on seeing it reaches uvicorn's handlers.
+                    # Sent earlier, it ended the command while uvicorn set its event loop up, and the loop's
+                    # finalizer printed a line of its own at exit (not JSON under --log-format json).
+                    log.info(*started)
+
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handlers it
         # found. With this one the command ends with 0 like every other long-running one, not killed by the
         # signal; and a signal before uvicorn listens ends it at once.
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _exit_cleanly)
         # log_config=None: uvicorn's own lines go through the command's logging, JSON when asked.
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, log_config=None)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, log_config=None
+        )
+        Server(config).run()
     finally:
         console.close()
