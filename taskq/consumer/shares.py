@@ -186,6 +186,10 @@ class TierShares:
         """No partition's first record is waited for: any member may be handed any partition's records."""
         return dict.fromkeys(tps, 0)
 
+    def position(self, tp: TP) -> int:
+        """Unknown (-1): a share group's members read no partition from a position of their own."""
+        return -1
+
     def lag(self) -> dict[TP, int]:
         """Unknown here: a share group's backlog is not a consumer's lag (see `in_flight`)."""
         return {}

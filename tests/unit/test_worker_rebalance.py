@@ -12,7 +12,7 @@ from taskq._core.settings import Settings
 from taskq.consumer.executor import Outcome
 from taskq.consumer.handlers import Handlers
 from taskq.consumer.store import ClaimRequest
-from taskq.consumer.worker import Worker, WorkerConfig
+from taskq.consumer.worker import TURN_WAIT, Worker, WorkerConfig
 from taskq.schemas import avro
 from taskq.testing import InMemoryRegistry, InMemoryStore
 
@@ -38,6 +38,12 @@ class RecordingSource:
 
     def commit(self, offsets: dict[TP, int], *, asynchronous: bool = False) -> None:
         self.commits.append(dict(offsets))
+
+    def high_watermarks(self, tps: Any) -> dict[TP, int]:
+        return dict.fromkeys(tps, -1)  # as a consumer that has fetched nothing yet
+
+    def position(self, tp: TP) -> int:
+        return -1
 
 
 def record(tp: TP, offset: int) -> Record:
@@ -185,3 +191,48 @@ def test_a_periodic_commit_counts_only_what_the_broker_committed_and_the_rest_is
     assert w._source.commits[-1] == {MOVED: 1}  # type: ignore[union-attr]
     w._committed_cb({MOVED: 1}, None)
     assert w._tracker.committable() == {}
+
+
+THIRD: TP = (f"{NS}.normal", 2)
+
+
+def test_a_saturated_tier_resumes_its_partitions_in_turns_each_once_a_round(worker: Worker) -> None:
+    w = worker
+    w._assigned_cb([KEPT, MOVED, THIRD])
+    w._flow_control()
+    for tp in (KEPT, MOVED, THIRD):
+        w._paused.add(tp)
+    w._served["normal"].add(KEPT)  # delivered since the round began
+    assert w._turn("normal", [KEPT, MOVED, THIRD]) == [MOVED, THIRD]
+    w._served["normal"] |= {MOVED, THIRD}
+    # Each has delivered: a new round, every partition.
+    assert w._turn("normal", [KEPT, MOVED, THIRD]) == [KEPT, MOVED, THIRD]
+    assert not w._served["normal"]
+
+
+def test_a_tier_waits_for_a_partition_in_its_turn_at_most_turn_wait(worker: Worker) -> None:
+    w = worker
+    now = [100.0]
+    w._clock = lambda: now[0]
+    w._assigned_cb([KEPT, MOVED])
+    w._flow_control()
+    w._paused |= {KEPT, MOVED}
+    w._served["normal"].add(KEPT)
+    assert w._turn("normal", [KEPT, MOVED]) == [MOVED]
+    w._paused.discard(MOVED)  # resumed, and nothing delivered: its records may be a transaction's, unreadable
+    assert w._turn("normal", [KEPT, MOVED]) == []  # the tier waits for it
+    now[0] += TURN_WAIT * 1.01
+    assert w._turn("normal", [KEPT, MOVED]) == [KEPT]  # it had its turn: a new round
+
+
+def test_a_tier_is_not_held_for_a_partition_fetched_since_its_assignment(worker: Worker) -> None:
+    # A newly assigned partition is fetched at once, outside the tier's turns. With nothing read yet its
+    # position is unknown, and its end counts records to read (ones another member ran, a transaction's
+    # marker). Waited for as though resumed in a turn, it held the tier's paused partitions back for good:
+    # a worker stood still once Postgres was in reach again (tests/acceptance/test_restarts.py).
+    w = worker
+    w._assigned_cb([KEPT, MOVED])
+    w._flow_control()  # both fresh: fetched
+    w._paused.add(KEPT)  # the tier saturated; KEPT delivered, MOVED nothing
+    w._served["normal"].add(KEPT)
+    assert w._turn("normal", [KEPT, MOVED]) == [KEPT]
