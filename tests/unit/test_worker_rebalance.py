@@ -12,7 +12,7 @@ from taskq._core.settings import Settings
 from taskq.consumer.executor import Outcome
 from taskq.consumer.handlers import Handlers
 from taskq.consumer.store import ClaimRequest
-from taskq.consumer.worker import TURN_WAIT, Worker, WorkerConfig
+from taskq.consumer.worker import Worker, WorkerConfig
 from taskq.schemas import avro
 from taskq.testing import InMemoryRegistry, InMemoryStore
 
@@ -203,36 +203,37 @@ def test_a_saturated_tier_resumes_its_partitions_in_turns_each_once_a_round(work
     for tp in (KEPT, MOVED, THIRD):
         w._paused.add(tp)
     w._served["normal"].add(KEPT)  # delivered since the round began
-    assert w._turn("normal", [KEPT, MOVED, THIRD]) == [MOVED, THIRD]
+    assert w._turn("normal", [KEPT, MOVED, THIRD], 0) == [MOVED, THIRD]
     w._served["normal"] |= {MOVED, THIRD}
     # Each has delivered: a new round, every partition.
-    assert w._turn("normal", [KEPT, MOVED, THIRD]) == [KEPT, MOVED, THIRD]
+    assert w._turn("normal", [KEPT, MOVED, THIRD], 0) == [KEPT, MOVED, THIRD]
     assert not w._served["normal"]
 
 
-def test_a_tier_waits_for_a_partition_in_its_turn_at_most_turn_wait(worker: Worker) -> None:
+def test_a_tier_resumes_the_partitions_whose_turn_it_is_first_and_the_others_once_short_of_its_share(
+    worker: Worker,
+) -> None:
     w = worker
-    now = [100.0]
-    w._clock = lambda: now[0]
     w._assigned_cb([KEPT, MOVED])
     w._flow_control()
     w._paused |= {KEPT, MOVED}
     w._served["normal"].add(KEPT)
-    assert w._turn("normal", [KEPT, MOVED]) == [MOVED]
-    w._paused.discard(MOVED)  # resumed, and nothing delivered: its records may be a transaction's, unreadable
-    assert w._turn("normal", [KEPT, MOVED]) == []  # the tier waits for it
-    now[0] += TURN_WAIT * 1.01
-    assert w._turn("normal", [KEPT, MOVED]) == [KEPT]  # it had its turn: a new round
+    reserve = w._scheduler.reserve("normal")
+    assert w._turn("normal", [KEPT, MOVED], reserve) == [MOVED]  # MOVED has the tier's fetches to itself
+    w._paused.discard(MOVED)
+    assert w._turn("normal", [KEPT, MOVED], reserve) == []  # while the tier holds its share
+    assert w._turn("normal", [KEPT, MOVED], reserve - 1) == [KEPT]  # then the others follow
+    assert w._served["normal"] == {KEPT}  # the round goes on
 
 
 def test_a_tier_is_not_held_for_a_partition_fetched_since_its_assignment(worker: Worker) -> None:
     # A newly assigned partition is fetched at once, outside the tier's turns. With nothing read yet its
     # position is unknown, and its end counts records to read (ones another member ran, a transaction's
-    # marker). Waited for as though resumed in a turn, it held the tier's paused partitions back for good:
-    # a worker stood still once Postgres was in reach again (tests/acceptance/test_restarts.py).
+    # marker). It must not hold the tier's paused partitions back: waited for as though resumed in a turn,
+    # it did for good, and a worker stood still once Postgres was in reach again.
     w = worker
     w._assigned_cb([KEPT, MOVED])
     w._flow_control()  # both fresh: fetched
     w._paused.add(KEPT)  # the tier saturated; KEPT delivered, MOVED nothing
     w._served["normal"].add(KEPT)
-    assert w._turn("normal", [KEPT, MOVED]) == [KEPT]
+    assert w._turn("normal", [KEPT, MOVED], 0) == [KEPT]
