@@ -8,12 +8,12 @@ offset becomes committable only once its outcome is durable: the completion reco
 retry/DLQ record acknowledged by the broker (invariant 1). This module wires the stages and runs the loop.
 
 Longer than 800 lines because the loop's fetch side (records taken in chunks between flow control, the
-pausing and resuming of partitions, the first dispatch's wait for every tier and for the slots' connections,
-the start's smaller buffer and its widening once a task runs, the wait for records while claims linger), the
-start (the group join overlapped with the schema check, the liveness record and the connections opened while
-the first records are fetched) and the rebalance and shutdown paths, which reach into every stage, still
-live here beside the wiring and the lifecycle of the services the worker runs (forwarder, relay, periodic
-scheduler, metrics).
+pausing and resuming of partitions, a saturated tier's partitions resumed in turns, the first dispatch's
+wait for every tier and for the slots' connections, the start's smaller buffer and its widening once a task
+runs, the wait for records while claims linger), the start (the group join overlapped with the schema check,
+the liveness record and the connections opened while the first records are fetched) and the rebalance and
+shutdown paths, which reach into every stage, still live here beside the wiring and the lifecycle of the
+services the worker runs (forwarder, relay, periodic scheduler, metrics).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ NS = "unit"
 SCHEMA = {"type": "record", "name": "Job", "namespace": NS, "fields": [{"name": "n", "type": "long"}]}
 KEPT: TP = (f"{NS}.normal", 0)
 MOVED: TP = (f"{NS}.normal", 1)
+THIRD: TP = (f"{NS}.normal", 2)
 SCHEMA_ID = 7
 
 
@@ -193,9 +194,6 @@ def test_a_periodic_commit_counts_only_what_the_broker_committed_and_the_rest_is
     assert w._tracker.committable() == {}
 
 
-THIRD: TP = (f"{NS}.normal", 2)
-
-
 def test_a_saturated_tier_resumes_its_partitions_in_turns_each_once_a_round(worker: Worker) -> None:
     w = worker
     w._assigned_cb([KEPT, MOVED, THIRD])
@@ -229,8 +227,8 @@ def test_a_tier_resumes_the_partitions_whose_turn_it_is_first_and_the_others_onc
 def test_a_tier_is_not_held_for_a_partition_fetched_since_its_assignment(worker: Worker) -> None:
     # A newly assigned partition is fetched at once, outside the tier's turns. With nothing read yet its
     # position is unknown, and its end counts records to read (ones another member ran, a transaction's
-    # marker). It must not hold the tier's paused partitions back: waited for as though resumed in a turn,
-    # it did for good, and a worker stood still once Postgres was in reach again.
+    # marker). It must not hold the tier's paused partitions back: a form of the turns that waited for it as
+    # for a turn's partition stood a worker still once Postgres was in reach again.
     w = worker
     w._assigned_cb([KEPT, MOVED])
     w._flow_control()  # both fresh: fetched
