@@ -959,20 +959,20 @@ class Worker:
         fresh, stopped = self._fresh, self._paused
         for tier, tps in self._tier_partitions().items():
             depth = depths[tier]
+            resume = self._unpaused[tier] < len(tps) and depth <= self._resume_at[tier]
             if halt[tier]:
                 if self._unpaused[tier]:
                     to_pause += [tp for tp in tps if tp not in stopped]
                     self._resume_at[tier] = depth * 3 // 4
-            elif fresh or (self._unpaused[tier] < len(tps) and depth <= self._resume_at[tier]):
+            elif fresh or resume:
                 # Hysteresis: a paused tier resumes once a quarter of what it held has run, early enough
                 # for the refetch to arrive before it runs dry. Pausing drops the partition's prefetched
                 # records, so resuming at the first free place made every poll a pause and a refetch; at
                 # half, one dispatch of group commits (a wave of 8 groups: about critical's whole half) left
                 # critical or high empty until the refetch came, in 3 of 24 runs of the weights test on a
                 # quiet machine (0 of 24 at three quarters).
-                some_paused = self._unpaused[tier] < len(tps)
                 # Of its paused partitions, those whose turn it is (`_turn`).
-                turn = self._turn(tier, tps, depth) if some_paused and depth <= self._resume_at[tier] else ()
+                turn = self._turn(tier, tps, depth) if resume else ()
                 to_resume += [tp for tp in tps if tp in fresh or tp in turn]
         if to_pause or to_resume or fresh:
             self._source.pause(to_pause)
