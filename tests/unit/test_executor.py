@@ -26,6 +26,7 @@ from taskq.consumer.executor import (
     TaskTimeout,
     bound_traceback,
 )
+from taskq.consumer.executor._watchdog import Watchdog
 from taskq.consumer.handlers import Handlers, HandlerSpec, TaskContext
 
 HANDLERS_PATH = f"{executor_handlers.__name__}:handlers"
@@ -185,6 +186,34 @@ def test_thread_timeout_is_reported_at_deadline_and_thread_keeps_its_slot(ex: Ex
     wait_until(lambda: ex.free_slots() == 2)
     ex.shutdown(5)  # joins the pool threads: a late second on_done would have happened by now
     assert len(done.outcomes) == 1
+
+
+def test_the_watchdog_thread_is_woken_only_by_a_timer_that_comes_first() -> None:
+    # Each attempt with a timeout schedules its deadline, almost never the earliest one: waking the
+    # watchdog's thread for it would be a thread switch a task for nothing.
+    wakes: list[int] = []
+
+    class Counting(threading.Condition):
+        def notify(self, n: int = 1) -> None:
+            wakes.append(n)
+            super().notify(n)
+
+    dog = Watchdog()
+    dog._cond = Counting()
+    fired: list[str] = []
+    soon = threading.Event()
+    now = time.monotonic()
+    try:
+        later = [dog.schedule(now + 60 + i, lambda: fired.append("late")) for i in range(10)]
+        assert wakes == []  # the first starts the thread; the others come after it
+        dog.schedule(now + 0.05, soon.set)
+        assert len(wakes) == 1
+        assert soon.wait(WAIT), "the earlier timer did not fire"
+        for timer in later:
+            dog.cancel(timer)
+    finally:
+        dog.close(WAIT)
+    assert fired == []
 
 
 def test_job_call_is_run_instead_of_the_handler(ex: Executor) -> None:

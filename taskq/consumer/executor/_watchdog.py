@@ -41,7 +41,11 @@ class Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="taskq-watchdog", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif self._heap[0] is timer:
+                # Only a timer that is now the earliest moves the thread's wake-up. A task's timeout is
+                # scheduled at every start and is almost never the earliest: waking the thread for it
+                # would cost a thread switch a task for nothing.
+                self._cond.notify()
             return timer
 
     def cancel(self, timer: Timer | None) -> None:
