@@ -243,8 +243,7 @@ def _latency_text(data: dict[str, Any]) -> str:
     def ms(d: dict[str, float]) -> str:
         return f"p50 {d['p50']:.1f}, p90 {d['p90']:.1f}, p99 {d['p99']:.1f}, max {d['max']:.1f} ms"
 
-    def p99(w: dict[str, Any]) -> str:
-        value = w["enqueue_to_start_ms"]["p99"]
+    def p99(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}"
 
     lines = [
@@ -255,10 +254,13 @@ def _latency_text(data: dict[str, Any]) -> str:
         f"worker CPU {data['worker_cpu_ms_per_task']:.2f} ms/task):",
         f"  enqueue to start       {ms(data['enqueue_to_start_ms'])}",
         f"  enqueue to completion  {ms(data['enqueue_to_completion_ms'])}",
-        "  window (s)   enqueued  completed/s  enqueue to start p99 (ms)",
+        "  window (s)   enqueued  completed/s  enqueue to start p99 (ms), of all and by tier:",
+        f"  {'':36}{'all':>10}" + "".join(f"{tier:>10}" for tier in PRIORITIES),
     ]
     lines += [
-        f"  {w['from_s']:>5.0f}-{w['to_s']:<5.0f} {w['enqueued']:>9} {w['completed_per_s']:>12.0f}  {p99(w)}"
+        f"  {w['from_s']:>5.0f}-{w['to_s']:<5.0f} {w['enqueued']:>9} {w['completed_per_s']:>12.0f}  "
+        f"{p99(w['enqueue_to_start_ms']['p99']):>10}"
+        + "".join(f"{p99(w['enqueue_to_start_p99_ms_by_tier'][tier]):>10}" for tier in PRIORITIES)
         for w in data["windows"]
     ]
     ratio = data["last_to_first"]
@@ -296,7 +298,6 @@ def _latency_text(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-
 def cmd_chaos(args: argparse.Namespace) -> int:
     from taskq.tools.chaos import run_chaos
 
@@ -320,7 +321,6 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     )
     print_result(args, report.to_dict(), report.text())
     return 0 if report.passed else 1
-
 
 
 def add_bench(sub: Commands) -> None:

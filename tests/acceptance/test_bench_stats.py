@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from taskq._core.db import Database
-from taskq._core.envelope import Topics
+from taskq._core.envelope import PRIORITIES, Topics
 from taskq._core.kafka import Admin, Sink
 from taskq._core.settings import Settings
 from taskq.producer.producer import TaskProducer
@@ -209,6 +209,10 @@ def test_bench_latency_on_a_seeded_history_reports_its_windows_and_the_tables_gr
     for w in data["windows"]:
         assert w["completed"] > 0 and w["completed_per_s"] == w["completed"] / 2
         assert _percentiles(w["enqueue_to_start_ms"])
+        # 50 tasks of each tier in a window of 200: each tier's p99 is one of its tasks' waits.
+        by_tier = w["enqueue_to_start_p99_ms_by_tier"]
+        assert set(by_tier) == set(PRIORITIES) and all(p99 > 0 for p99 in by_tier.values())
+        assert max(by_tier.values()) <= w["enqueue_to_start_ms"]["max"]
     assert data["last_to_first"]["completed_per_s"] > 0 and data["last_to_first"]["enqueue_to_start_p99"] > 0
     # The purge half-way deleted the oldest day: 2,500 keys, and those that aged past 7 days while the run
     # started (one every 34.56 s).

@@ -155,6 +155,16 @@ class _Purge:
             self._thread.join()
 
 
+def _key(i: int) -> str:
+    """The idempotency key of the run's i-th send."""
+    return f"bench:{i}"
+
+
+def _tier(key: str) -> str:
+    """The priority a key of `_key` was sent with: the run deals its sends to the tiers in turn."""
+    return PRIORITIES[int(key.rpartition(":")[2]) % len(PRIORITIES)]
+
+
 def _windows(
     t0: float,
     duration: float,
@@ -166,15 +176,16 @@ def _windows(
 ) -> list[dict[str, Any]]:
     """Per `window` seconds of the schedule: the tasks whose send was due in it (`due`: seconds from `t0`),
     completions recorded in it per second, and the enqueue->start times (from the send actually made) of its
-    tasks. A send made late counts in the window it was due in, so each window holds rate x window tasks."""
+    tasks, all of them and per tier (which tiers a worker behind its schedule keeps waiting). A send made late
+    counts in the window it was due in, so each window holds rate x window tasks."""
     n = max(1, math.ceil(duration / window - 1e-9))
-    starts: list[list[float]] = [[] for _ in range(n)]
+    starts: list[dict[str, list[float]]] = [{tier: [] for tier in PRIORITIES} for _ in range(n)]
     sent, done = [0] * n, [0] * n
     for key, t in enqueued.items():
         k = min(n - 1, int(due[key] // window))
         sent[k] += 1
         if key in started:
-            starts[k].append(started[key] - t)
+            starts[k][_tier(key)].append(started[key] - t)
     for t in completed.values():
         k = int((t - t0) // window)
         if 0 <= k < n and t - t0 < duration:
@@ -189,7 +200,8 @@ def _windows(
                 "enqueued": sent[k],
                 "completed": done[k],
                 "completed_per_s": done[k] / (hi - lo),
-                "enqueue_to_start_ms": _ms(starts[k]),
+                "enqueue_to_start_ms": _ms([w for waits in starts[k].values() for w in waits]),
+                "enqueue_to_start_p99_ms_by_tier": {tier: _ms(w)["p99"] for tier, w in starts[k].items()},
             }
         )
     return out
@@ -269,12 +281,10 @@ def bench_latency(
                             behind.append(now - due)
                         if seed_history and i == count // 2:
                             purge.start(time.monotonic() - t0)
-                        key = f"bench:{i}"
+                        key = _key(i)
                         scheduled[key] = i / rate  # not due - t0: exact where a window starts
                         enqueued[key] = time.monotonic()
-                        producer.enqueue(
-                            run.task_type, {"i": i}, priority=PRIORITIES[i % 4], idempotency_key=key
-                        )
+                        producer.enqueue(run.task_type, {"i": i}, priority=_tier(key), idempotency_key=key)
                     sent_s = time.monotonic() - t0
                     producer.flush(60)
                     workers.wait(
