@@ -40,6 +40,7 @@ from taskq._core.envelope import Headers
 from taskq._core.errors import ConfigurationError, KafkaUnavailableError, RecordTooLargeError
 from taskq._core.kafka import consumer_config, producer_config
 from taskq._core.settings import Settings, redact
+from taskq._core.settling import Settling
 
 if TYPE_CHECKING:
     from taskq._core.kafka_admin import Admin
@@ -499,6 +500,9 @@ class Source:
         self._reset = _RESET_TO.get(str(conf.get("auto.offset.reset", "latest")))
         self._closing = False
         self._unreported: set[TP] = set()
+        #: KIP-848 only: re-subscribing a classic member would make its group rebalance.
+        self._settling = Settling() if conf.get("group.protocol") == "consumer" else None
+        self._subscription: tuple[list[str], dict[str, Any]] | None = None
 
     def subscribe(self, topics: Sequence[str]) -> None:
         """Join the group for these topics."""
@@ -522,6 +526,8 @@ class Source:
             if self._on_assign:
                 self._on_assign(tps)
             self._answer(c, self._start_positions(parts) if parts else parts, assign=True)
+            if parts and self._settling is not None:
+                self._settling.changed()
 
         def revoked(c: Consumer, parts: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in parts]
@@ -529,9 +535,25 @@ class Source:
             if self._on_revoke and (told or not tps):
                 self._on_revoke(told)
             self._answer(c, parts, assign=False)
+            if parts and self._settling is not None:
+                self._settling.changed()
 
+        callbacks = {"on_assign": assigned, "on_revoke": revoked, "on_lost": revoked}
         with client_errors("subscribing"):
-            self._c.subscribe(list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
+            self._c.subscribe(list(topics), **callbacks)
+        self._subscription = (list(topics), callbacks)
+        if self._settling is not None:
+            self._settling.changed()
+
+    def _nudge(self) -> None:
+        """Send the subscription again: a heartbeat now (`taskq._core.settling`)."""
+        if self._closing or self._subscription is None:
+            return
+        topics, callbacks = self._subscription
+        try:
+            self._c.subscribe(topics, **callbacks)
+        except (KafkaException, RuntimeError) as exc:  # only a heartbeat sooner was lost
+            log.debug("re-sending the subscription: %s", exc)
 
     def _answer(self, c: Consumer, parts: list[TopicPartition], *, assign: bool) -> None:
         """Take up (`assign`) or give back a rebalance's partitions, as its protocol does."""
@@ -563,6 +585,11 @@ class Source:
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
         """Up to max_records records; partition EOFs and transient errors are logged, fatal ones raised."""
+        settling = self._settling
+        if settling is not None and settling.next is not None:
+            if settling.due():
+                self._nudge()
+            timeout = settling.wait(timeout)
         try:
             msgs = self._c.consume(max_records, timeout)
         except KafkaException as exc:
