@@ -1003,6 +1003,9 @@ class Kafka(Service):
             "group.consumer.min.session.timeout.ms=6000\n"
             "group.consumer.heartbeat.interval.ms=1000\n"
             "group.consumer.min.heartbeat.interval.ms=500\n"
+            # Kafka 4.3 computes a group's assignments at most once a second (KIP-1263's batching, for groups
+            # of thousands): a worker joining a group of a few waited for that as well. Here: at once.
+            "group.consumer.assignment.interval.ms=0\n"
             # Share groups: a group may set its record lock as short as 1 s (Kafka's floor is 15 s), so the
             # tests of an expired lock wait 1 s for it, not 15.
             "group.share.min.record.lock.duration.ms=1000\n"
