@@ -124,6 +124,12 @@ def _worker_text(data: dict[str, Any]) -> str:
         if data["processes"] > 1 and data["all_assigned_s"] is not None
         else ""
     )
+    if data["processes"] > 1:
+        every += "; by process: " + ", ".join(
+            f"{p['tasks']} tasks"
+            + (f" from {p['first_start_s']:.2f} to {p['last_completion_s']:.2f} s" if p["tasks"] else "")
+            for p in data["by_process"]
+        )
     return (
         f"{data['completed']} tasks ({data['handler']}{', one workflow group' if data['workflow'] else ''}, "
         f"{data['processes']} x concurrency "

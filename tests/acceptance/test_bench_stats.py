@@ -146,6 +146,11 @@ def test_bench_worker_processes_share_the_tasks(
     # When the last process got its first partitions, no sooner than the first did; none if one got none
     # before these few tasks were done (a member joining gets partitions only once another gave them up).
     assert data["all_assigned_s"] is None or data["all_assigned_s"] >= data["startup_s"] > 0
+    # Each process's share adds up to the run, each from its first start to its last completion.
+    shares = data["by_process"]
+    assert 1 <= len(shares) <= 2 and sum(p["tasks"] for p in shares) == 200
+    for p in shares:
+        assert p["tasks"] == 0 or 0 <= p["first_start_s"] <= p["last_completion_s"]
     # The CPU of both processes is counted (each reports its own), and every key's start came back too.
     assert data["worker_cpu_ms_per_task"] > 0
     assert _percentiles(data["enqueue_to_start_ms"]) and _percentiles(data["attempt_to_recorded_ms"])

@@ -478,6 +478,8 @@ class _Workers:
         self.partitions: dict[int, int] = {}
         #: Each runner's first partition assignment: a group's members get theirs over a few heartbeats.
         self.first_assigned: dict[int, float] = {}
+        #: Each runner's share of the run: tasks it completed, its first start and its last completion.
+        self.shares: dict[int, list[float]] = {}
         self.launched_at: float | None = None
         #: When the first runner was started (a spawned process's interpreter start and imports follow it).
         self.spawned_at: float | None = None
@@ -517,8 +519,13 @@ class _Workers:
             return False
         for key, t in report.started:
             self.started.setdefault(key, t)
+        share = self.shares.setdefault(report.runner, [0, math.inf, -math.inf])
+        for _, t in report.started:
+            share[1] = min(share[1], t)
         for key, t in report.completed:
             self.completed.setdefault(key, t)  # a copy redelivered across a rebalance counts once
+            share[0] += 1
+            share[2] = max(share[2], t)
         self.partitions[report.runner] = report.partitions
         if report.assigned_at is not None:
             self.first_assigned.setdefault(report.runner, report.assigned_at)

@@ -124,6 +124,19 @@ def bench_worker(
             else None
         ),
         "tasks_per_s_after_assignment": done / (t_end - t_assigned),
+        # Each process's share: its tasks, and when (s from the earliest Worker.run()) it got its first
+        # partitions, started its first task and recorded its last completion (None where it had none).
+        # Where a process that gave partitions up to a newcomer started late, or one finished long after the
+        # other, a run of several processes lost what the second could have added.
+        "by_process": [
+            {
+                "tasks": int(n),
+                "assigned_s": workers.first_assigned[i] - t_launch if i in workers.first_assigned else None,
+                "first_start_s": first - t_launch if n else None,
+                "last_completion_s": last - t_launch if n else None,
+            }
+            for i, (n, first, last) in sorted(workers.shares.items())
+        ],
         # From the moment the worker processes were spawned (interpreter start and imports included, as for
         # `taskq worker`) to the first attempt's start, to FULL_BATCH attempts started, and to the last
         # completion. None with --profile (a thread of this process, already started).
