@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from taskq.tools.bench.runners import (
     _write_frame,
     cache_bytecode,
 )
+from tests.conftest import REPO
 
 
 def test_bytecode_is_written_even_where_python_writes_none(
@@ -94,3 +96,27 @@ def test_runner_processes_that_die_at_once_end_the_bench_with_one_line(
         _Workers(spec, processes=3) as workers,
     ):
         workers.wait(lambda: False, 30, "nothing")
+
+
+def test_a_runner_imports_taskq_from_where_its_bench_did_not_from_its_working_directory(
+    tmp_path: Path,
+) -> None:
+    # How two versions are compared in alternation: the bench started in one checkout (its working
+    # directory holds a `taskq`), with PYTHONPATH naming another. The bench imported the other; its
+    # runners, started by `python -c`, imported the working directory's, so both arms ran the same
+    # workers. Here the other checkout is a link to this one's package under another name.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "taskq").symlink_to(REPO / "taskq")
+    bench = tmp_path / "bench.py"  # started as a console script is: its own directory first on sys.path
+    bench.write_text(
+        "import subprocess, taskq\n"
+        "from taskq.tools.bench.runners import _runner_argv\n"
+        "print(taskq.__file__)\n"
+        "subprocess.run(_runner_argv('import taskq; print(taskq.__file__)'), check=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(other)}
+    out = subprocess.run(
+        [sys.executable, str(bench)], cwd=REPO, env=env, check=True, capture_output=True, text=True
+    ).stdout.split()
+    assert out == [str(other / "taskq" / "__init__.py")] * 2

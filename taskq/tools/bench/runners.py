@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 # The bare loop measures librdkafka itself, so this module and the ceiling's are the only ones besides
@@ -388,6 +389,22 @@ _RUNNER_IMPORTS = "import taskq.cli, taskq.tools.bench.runners as r"
 _RUNNER = f"{_RUNNER_IMPORTS}; r._runner_main()"
 
 
+def _runner_argv(code: str) -> list[str]:
+    """The command running `code` in a new interpreter that imports taskq from where this process did.
+
+    `python -c` puts its working directory first on sys.path, so a bench started in one checkout, with
+    PYTHONPATH naming another (how two versions are compared in alternation), ran its workers from the
+    checkout it was started in. `-P` leaves the directory out: the runner's path is PYTHONPATH and the
+    installation's, as a console script's is (`taskq worker`, `taskq bench`). Only when this process found
+    taskq first on its own path (started from a checkout with `python -m`, say) is that put first."""
+    import taskq  # the package this process runs
+
+    root = Path(taskq.__file__).resolve().parents[1]
+    if sys.path and root == Path(sys.path[0] or os.getcwd()).resolve():
+        code = f"import sys; sys.path.insert(0, {str(root)!r}); {code}"
+    return [sys.executable, "-P", "-c", code]
+
+
 class _Runner:
     """A runner process: `python -c _RUNNER`, told what to run on its stdin; its reports go to `out`."""
 
@@ -398,7 +415,7 @@ class _Runner:
 
     def start(self) -> None:
         self._proc = proc = subprocess.Popen(
-            [sys.executable, "-c", _RUNNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            _runner_argv(_RUNNER), stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         assert proc.stdin is not None
         try:
