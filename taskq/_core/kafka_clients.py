@@ -40,7 +40,7 @@ from taskq._core.envelope import Headers
 from taskq._core.errors import ConfigurationError, KafkaUnavailableError, RecordTooLargeError
 from taskq._core.kafka import consumer_config, producer_config
 from taskq._core.settings import Settings, redact
-from taskq._core.settling import Settling
+from taskq._core.settling import Settling, wake_fetchers
 
 if TYPE_CHECKING:
     from taskq._core.kafka_admin import Admin
@@ -503,6 +503,10 @@ class Source:
         #: KIP-848 only: re-subscribing a classic member would make its group rebalance.
         self._settling = Settling() if conf.get("group.protocol") == "consumer" else None
         self._subscription: tuple[list[str], dict[str, Any]] | None = None
+        #: Where each assigned partition started (its committed offset, or the reset's), for wake_fetchers.
+        self._starts: dict[TP, int] = {}
+        #: Partitions kept through an incremental rebalance: their fetcher is woken at the next poll.
+        self._to_wake: set[TP] = set()
 
     def subscribe(self, topics: Sequence[str]) -> None:
         """Join the group for these topics."""
@@ -525,7 +529,13 @@ class Source:
                 return
             if self._on_assign:
                 self._on_assign(tps)
-            self._answer(c, self._start_positions(parts) if parts else parts, assign=True)
+            if parts and self._incremental:
+                self._to_wake = self._kept(c, tps)
+            starts = self._start_positions(parts) if parts else parts
+            self._answer(c, starts, assign=True)
+            self._starts.update(
+                {(p.topic, p.partition): p.offset for p in starts if p.offset != OFFSET_INVALID}
+            )
             if parts and self._settling is not None:
                 self._settling.changed()
 
@@ -534,7 +544,11 @@ class Source:
             told = [tp for tp in tps if tp not in self._unreported]
             if self._on_revoke and (told or not tps):
                 self._on_revoke(told)
+            if parts and self._incremental:
+                self._to_wake = self._kept(c, tps)
             self._answer(c, parts, assign=False)
+            for tp in tps:
+                self._starts.pop(tp, None)
             if parts and self._settling is not None:
                 self._settling.changed()
 
@@ -554,6 +568,15 @@ class Source:
             self._c.subscribe(topics, **callbacks)
         except (KafkaException, RuntimeError) as exc:  # only a heartbeat sooner was lost
             log.debug("re-sending the subscription: %s", exc)
+
+    @staticmethod
+    def _kept(c: Consumer, changed: list[TP]) -> set[TP]:
+        """The partitions this member holds through a rebalance that assigns or revokes `changed`."""
+        try:
+            held = {(p.topic, p.partition) for p in c.assignment()}
+        except (KafkaException, RuntimeError):
+            return set()
+        return held - set(changed)
 
     def _answer(self, c: Consumer, parts: list[TopicPartition], *, assign: bool) -> None:
         """Take up (`assign`) or give back a rebalance's partitions, as its protocol does."""
@@ -585,6 +608,9 @@ class Source:
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
         """Up to max_records records; partition EOFs and transient errors are logged, fatal ones raised."""
+        if self._to_wake:
+            tps, self._to_wake = self._to_wake, set()
+            wake_fetchers(self._c, tps, self._starts)
         settling = self._settling
         if settling is not None and settling.next is not None:
             if settling.due():

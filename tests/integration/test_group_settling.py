@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from taskq._core.broker import TP
@@ -13,17 +14,25 @@ from taskq._core.envelope import Topics
 from taskq._core.kafka import Source, base_config
 from taskq._core.settings import Settings
 
-#: The group's heartbeat interval here: the longest the broker allows (group.consumer.max.heartbeat.interval.ms,
-#: Kafka's default). A member that waited for its next heartbeat to give partitions up would keep them this long.
+#: The group's heartbeat interval here: the longest the broker allows (Kafka's default
+#: group.consumer.max.heartbeat.interval.ms). A member that waited for its next heartbeat to give partitions
+#: up would keep them this long.
 _HEARTBEAT_MS = 15000
 
 
-def _poll_until(sources: list[Source], done: Callable[[], object], what: str, within: float) -> None:
+def _poll_until(
+    sources: list[Source],
+    done: Callable[[], object],
+    what: str,
+    within: float,
+    also: Callable[[], None] = lambda: None,
+) -> None:
     deadline = time.monotonic() + within
     while not done():
         assert time.monotonic() < deadline, f"no {what} within {within:g} s"
         for s in sources:
             s.poll(10, 0.05)
+        also()
 
 
 def test_a_member_that_joins_gets_its_share_before_the_next_heartbeat_of_the_one_holding_it(
@@ -81,3 +90,53 @@ def test_a_member_that_joins_gets_its_share_before_the_next_heartbeat_of_the_one
         b.close()
     # The range assignor, topic by topic: each member has one or two of each tier's 3 partitions.
     assert {t for t, _ in kept} == {t for t, _ in share} == set(topics)
+
+
+def test_a_member_keeps_reading_its_kept_partitions_where_it_was_after_giving_others_up(
+    settings: Settings,
+) -> None:
+    # After a revocation the member wakes its fetchers by seeking the partitions it keeps to where its
+    # reading is (or to where they started, if it has read none of them): what it took before is not
+    # delivered again, and nothing after it is skipped.
+    settings = dataclasses.replace(settings, group_protocol="consumer")
+    topic = Topics(settings.namespace).priority_topics[0]
+    per_partition = 300
+    producer = Producer(base_config(settings))
+    for i in range(3 * per_partition):
+        producer.produce(topic, b"x", partition=i % 3)
+    assert producer.flush(30) == 0
+    group = f"{settings.namespace}.kept"
+    owned: dict[str, set[TP]] = {"a": set(), "b": set()}
+    a = Source(settings, group=group, on_assign=owned["a"].update, on_revoke=owned["a"].difference_update)
+    b = Source(settings, group=group, on_assign=owned["b"].update, on_revoke=owned["b"].difference_update)
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def read_a(n: int, timeout: float) -> None:
+        for r in a.poll(n, timeout):
+            seen[r.partition].append(r.offset)
+
+    try:
+        a.subscribe([topic])
+        deadline = time.monotonic() + 30
+        while min(len(v) for v in seen.values()) < 50:  # a has read some of every partition
+            assert time.monotonic() < deadline, "a read too little within 30 s"
+            read_a(20, 0.05)
+        b.subscribe([topic])
+        _poll_until(
+            [b],
+            lambda: owned["b"] and not owned["a"] & owned["b"],
+            "share for b",
+            30,
+            also=lambda: read_a(5, 0),
+        )
+        kept = {p for t, p in owned["a"] if t == topic}
+        deadline = time.monotonic() + 30
+        while any(len(seen[p]) < per_partition or seen[p][-1] < per_partition - 1 for p in kept):
+            assert time.monotonic() < deadline, f"a did not read its kept partitions {kept} to their end"
+            read_a(100, 0.05)
+    finally:
+        a.close()
+        b.close()
+    assert kept
+    for p in kept:
+        assert seen[p] == list(range(per_partition)), f"partition {p}: read again or skipped"
