@@ -534,14 +534,14 @@ class _Workers:
             report: _Report = self._out.get(timeout=timeout)
         except queue.Empty:
             return False
+        share = self.shares.setdefault(report.runner, [0, math.inf, -math.inf])
         for key, t in report.started:
             self.started.setdefault(key, t)
-        share = self.shares.setdefault(report.runner, [0, math.inf, -math.inf])
-        for _, t in report.started:
             share[1] = min(share[1], t)
         for key, t in report.completed:
-            self.completed.setdefault(key, t)  # a copy redelivered across a rebalance counts once
-            share[0] += 1
+            if key not in self.completed:  # a copy redelivered across a rebalance counts once
+                self.completed[key] = t
+                share[0] += 1
             share[2] = max(share[2], t)
         self.partitions[report.runner] = report.partitions
         if report.assigned_at is not None:
