@@ -112,6 +112,7 @@ DRIVER_MODULES = {
         "taskq/_core/kafka.py",
         "taskq/_core/kafka_admin.py",
         "taskq/_core/kafka_clients.py",
+        "taskq/_core/settling.py",
         "taskq/_core/share.py",
         "taskq/tools/bench/ceiling.py",
         "taskq/tools/bench/runners.py",
