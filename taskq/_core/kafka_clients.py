@@ -40,7 +40,7 @@ from taskq._core.envelope import Headers
 from taskq._core.errors import ConfigurationError, KafkaUnavailableError, RecordTooLargeError
 from taskq._core.kafka import consumer_config, producer_config
 from taskq._core.settings import Settings, redact
-from taskq._core.settling import Settling, wake_fetchers
+from taskq._core.settling import Settling, kept_through, reading_positions
 
 if TYPE_CHECKING:
     from taskq._core.kafka_admin import Admin
@@ -503,8 +503,9 @@ class Source:
         #: KIP-848 only: re-subscribing a classic member would make its group rebalance.
         self._settling = Settling() if conf.get("group.protocol") == "consumer" else None
         self._subscription: tuple[list[str], dict[str, Any]] | None = None
-        #: Where each assigned partition started (its committed offset, or the reset's), for wake_fetchers.
-        self._starts: dict[TP, int] = {}
+        #: Where this consumer last set each assigned partition's reading (its start at assignment, or a
+        #: seek): librdkafka's position is unknown after either until a record of the partition is taken.
+        self._sought: dict[TP, int] = {}
         #: Partitions kept through an incremental rebalance: their fetcher is woken at the next poll.
         self._to_wake: set[TP] = set()
 
@@ -530,10 +531,10 @@ class Source:
             if self._on_assign:
                 self._on_assign(tps)
             if parts and self._incremental:
-                self._to_wake = self._kept(c, tps)
+                self._to_wake = kept_through(c, tps)
             starts = self._start_positions(parts) if parts else parts
             self._answer(c, starts, assign=True)
-            self._starts.update(
+            self._sought.update(
                 {(p.topic, p.partition): p.offset for p in starts if p.offset != OFFSET_INVALID}
             )
             if parts and self._settling is not None:
@@ -545,10 +546,10 @@ class Source:
             if self._on_revoke and (told or not tps):
                 self._on_revoke(told)
             if parts and self._incremental:
-                self._to_wake = self._kept(c, tps)
+                self._to_wake = kept_through(c, tps)
             self._answer(c, parts, assign=False)
             for tp in tps:
-                self._starts.pop(tp, None)
+                self._sought.pop(tp, None)
             if parts and self._settling is not None:
                 self._settling.changed()
 
@@ -568,15 +569,6 @@ class Source:
             self._c.subscribe(topics, **callbacks)
         except (KafkaException, RuntimeError) as exc:  # only a heartbeat sooner was lost
             log.debug("re-sending the subscription: %s", exc)
-
-    @staticmethod
-    def _kept(c: Consumer, changed: list[TP]) -> set[TP]:
-        """The partitions this member holds through a rebalance that assigns or revokes `changed`."""
-        try:
-            held = {(p.topic, p.partition) for p in c.assignment()}
-        except (KafkaException, RuntimeError):
-            return set()
-        return held - set(changed)
 
     def _answer(self, c: Consumer, parts: list[TopicPartition], *, assign: bool) -> None:
         """Take up (`assign`) or give back a rebalance's partitions, as its protocol does."""
@@ -610,7 +602,7 @@ class Source:
         """Up to max_records records; partition EOFs and transient errors are logged, fatal ones raised."""
         if self._to_wake:
             tps, self._to_wake = self._to_wake, set()
-            wake_fetchers(self._c, tps, self._starts)
+            self._wake(tps)
         settling = self._settling
         if settling is not None and settling.next is not None:
             if settling.due():
@@ -651,16 +643,24 @@ class Source:
         if parts:
             with client_errors("resuming partitions"):
                 self._c.resume(parts)
-                # With every partition paused librdkafka's fetcher sleeps for about a second, and a resume
-                # does not wake it: a seek to the position does (the records come in milliseconds).
-                for tp in self._c.position(parts):
-                    if tp.offset >= 0:
-                        self._c.seek(tp)
+            # With every partition paused librdkafka's fetcher sleeps for about a second, and a resume does
+            # not wake it: a seek to where its reading is does (the records come in milliseconds).
+            self._wake(tps)
+
+    def _wake(self, tps: Iterable[TP]) -> None:
+        """Seek each of `tps` to where this consumer reads it next (`reading_positions`), to wake it."""
+        try:
+            for tp in reading_positions(self._c, tps, self._sought):
+                self._c.seek(tp)
+                self._sought[(tp.topic, tp.partition)] = tp.offset
+        except KafkaException as exc:  # only the wake-up was lost: the fetcher wakes by itself
+            log.debug("waking the fetchers: %s", exc)
 
     def seek(self, tp: TP, offset: int) -> None:
         """Fetch a partition from this offset next."""
         with client_errors(f"seeking {tp[0]}[{tp[1]}] to {offset}"):
             self._c.seek(TopicPartition(tp[0], tp[1], offset))
+        self._sought[tp] = offset
 
     def commit(self, offsets: Mapping[TP, int], *, asynchronous: bool = False) -> None:
         """Commit offsets (each is the next offset to consume); `asynchronous`: return at once, the outcome
@@ -708,7 +708,10 @@ class Source:
         """The offset this consumer reads next in `tp` (past transaction markers), or -1 if unknown."""
         with client_errors("reading the position"):
             (p,) = self._c.position([TopicPartition(tp[0], tp[1])])
-        return int(p.offset) if p.offset >= 0 else -1
+        if p.offset >= 0:
+            return int(p.offset)
+        # Unknown to librdkafka after an assignment or a seek until a record is taken: where it was set.
+        return max(-1, self._sought.get(tp, -1))
 
     def group_metadata(self) -> object:
         """This member's group metadata, which a transaction's offsets carry (fences zombie members)."""

@@ -1,9 +1,8 @@
 """What a member of a KIP-848 consumer group does as its group settles: it heartbeats sooner than the broker
-asks (`Settling`), and wakes its fetchers after a rebalance (`wake_fetchers`)."""
+asks (`Settling`), and wakes its fetchers after a rebalance (at `reading_positions`)."""
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -11,8 +10,6 @@ from collections.abc import Callable, Iterable, Mapping
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from taskq._core.broker import TP
-
-log = logging.getLogger("taskq.kafka")
 
 #: A member of a KIP-848 group learns of a rebalance only from the answer to a heartbeat, sent at the interval
 #: the broker sets (Kafka's default is 5 s). A worker that joins a group therefore waits for its peers' next
@@ -70,21 +67,33 @@ class Settling:
         return True
 
 
-def wake_fetchers(consumer: Consumer, tps: Iterable[TP], starts: Mapping[TP, int]) -> None:
-    """Seek the partitions kept through an incremental rebalance to where they are. librdkafka pauses
-    every partition while a rebalance is in progress and resumes the kept ones after, and the resume
-    does not wake a fetcher that went idle in between: it sleeps out its idle wait (up to a second) with
-    a backlog waiting. In a burn-down the member that gave partitions to a newcomer started its first
-    task 0.5-1.1 s after launch, the newcomer 0.1-0.2 s. A seek wakes it (from the next poll: sought
-    from the callback, before the kept partitions are resumed, they slept all the same). Fetched records
-    not yet taken are fetched again; none taken is delivered again: a partition the loop has read from
-    is sought to its position, one it has not to where it started."""
+def reading_positions(
+    consumer: Consumer, tps: Iterable[TP], sought: Mapping[TP, int]
+) -> list[TopicPartition]:
+    """Where `consumer` reads each of `tps` next: its position, or where it was last set (its start at the
+    assignment, or a seek) if it has taken no record of it since. Seeking a partition there wakes its
+    fetcher without a record delivered again or skipped.
+
+    Why: librdkafka pauses every partition while a rebalance is in progress and resumes the
+    kept ones after, and a resume (the library's, or flow control's) does not wake a broker thread that went
+    idle meanwhile: it sleeps out its idle wait (up to a second) with a backlog waiting. In a burn-down the
+    member that gave partitions to a newcomer started its first task 0.5-1.1 s after launch, the newcomer
+    0.1-0.2 s. Sought from the rebalance callback, before librdkafka resumed them, they slept all the same:
+    `Source` seeks the kept ones at its next poll."""
+    held = [TopicPartition(t, p) for t, p in tps]
+    out = []
+    for tp in consumer.position(held) if held else []:
+        if tp.offset >= 0:
+            out.append(tp)
+        elif (at := sought.get((tp.topic, tp.partition))) is not None:
+            out.append(TopicPartition(tp.topic, tp.partition, at))
+    return out
+
+
+def kept_through(consumer: Consumer, changed: list[TP]) -> set[TP]:
+    """The partitions `consumer` holds through a rebalance that assigns or revokes `changed`."""
     try:
-        held = [TopicPartition(t, p) for t, p in tps]
-        for tp in consumer.position(held) if held else []:
-            if tp.offset >= 0:
-                consumer.seek(tp)
-            elif (start := starts.get((tp.topic, tp.partition))) is not None:
-                consumer.seek(TopicPartition(tp.topic, tp.partition, start))
-    except KafkaException as exc:  # only the wake-up was lost: the fetcher wakes by itself
-        log.debug("waking the fetchers after a rebalance: %s", exc)
+        held = {(p.topic, p.partition) for p in consumer.assignment()}
+    except (KafkaException, RuntimeError):
+        return set()
+    return held - set(changed)
