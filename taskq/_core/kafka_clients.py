@@ -530,33 +530,37 @@ class Source:
                 return
             if self._on_assign:
                 self._on_assign(tps)
-            if parts and self._incremental:
-                self._to_wake = kept_through(c, tps)
             starts = self._start_positions(parts) if parts else parts
             self._answer(c, starts, assign=True)
             self._sought.update(
                 {(p.topic, p.partition): p.offset for p in starts if p.offset != OFFSET_INVALID}
             )
-            if parts and self._settling is not None:
-                self._settling.changed()
+            self._rebalanced(c, tps)
 
         def revoked(c: Consumer, parts: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in parts]
             told = [tp for tp in tps if tp not in self._unreported]
             if self._on_revoke and (told or not tps):
                 self._on_revoke(told)
-            if parts and self._incremental:
-                self._to_wake = kept_through(c, tps)
             self._answer(c, parts, assign=False)
             for tp in tps:
                 self._sought.pop(tp, None)
-            if parts and self._settling is not None:
-                self._settling.changed()
+            self._rebalanced(c, tps)
 
         callbacks = {"on_assign": assigned, "on_revoke": revoked, "on_lost": revoked}
-        with client_errors("subscribing"):
-            self._c.subscribe(list(topics), **callbacks)
         self._subscription = (list(topics), callbacks)
+        with client_errors("subscribing"):
+            self._c.subscribe(self._subscription[0], **callbacks)
+        if self._settling is not None:
+            self._settling.changed()
+
+    def _rebalanced(self, c: Consumer, tps: list[TP]) -> None:
+        """After a rebalance gave this member `tps` or took them away: the partitions it kept have their
+        fetchers woken at the next poll (incremental rebalances), and the group settles again."""
+        if not tps:
+            return
+        if self._incremental:
+            self._to_wake = kept_through(c, tps)  # held, less what moved: the same before the answer or after
         if self._settling is not None:
             self._settling.changed()
 
