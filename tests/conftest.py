@@ -78,26 +78,48 @@ def _from_containers() -> dict[str, str]:  # pragma: no cover - needs a Docker e
     }
 
 
-@pytest.fixture(scope="session")
-def stack_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """TASKQ_* variables of a running stack: from the environment, else `compose/stack up`.
+_started: dict[str, str] = {}
 
-    Under pytest-xdist every worker process asks; they take turns, so the first starts the stack and the
-    others find it answering (one `compose/stack up` at a time on one state dir).
+
+def _stack() -> dict[str, str]:
+    """TASKQ_* variables of a running stack: from the environment, else `compose/stack up` (once a process).
+
+    Under pytest-xdist every worker process asks; they take turns on a lock in the stack's state dir, so the
+    first starts the stack and the others find it answering (one `compose/stack up` at a time on one dir).
     """
+    if _started:
+        return _started
     env = {k: os.environ[k] for k in _VARS if os.environ.get(k)}
     if len(env) == len(_VARS) and _answers(env):
+        _started.update(env)
         return env
     if os.environ.get("TASKQ_TEST_STACK") == "containers":
-        return _from_containers()
-    # The parent of the base temp dir is the one xdist's workers of this run share.
-    with (tmp_path_factory.getbasetemp().parent / "stack-up.lock").open("w") as lock:
+        _started.update(_from_containers())
+        return _started
+    state = Path(os.environ.get("TASKQ_STACK_DIR") or REPO / ".stack")
+    state.mkdir(parents=True, exist_ok=True)
+    with (state / "up.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         env = _from_stack_script()
     if not _answers(env):
         pytest.exit(f"the stack started but does not answer at {env}", returncode=3)
     os.environ.update(env)
+    _started.update(env)
     return env
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the stack, if the run has tests that need it and nothing answers, before the first of them rather
+    than in its setup: a first start fetches Kafka's and the registry's jars, which takes longer than the
+    time limit a test has (pyproject.toml's `timeout`)."""
+    if any("stack_env" in getattr(item, "fixturenames", ()) for item in session.items):
+        _stack()
+
+
+@pytest.fixture(scope="session")
+def stack_env() -> dict[str, str]:
+    """TASKQ_* variables of the running stack (see `_stack`)."""
+    return _stack()
 
 
 @pytest.fixture(scope="session")
