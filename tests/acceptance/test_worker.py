@@ -269,7 +269,14 @@ def test_dispatch_follows_the_weights_over_every_window_of_150_completions(
     # order hold: for low (10 of 150) 1 an edge, more than 15 %; for normal (20 of 150) 2 an edge, whose
     # picks are 7 and 8 apart. A drift is far beyond either (normal at twice its share was the regression
     # this test was made for).
-    edges = {t: 2.0 * _most_in_a_row(t, concurrency) if concurrency > 1 else 0.0 for t in WEIGHTS}
+    # Group commits deal a wave's picks to its groups in turn, and the groups run side by side member by
+    # member, so effects land in pick order while the groups keep pace. A group a member behind its peers (its
+    # thread waiting on two busy cores while the loop takes in the first buffer) lands its members' effects a
+    # round (eight places) late, and an edge may take in or leave out two rounds' picks: 3 of normal's. Seen
+    # once in 15 clean-clone runs: normal 4 ahead of its weight after the first wave's 30th effect and level
+    # by its 60th, so 15 of 20 in the windows starting at 27-30; the first 600 were within 1 of the weights.
+    rounds = 2 if kind == "Ledger" else 1
+    edges = {t: 2.0 * _most_in_a_row(t, rounds * concurrency) if concurrency > 1 else 0.0 for t in WEIGHTS}
 
     def off(window: list[str]) -> dict[str, tuple[int, float]]:
         counts = Counter(window)
