@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import socket
@@ -78,24 +79,18 @@ def _from_containers() -> dict[str, str]:  # pragma: no cover - needs a Docker e
     }
 
 
-_started: dict[str, str] = {}
-
-
+@functools.cache
 def _stack() -> dict[str, str]:
     """TASKQ_* variables of a running stack: from the environment, else `compose/stack up` (once a process).
 
     Under pytest-xdist every worker process asks; they take turns on a lock in the stack's state dir, so the
     first starts the stack and the others find it answering (one `compose/stack up` at a time on one dir).
     """
-    if _started:
-        return _started
     env = {k: os.environ[k] for k in _VARS if os.environ.get(k)}
     if len(env) == len(_VARS) and _answers(env):
-        _started.update(env)
         return env
     if os.environ.get("TASKQ_TEST_STACK") == "containers":
-        _started.update(_from_containers())
-        return _started
+        return _from_containers()
     state = Path(os.environ.get("TASKQ_STACK_DIR") or REPO / ".stack")
     state.mkdir(parents=True, exist_ok=True)
     with (state / "up.lock").open("w") as lock:
@@ -104,7 +99,6 @@ def _stack() -> dict[str, str]:
     if not _answers(env):
         pytest.exit(f"the stack started but does not answer at {env}", returncode=3)
     os.environ.update(env)
-    _started.update(env)
     return env
 
 

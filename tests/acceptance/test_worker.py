@@ -274,7 +274,7 @@ def test_dispatch_follows_the_weights_over_every_window_of_150_completions(
     # thread waiting on two busy cores while the loop takes in the first buffer) lands its members' effects a
     # round (eight places) late, and an edge may take in or leave out two rounds' picks: 3 of normal's. Seen
     # once in 15 clean-clone runs: normal 4 ahead of its weight after the first wave's 30th effect and level
-    # by its 60th, so 15 of 20 in the windows starting at 27-30; the first 600 were within 1 of the weights.
+    # by its 60th, so 15 of 20 in the windows starting at 27-30; every tier within 1 of its weight after.
     rounds = 2 if kind == "Ledger" else 1
     edges = {t: 2.0 * _most_in_a_row(t, rounds * concurrency) if concurrency > 1 else 0.0 for t in WEIGHTS}
 
