@@ -556,8 +556,9 @@ class Source:
 
     def _rebalanced(self, c: Consumer, tps: list[TP]) -> None:
         """After a rebalance gave this member `tps` or took them away: the partitions it kept have their
-        fetchers woken at the next poll (incremental rebalances), and the group settles again."""
-        if not tps:
+        fetchers woken at the next poll (incremental rebalances), and the group settles again. Not while it
+        closes: nothing to wake, and asking for the assignment in its close's revocation can wait for ever."""
+        if not tps or self._closing:
             return
         if self._incremental:
             self._to_wake = kept_through(c, tps)  # held, less what moved: the same before the answer or after

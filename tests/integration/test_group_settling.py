@@ -6,9 +6,11 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
+from taskq._core import kafka_clients, settling
 from taskq._core.broker import TP
 from taskq._core.envelope import Topics
 from taskq._core.kafka import Source, base_config
@@ -148,3 +150,38 @@ def test_a_member_keeps_reading_its_kept_partitions_where_it_was_after_giving_ot
     assert kept
     for p in kept:
         assert seen[p] == list(range(per_partition)), f"partition {p}: read again or skipped"
+
+
+def test_a_closing_member_asks_librdkafka_nothing_about_its_assignment_in_the_revocation(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Closing, a member is revoked its partitions from inside librdkafka's close, and a request to the group's
+    # thread made from that callback can wait for ever (a CI run hung there: Source.close -> revoked ->
+    # kept_through -> Consumer.assignment()). Leaving, it has no fetchers to wake nor a group to settle in:
+    # the revocation answers and asks nothing else.
+    settings = dataclasses.replace(settings, group_protocol="consumer")
+    topic = Topics(settings.namespace).priority_topics[0]
+    revoked_closing: list[list[TP]] = []
+    asked_closing: list[list[TP]] = []
+    source: Source
+
+    def on_revoke(tps: list[TP]) -> None:
+        if source._closing:
+            revoked_closing.append(tps)
+
+    def kept_through(consumer: object, changed: list[TP]) -> set[TP]:
+        if source._closing:
+            asked_closing.append(changed)
+        return settling.kept_through(consumer, changed)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kafka_clients, "kept_through", kept_through)
+    owned: set[TP] = set()
+    group = f"{settings.namespace}.leaving"
+    source = Source(settings, group=group, on_assign=owned.update, on_revoke=on_revoke)
+    try:
+        source.subscribe([topic])
+        _poll_until([source], lambda: len(owned) == 3, "assignment", 30)
+    finally:
+        source.close()
+    assert revoked_closing and revoked_closing[0], "the close revoked nothing: the test saw no revocation"
+    assert asked_closing == [], f"asked for the assignment while closing, after revoking {asked_closing}"
