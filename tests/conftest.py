@@ -105,7 +105,7 @@ def _stack() -> dict[str, str]:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the stack, if the run has tests that need it and nothing answers, before the first of them rather
     than in its setup: a first start fetches Kafka's and the registry's jars, which takes longer than the
-    time limit a test has (pyproject.toml's `timeout`)."""
+    time limit a test has (pyproject.toml's `faulthandler_timeout`)."""
     if any("stack_env" in getattr(item, "fixturenames", ()) for item in session.items):
         _stack()
 
